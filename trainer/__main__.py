@@ -1,0 +1,73 @@
+"""`python -m trainer {train,check} -c CONFIG [key=value ...]`, plain or under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from trainer import config, rendezvous
+from trainer.config import EXIT_USAGE, ConfigError
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    parser.add_argument("command", choices=["train", "check"],
+                        help="train: run the job. check: validate and print the resolved config.")
+    parser.add_argument("-c", "--config", help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-4")
+    return parser.parse_intermixed_args(argv)
+
+
+def setup_logging(dist_env: rendezvous.DistEnv) -> None:
+    """Rank 0 speaks at INFO; the others only warn, so a 16-rank log stays readable."""
+    level = logging.INFO if dist_env.is_rank_zero else logging.WARNING
+    logging.basicConfig(
+        level=level, stream=sys.stderr,
+        format=f"%(asctime)s [rank {dist_env.rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we fork DataLoader workers
+    if not dist_env.is_local_rank_zero:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Everything a user can get wrong is checked here, before a process group or a file exists.
+    try:
+        cfg = config.load(args.config, args.overrides)
+        if args.command == "check":
+            print(config.to_yaml(cfg), end="")
+            return 0
+        dist_env = rendezvous.read_env()
+        device, backend = rendezvous.pick_device(dist_env, cfg.dist.backend)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+    setup_logging(dist_env)
+    from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here
+
+    exit_code, trainer = 1, None
+    try:
+        rendezvous.init(dist_env, device, backend, cfg.dist.init_timeout_s)
+        trainer = Trainer(cfg, dist_env, device)
+        trainer.train()
+        exit_code = 0
+    except ConfigError as e:  # found in the data or the model, once they are loaded
+        print(f"error: {e}", file=sys.stderr)
+        exit_code = EXIT_USAGE
+    finally:
+        if trainer is not None:
+            trainer.close(exit_code)
+        rendezvous.close()
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

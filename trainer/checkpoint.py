@@ -1,0 +1,222 @@
+"""Checkpoints that are either complete and verified, or ignored.
+
+Layout: `output_dir/checkpoints/step-N/` holding
+- model.safetensors   the bare model's weights (no `module.` prefix)
+- optimizer.pt        optimizer and LR scheduler state (loaded with weights_only=True)
+- rng.pt              RNG states of every rank (torch, CUDA, Python, NumPy)
+- state.json          step, epoch, position in the epoch, world size, wandb run id
+- config.yaml         the resolved config of the run
+- COMPLETE            written last: the sha256 of every file above
+
+A checkpoint is written under a temporary name and renamed into place, so a crash or a full
+disk mid-save leaves the previous checkpoints untouched. On resume, a folder without a
+marker, or whose files don't match the marker's checksums, is skipped with a warning and the
+previous one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from trainer.config import ConfigError
+from trainer.rendezvous import DistEnv
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json", "config.yaml")
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step-"))
+
+
+def rng_state() -> dict:
+    """This process's RNG streams, as tensors and plain lists (safe for weights_only)."""
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+
+
+def verify(path: Path) -> str | None:
+    """None if `path` is a complete checkpoint whose files match its marker, else why not."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return "no completion marker (the save did not finish)"
+    try:
+        expected = json.loads(marker.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unreadable completion marker"
+    for name in FILES:
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if _sha256(file) != expected.get(name):
+            return f"{name} does not match its checksum (truncated or corrupted)"
+    return None
+
+
+class Checkpointer:
+    def __init__(self, output_dir: str, keep: int, dist_env: DistEnv):
+        self.root = Path(output_dir) / "checkpoints"
+        self.keep = keep
+        self.dist_env = dist_env
+
+    def _step_dirs(self) -> list[Path]:
+        """step-N folders, newest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
+        return sorted(found, key=_step_of, reverse=True)
+
+    # --- save -------------------------------------------------------------------------
+
+    def save(self, step: int, model: nn.Module, optimizer, scheduler, state: dict, config_yaml: str) -> None:
+        """Collective: every rank must call it at the same step.
+
+        Each rank hands its RNG state to rank 0, rank 0 writes, and then all ranks agree on
+        whether the write succeeded. A rank never waits alone at a barrier that another rank
+        skipped, and if rank 0's disk is full, every rank fails together with the same error
+        instead of the others timing out.
+        """
+        rngs = [rng_state()]
+        if dist.is_initialized():
+            gathered = [None] * self.dist_env.world_size if self.dist_env.is_rank_zero else None
+            dist.gather_object(rngs[0], gathered, dst=0)
+            rngs = gathered
+        error = ""
+        if self.dist_env.is_rank_zero:
+            try:
+                started = time.perf_counter()
+                path = self._write(step, model, optimizer, scheduler, state, config_yaml, rngs)
+                self._prune()
+                log.info("saved %s in %.2fs", path, time.perf_counter() - started)
+            except OSError as e:
+                error = f"checkpoint step-{step}: save failed: {e}"
+        if dist.is_initialized():
+            errors = [error]
+            dist.broadcast_object_list(errors, src=0)
+            error = errors[0]
+        if error:
+            raise RuntimeError(error)
+
+    def _write(self, step, model, optimizer, scheduler, state, config_yaml, rngs) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"step-{step}"
+        tmp = self.root / f".tmp-step-{step}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            save_model(model, str(tmp / "model.safetensors"))
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                       tmp / "optimizer.pt")
+            torch.save(rngs, tmp / "rng.pt")
+            (tmp / "state.json").write_text(json.dumps(state, indent=2))
+            (tmp / "config.yaml").write_text(config_yaml)
+            checksums = {}
+            for name in FILES:
+                _fsync(tmp / name)
+                checksums[name] = _sha256(tmp / name)
+            (tmp / MARKER).write_text(json.dumps({"step": step, "sha256": checksums}, indent=2))
+            _fsync(tmp / MARKER)
+            if final.exists():  # a leftover from an earlier attempt at this step (e.g. corrupt)
+                stale = self.root / f".stale-step-{step}-{os.getpid()}"
+                final.rename(stale)
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.rename(final)
+            _fsync(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` complete checkpoints; the one just written is the newest."""
+        complete = [p for p in self._step_dirs() if (p / MARKER).is_file()]
+        for old in complete[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
+        for leftover in self.root.glob(".tmp-step-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    # --- resume -----------------------------------------------------------------------
+
+    def find_resume(self, resume: str) -> Path | None:
+        """The checkpoint to resume from, chosen by rank 0 and the same on every rank."""
+        choice: list = [None]
+        if self.dist_env.is_rank_zero:
+            choice[0] = self._choose(resume)
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        return None if choice[0] is None else Path(choice[0])
+
+    def _choose(self, resume: str) -> str | None:
+        if resume == "never":
+            return None
+        if resume != "auto":
+            problem = verify(Path(resume))
+            if problem:
+                raise ConfigError(f"checkpoint.resume: {resume}: {problem}")
+            return resume
+        for path in self._step_dirs():
+            problem = verify(path)
+            if problem is None:
+                return str(path)
+            log.warning("skipping checkpoint %s: %s", path, problem)
+        return None
+
+    def load(self, path: Path, model: nn.Module, optimizer, scheduler) -> dict:
+        """Restore everything in place; returns the trainer state. Nothing is unpickled."""
+        state = json.loads((path / "state.json").read_text())
+        if state["world_size"] != self.dist_env.world_size:
+            raise ConfigError(
+                f"checkpoint.resume: {path} was written by {state['world_size']} ranks and this job has "
+                f"{self.dist_env.world_size}; exact resume needs the same world size "
+                "(or start over with checkpoint.resume=never)"
+            )
+        load_model(model, str(path / "model.safetensors"))
+        saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        rngs = torch.load(path / "rng.pt", weights_only=True)
+        set_rng_state(rngs[self.dist_env.rank])
+        return state

