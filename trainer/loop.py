@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -36,6 +37,19 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
 def cpu_threads(dist_env: DistEnv, threads: int | None) -> int:
     """Intra-op threads: the CPUs this process may use, shared among the node's ranks."""
     return threads or max(1, len(os.sched_getaffinity(0)) // dist_env.local_world_size)
+
+
+def fault_injection(dist_env: DistEnv) -> int | None:
+    """`TRAINER_FAULT_SIGKILL=RANK:STEP`: that rank SIGKILLs itself as STEP begins.
+
+    For fault-tolerance tests and drills: a real, unannounced process death at a chosen
+    step, so kill-and-resume runs can be compared with uninterrupted ones point by point.
+    """
+    spec = os.environ.get("TRAINER_FAULT_SIGKILL")
+    if not spec:
+        return None
+    rank, _, step = spec.partition(":")
+    return int(step) if int(rank) == dist_env.rank else None
 
 
 def confusion_metrics(confusion: torch.Tensor) -> dict[str, float]:
@@ -86,6 +100,7 @@ class Trainer:
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * dist_env.world_size
         self.timer = perf.PhaseTimer()
         self.tracker: tracking.Tracker | None = None
+        self.kill_at_step = fault_injection(dist_env)
 
     # --- the run ----------------------------------------------------------------------
 
@@ -107,6 +122,8 @@ class Trainer:
         progress = self._progress(start_step)
         epoch = start_step // self.data.steps_per_epoch
         for step in range(start_step + 1, cfg.train.max_steps + 1):
+            if step == self.kill_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
             self.timer.start("data")
             epoch, batches = next(steps)
             self.train_step(batches, window)

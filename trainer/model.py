@@ -43,7 +43,11 @@ def load_model(model_cfg: DictConfig, num_labels: int, seed: int) -> nn.Module:
         )
         if not model_cfg.pretrained:
             return AutoModelForSequenceClassification.from_config(config)
-        return AutoModelForSequenceClassification.from_pretrained(model_cfg.name, config=config)
+        # A classifier fine-tuned before with another label count gets a new head (the
+        # load report names it), rather than an error.
+        return AutoModelForSequenceClassification.from_pretrained(
+            model_cfg.name, config=config, ignore_mismatched_sizes=True
+        )
     except (OSError, ValueError) as e:
         raise _load_error(model_cfg.name, e) from None
 

