@@ -69,7 +69,7 @@ def tiny_overrides(model: Path, data: Path, output_dir: Path, **extra) -> list[s
     settings = {
         "model.name": model, "data.path": data, "data.num_labels": 5, "data.max_length": 64,
         "data.num_workers": 0, "train.precision": "fp32", "train.lr": 1e-3, "train.warmup_ratio": 0.1,
-        "train.log_every": 2, "train.eval_batch_size": 32, "wandb.mode": "disabled",
+        "train.log_every": 2, "train.eval_batch_size": 32, "train.max_steps": 4, "wandb.mode": "disabled",
         "output_dir": output_dir, **extra,
     }
     return [f"{key}={value}" for key, value in settings.items()]

@@ -1,0 +1,97 @@
+"""User mistakes: one line naming the key, exit code 2, no traceback, nothing written."""
+
+import json
+
+import pytest
+
+from conftest import run, tiny_overrides, trainer_command
+
+# (id, extra overrides, text the one-line error must contain)
+BAD_OVERRIDES = [
+    ("zero-batch", ["train.batch_size=0"], "train.batch_size: must be >= 1"),
+    ("unknown-key", ["train.bogus=1"], "train.bogus: unknown key"),
+    ("wrong-type", ["train.lr=fast"], "train.lr:"),
+    ("bad-choice", ["train.precision=fp16"], "train.precision:"),
+    ("not-key-value", ["train.lr"], "override 'train.lr'"),
+    ("missing-data-file", ["data.path=./no/such.jsonl"], "data.path: ./no/such.jsonl"),
+    ("missing-model-dir", ["model.name=/no/such/model"], "model.name: /no/such/model"),
+    ("bad-resume", ["checkpoint.resume=/no/such/step-3"], "checkpoint.resume"),
+    ("text-column", ["data.text_field=body"], "data.text_field: column 'body'"),
+    ("labels-out-of-range", ["data.num_labels=3"], "data.num_labels: data.train_split has labels in [0, 4]"),
+    ("missing-split", ["data.eval_split=validation"], "data.eval_split"),
+]
+
+
+@pytest.mark.parametrize("case, extra, expected", BAD_OVERRIDES, ids=[c[0] for c in BAD_OVERRIDES])
+def test_bad_override(tiny_model, reviews, tmp_path, case, extra, expected):
+    out = tmp_path / "run"
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, out, **{"train.max_steps": 2}) + extra, nproc=None))
+    assert_usage_error(result, expected)
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("train: [1, 2\n", "invalid YAML (line 2)"),
+        ("- just\n- a list\n", "expected a mapping"),
+        ("data:\n  path: x\n", "model.name: is required but not set"),
+        ("train:\n  max_steps: many\n", "train.max_steps:"),
+        ("train:\n  batch_size: [16]\n", "train.batch_size:"),
+    ],
+)
+def test_bad_config_file(tmp_path, content, expected):
+    config = tmp_path / "bad.yaml"
+    config.write_text(content)
+    assert_usage_error(run(trainer_command([], nproc=None, config=str(config))), expected)
+
+
+def test_missing_config_file(tmp_path):
+    assert_usage_error(run(trainer_command([], nproc=None, config=str(tmp_path / "nope.yaml"))), "nope.yaml: not found")
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "RANK, WORLD_SIZE set but LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing"),
+        ({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+         "RANK=3 is outside WORLD_SIZE=2"),
+        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "1"}, "srun started 4 tasks but RANK/WORLD_SIZE are unset"),
+    ],
+)
+def test_inconsistent_launcher_environment(tiny_model, reviews, tmp_path, env, expected):
+    """Never a silent world of one: a half-set environment is refused before any rendezvous."""
+    out = tmp_path / "run"
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, out), nproc=None), env=env)
+    assert_usage_error(result, "environment: " + expected)
+    assert not out.exists()
+
+
+def test_dp_refuses_several_ranks(tiny_model, reviews, tmp_path):
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{"train.strategy": "dp"}), nproc=2))
+    assert result.returncode != 0
+    assert result.output.count("error: train.strategy: dp (nn.DataParallel) runs in one process") == 2
+
+
+def test_check_prints_resolved_config(tiny_model, reviews, tmp_path):
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{"train.lr": 3e-4}), nproc=None,
+                                 command="check", config="configs/demo.yaml"))
+    assert result.returncode == 0, result.output
+    assert "lr: 0.0003" in result.output and f"name: {tiny_model}" in result.output
+    assert "${" not in result.output  # interpolations are resolved
+    assert not tmp_path.joinpath("config.yaml").exists()
+
+
+def assert_usage_error(result, expected: str) -> None:
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2, result.output[-3000:]
+    assert len(errors) == 1 and expected in errors[0], result.output[-3000:]
+    assert "Traceback" not in result.output
+
+
+def test_strategy_dp_single_process_trains(tiny_model, reviews, tmp_path):
+    """dp runs in one process (nn.DataParallel on 2+ GPUs; the bare model on CPU)."""
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{"train.strategy": "dp",
+                                                                                 "train.max_steps": 3}), nproc=None))
+    assert result.returncode == 0, result.output[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["world_size"] == 1
