@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -134,7 +135,11 @@ class Trainer:
             trained_samples += self.global_batch
             progress.update(1)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
-                self.tracker.log(self._window_metrics(window, epoch), step)
+                metrics = self._window_metrics(window, epoch)
+                self.tracker.log(metrics, step)
+                log.info("step %d/%d loss %.4f lr %.3g | %.1f samples/s, MFU %.1f%%", step,
+                         cfg.train.max_steps, metrics["loss"], metrics["lr"], metrics["samples_per_s"],
+                         100 * metrics["mfu"])
                 window = self._new_window()
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
                 self.tracker.log({f"eval/{k}": v for k, v in self.evaluate().items()}, step)
@@ -288,11 +293,13 @@ class Trainer:
         return metrics
 
     def _progress(self, start_step: int):
+        """A progress bar on rank 0, on a terminal only: in a batch job's log file it would
+        be one endless line; the per-log-step lines carry the progress there."""
         from tqdm import tqdm
 
         return tqdm(
             total=self.cfg.train.max_steps, initial=start_step, desc="train", unit="step",
-            disable=not self.dist_env.is_rank_zero, dynamic_ncols=True,
+            disable=not (self.dist_env.is_rank_zero and sys.stderr.isatty()), dynamic_ncols=True,
         )
 
     def _hosts(self) -> list[str]:

@@ -1,0 +1,31 @@
+# Two commands on a fresh machine:
+#   make demo   create .venv and run the offline demo (2 CPU ranks, ~3 minutes)
+#   make test   create .venv and run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+# Every version comes from requirements.lock (a constraints file), here and in the Dockerfile.
+$(VENV)/.installed: pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lock -e '.[dev]'
+	touch $@
+
+data/reviews/train.jsonl: trainer/demo_data.py | install
+	$(BIN)/python -m trainer.demo_data data/reviews
+
+demo: install data/reviews/train.jsonl
+	rm -rf runs/demo
+	$(BIN)/torchrun --standalone --nproc-per-node=2 -m trainer train -c configs/demo.yaml
+
+test: install
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf runs data .pytest_cache
