@@ -27,5 +27,9 @@ demo: install data/reviews/train.jsonl
 test: install
 	$(BIN)/python -m pytest
 
+# Not part of `make test`: takes ~10 minutes and wants a quiet machine. Flags: ARGS="--reps 5"
+bench: install
+	$(BIN)/python -m benchmarks $(ARGS)
+
 clean:
 	rm -rf runs data .pytest_cache

@@ -132,6 +132,7 @@ class Trainer:
                 # The slow first step (allocation, compilation, cold caches) is done: from
                 # here on a stalled peer fails the job within dist.timeout_s.
                 rendezvous.set_timeout(cfg.dist.timeout_s)
+                first_step_end_unix = time.time()
             trained_samples += self.global_batch
             progress.update(1)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
@@ -160,6 +161,7 @@ class Trainer:
             "global_batch": self.global_batch,
             "samples_per_s": trained_samples / train_seconds if trained_samples else None,
             "train_seconds": train_seconds,
+            "first_step_end_unix": first_step_end_unix if trained_samples else None,
             "wandb_run_id": run_id,
             "hosts": self._hosts(),
         }
