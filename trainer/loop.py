@@ -101,15 +101,15 @@ class Trainer:
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * dist_env.world_size
         self.timer = perf.PhaseTimer()
         self.tracker: tracking.Tracker | None = None
+        self.run_id = ""
         self.kill_at_step = fault_injection(dist_env)
 
     # --- the run ----------------------------------------------------------------------
 
     def train(self) -> dict:
         cfg = self.cfg
-        start_step, run_id = self.resume()
-        self.tracker = tracking.Tracker(cfg, self.dist_env, run_id, start_step)
-        self.run_id = run_id
+        start_step, self.run_id = self.resume()
+        self.tracker = tracking.Tracker(cfg, self.dist_env, self.run_id, start_step)
         log.info(
             "training %s: world size %d, global batch %d, %d steps (%d per epoch), precision %s, "
             "peak %.3g FLOP/s (%s)",
@@ -119,7 +119,7 @@ class Trainer:
         )
         steps = data.micro_batches(self.data, cfg.train.grad_accum, start_step)
         window = self._new_window()
-        run_started, trained_samples = time.perf_counter(), 0
+        run_started, trained_samples, paused_s, first_step_end_unix = time.perf_counter(), 0, 0.0, None
         progress = self._progress(start_step)
         epoch = start_step // self.data.steps_per_epoch
         for step in range(start_step + 1, cfg.train.max_steps + 1):
@@ -142,12 +142,17 @@ class Trainer:
                          cfg.train.max_steps, metrics["loss"], metrics["lr"], metrics["samples_per_s"],
                          100 * metrics["mfu"])
                 window = self._new_window()
+            # Eval and checkpoint time is kept out of the throughput figures.
+            paused_started = time.perf_counter()
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
                 self.tracker.log({f"eval/{k}": v for k, v in self.evaluate().items()}, step)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.train.max_steps:
                 self.save(step, epoch)
+            paused = time.perf_counter() - paused_started
+            window["paused_s"] += paused
+            paused_s += paused
         progress.close()
-        train_seconds = time.perf_counter() - run_started
+        train_seconds = time.perf_counter() - run_started - paused_s
 
         final_eval = self.evaluate()
         self.tracker.log({f"eval/{k}": v for k, v in final_eval.items()}, cfg.train.max_steps)
@@ -161,8 +166,8 @@ class Trainer:
             "global_batch": self.global_batch,
             "samples_per_s": trained_samples / train_seconds if trained_samples else None,
             "train_seconds": train_seconds,
-            "first_step_end_unix": first_step_end_unix if trained_samples else None,
-            "wandb_run_id": run_id,
+            "first_step_end_unix": first_step_end_unix,
+            "wandb_run_id": self.run_id,
             "hosts": self._hosts(),
         }
         self.tracker.summary(summary)
@@ -267,12 +272,12 @@ class Trainer:
     def _new_window(self) -> dict:
         return {
             "loss_sum": torch.zeros((), device=self.device), "steps": 0, "tokens": 0, "sum_sq_len": 0,
-            "grad_norm": None, "started": time.perf_counter(),
+            "grad_norm": None, "started": time.perf_counter(), "paused_s": 0.0,
         }
 
     def _window_metrics(self, window: dict, epoch: int) -> dict:
         """Global metrics of a logging window: one all-reduce, the only host sync per window."""
-        seconds = time.perf_counter() - window["started"]
+        seconds = time.perf_counter() - window["started"] - window["paused_s"]
         totals = torch.tensor(
             [window["loss_sum"].item(), window["tokens"], window["sum_sq_len"]], dtype=torch.float64,
             device=self.device,
