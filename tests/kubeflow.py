@@ -1,0 +1,136 @@
+"""What the Kubeflow operators do to our manifests, from their sources (see k8s/README.md).
+
+- `pytorchjob_pods`: the pods of a PyTorchJob (kubeflow.org/v1, training-operator v1.9) and
+  the variables the operator appends to their container's env (controller.v1/pytorch:
+  envvar.go, master.go).
+- `trainjob_pods`: the pods of a TrainJob (trainer.kubeflow.org/v1alpha1, Trainer v2.3) on the
+  torch-distributed runtime, and the PET_* variables it injects.
+- `pytorchjob_webhook_violations`: the PyTorchJob validating webhook's rules
+  (webhooks/pytorch/pytorchjob_webhook.go).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_PYTORCHJOB_PORT = 23456  # pytorch_defaults.go
+TRAINJOB_MASTER_PORT = 29500
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass
+class Pod:
+    name: str  # also its hostname and the name of its headless Service
+    dns_names: list[str]
+    annotations: dict[str, str]
+    spec: dict  # the pod spec
+    container: dict  # the training container
+    injected_env: dict[str, str]
+
+
+def _master_port(job: dict) -> int:
+    master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    for container in master["containers"]:
+        if container["name"] == "pytorch":
+            for port in container.get("ports", []):
+                if port.get("name") == "pytorchjob-port":
+                    return port["containerPort"]
+    return DEFAULT_PYTORCHJOB_PORT
+
+
+def pytorchjob_pods(job: dict) -> list[Pod]:
+    name, spec = job["metadata"]["name"], job["spec"]
+    replica_specs = spec["pytorchReplicaSpecs"]
+    assert "elasticPolicy" not in spec, "elastic jobs inject PET_RDZV_* too; not modelled here"
+    nproc = spec.get("nprocPerNode", "auto")
+    total = sum(replica_specs[kind].get("replicas", 1) for kind in replica_specs)
+    master = f"{name}-master-0"
+    port = str(_master_port(job))
+    pods = []
+    for kind in ("Master", "Worker"):
+        if kind not in replica_specs:
+            continue
+        for index in range(replica_specs[kind].get("replicas", 1)):
+            node_rank = index if kind == "Master" else index + 1
+            env = {
+                "PYTHONUNBUFFERED": "1",
+                "MASTER_ADDR": master, "PET_MASTER_ADDR": master,
+                "MASTER_PORT": port, "PET_MASTER_PORT": port,
+                # nprocPerNode "auto", "cpu" and "gpu" count as 1 in the operator's WORLD_SIZE
+                "WORLD_SIZE": str(total * (int(nproc) if nproc.isdigit() else 1)),
+                "RANK": str(node_rank), "PET_NODE_RANK": str(node_rank),
+                "PET_NPROC_PER_NODE": nproc,
+                "PET_NNODES": str(total),
+            }
+            template = replica_specs[kind]["template"]
+            (container,) = [c for c in template["spec"]["containers"] if c["name"] == "pytorch"]
+            pod_name = f"{name}-{kind.lower()}-{index}"
+            annotations = template.get("metadata", {}).get("annotations", {})
+            pods.append(Pod(pod_name, [pod_name], annotations, template["spec"], container, env))
+    return pods
+
+
+def trainjob_pods(job: dict, runtime: dict) -> list[Pod]:
+    """The runtime's `node` pod template with the TrainJob's trainer fields and runtimePatches
+    applied (the patch fields our manifest uses: volumes, mounts, security, annotations)."""
+    name, trainer = job["metadata"]["name"], job["spec"]["trainer"]
+    (replicated,) = [r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"] if r["name"] == "node"]
+    template = replicated["template"]["spec"]["template"]
+    pod_spec = dict(template["spec"])
+    annotations = dict(template.get("metadata", {}).get("annotations", {}))
+    (container,) = [dict(c) for c in pod_spec["containers"] if c["name"] == "node"]
+    container.update(image=trainer["image"], command=trainer["command"], env=trainer.get("env", []))
+    if "args" in trainer:
+        container["args"] = trainer["args"]
+    for patch in job["spec"].get("runtimePatches", []):
+        for job_patch in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+            assert job_patch["name"] == "node", "the runtime has one replicated job, `node`"
+            template_patch = job_patch["template"]["spec"]["template"]
+            annotations.update(template_patch.get("metadata", {}).get("annotations", {}))
+            spec_patch = template_patch["spec"]
+            pod_spec["volumes"] = pod_spec.get("volumes", []) + spec_patch.get("volumes", [])
+            if "securityContext" in spec_patch:
+                pod_spec["securityContext"] = spec_patch["securityContext"]
+            for container_patch in spec_patch.get("containers", []):
+                assert container_patch["name"] == container["name"]
+                container["volumeMounts"] = container.get("volumeMounts", []) + container_patch.get("volumeMounts", [])
+                if "securityContext" in container_patch:
+                    container["securityContext"] = container_patch["securityContext"]
+    pod_spec["containers"] = [container]
+
+    num_nodes, nproc = trainer.get("numNodes", 1), trainer.get("numProcPerNode", "auto")
+    master = f"{name}-node-0-0.{name}"  # JobSet pod hostname + subdomain
+    pods = []
+    for index in range(num_nodes):
+        env = {"PET_NNODES": str(num_nodes), "PET_NPROC_PER_NODE": str(nproc),
+               "PET_NODE_RANK": str(index), "PET_MASTER_ADDR": master,
+               "PET_MASTER_PORT": str(TRAINJOB_MASTER_PORT)}
+        pod_name = f"{name}-node-0-{index}"
+        pods.append(Pod(pod_name, [pod_name, f"{pod_name}.{name}"], annotations, pod_spec, container, env))
+    return pods
+
+
+def pytorchjob_webhook_violations(job: dict) -> list[str]:
+    problems = []
+    name = job["metadata"].get("name", "")
+    if not _DNS1035.match(name) or len(name) > 63:
+        problems.append(f"metadata.name {name!r} is not a DNS-1035 label")
+    spec = job["spec"]
+    replica_specs = spec.get("pytorchReplicaSpecs", {})
+    for kind, replica in replica_specs.items():
+        if kind not in ("Master", "Worker"):
+            problems.append(f"replica type {kind!r} is not Master or Worker")
+        names = [c.get("name") for c in replica.get("template", {}).get("spec", {}).get("containers", [])]
+        if "pytorch" not in names:
+            problems.append(f"{kind}: no container named pytorch")
+    if "Master" in replica_specs and replica_specs["Master"].get("replicas") != 1:
+        problems.append("Master.replicas must be set to 1")
+    if "Worker" in replica_specs and replica_specs["Worker"].get("replicas", 1) < 1:
+        problems.append("Worker.replicas must be at least 1")
+    elastic = spec.get("elasticPolicy")
+    if elastic is not None and "Worker" not in replica_specs:
+        problems.append("an elastic job needs a Worker spec")
+    if elastic is not None and "nProcPerNode" in elastic and "nprocPerNode" in spec:
+        problems.append("elasticPolicy.nProcPerNode and nprocPerNode are both set")
+    return problems

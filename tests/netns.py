@@ -1,0 +1,154 @@
+"""Hosts on one machine: Linux network namespaces joined by a bridge, for multi-node tests.
+
+Each host is a network namespace with a veth into a private bridge, its own IP address, and
+processes that see their own hostname and /etc/hosts (a private UTS and mount namespace per
+process). So `node0`, or `job-master-0`, resolves inside every host exactly as cluster DNS
+would resolve it, and gloo and the c10d store really cross a network.
+
+Three choices that cost hours when made the other way:
+- `nsenter --net=` rather than `ip netns exec`, which remounts /sys (slurmd dies of it).
+- No default route and no address on the bridge: traffic stays between our namespaces, and
+  glibc doesn't wait seconds on reverse lookups that go nowhere.
+- `::ffff:IP` lines in the hosts file, because the TCPStore sees IPv4-mapped peers.
+
+Everything started here is killed and every namespace and link deleted in `close()`, which
+the fixtures call even when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+SUBNET = "10.99.0"  # the bridge has no address, so this never meets the root namespace's routes
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class Network:
+    """`hosts` maps each host's name to the extra names it answers to (Service DNS aliases)."""
+
+    def __init__(self, hosts: dict[str, list[str]]):
+        self.aliases = dict(hosts)
+        tag = f"{os.getpid() % 100000}"
+        self.bridge = f"tnb{tag}"
+        self.namespaces = {name: f"tnet{tag}-{i}" for i, name in enumerate(self.aliases)}
+        self.addresses = {name: f"{SUBNET}.{11 + i}" for i, name in enumerate(self.aliases)}
+        cores = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cores) // len(self.aliases))
+        self.cpus = {name: ",".join(str(cores[(i * share + k) % len(cores)]) for k in range(share))
+                     for i, name in enumerate(self.aliases)}
+        self.workdir = Path(tempfile.mkdtemp(prefix="netns-"))
+        self.hosts_file = self.workdir / "hosts"
+        self.procs: list[subprocess.Popen] = []
+        self.created_dirs: list[Path] = []
+
+    def __enter__(self) -> Network:
+        try:
+            self._up()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _up(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "set", self.bridge, "up")
+        lines = ["127.0.0.1 localhost", "::1 localhost"]
+        for i, (name, ns) in enumerate(self.namespaces.items()):
+            outside, inside = f"{self.bridge}v{i}", f"{self.bridge}p{i}"
+            _ip("netns", "add", ns)
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            _ip("link", "set", outside, "master", self.bridge, "up")
+            _ip("link", "set", inside, "netns", ns)
+            _ip("-n", ns, "link", "set", inside, "name", "eth0")
+            _ip("-n", ns, "addr", "add", f"{self.addresses[name]}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            names = " ".join([name, *self.aliases[name]])
+            lines += [f"{self.addresses[name]} {names}", f"::ffff:{self.addresses[name]} {names}"]
+        self.hosts_file.write_text("\n".join(lines) + "\n")
+        self.hosts_file.chmod(0o644)
+
+    def spawn(self, host: str, argv: list[str], env: dict[str, str], cwd: str | Path,
+              binds: dict[str, Path] | None = None, log: Path | None = None) -> subprocess.Popen:
+        """Start `argv` on `host`: its netns, hostname and hosts file, with `binds` mounted
+        (container path -> host path), in `cwd`, output to `log`."""
+        script = [f"hostname {shlex.quote(host)}", f"mount --bind {self.hosts_file} /etc/hosts"]
+        for target, source in (binds or {}).items():
+            self._mountpoint(Path(target), Path(source).is_dir())
+            script.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
+        script.append(f"cd {shlex.quote(str(cwd))}")
+        # Each host gets its own core(s), as a container's cpuset would: two "nodes" sharing
+        # every core would each start a thread per core and thrash.
+        script.append(f'exec taskset -c {self.cpus[host]} "$@"')
+        cmd = ["nsenter", f"--net=/run/netns/{self.namespaces[host]}",
+               "unshare", "--uts", "--mount", "--propagation", "private",
+               "sh", "-c", " && ".join(script), "sh", *argv]
+        out = open(log, "w") if log else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def _mountpoint(self, path: Path, is_dir: bool) -> None:
+        """Bind mounts need an existing target. Missing ones (say /workspace) are created
+        empty on the host and removed in close()."""
+        if path.exists():
+            return
+        missing = [p for p in [path, *path.parents] if not p.exists()]
+        if is_dir:
+            path.mkdir(parents=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+        self.created_dirs += missing
+
+    def wait(self, procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+        """Exit codes, or None for a process still running at the deadline."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        return codes
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for ns in self.namespaces.values():  # anything that escaped its process group
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+            for pid in pids.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for ns in self.namespaces.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        for path in sorted(self.created_dirs, key=lambda p: len(p.parts), reverse=True):
+            try:
+                path.unlink() if path.is_file() else path.rmdir()
+            except OSError:
+                pass
+        subprocess.run(["rm", "-rf", str(self.workdir)], check=False)
