@@ -1,6 +1,13 @@
-"""User mistakes: one line naming the key, exit code 2, no traceback, nothing written."""
+"""User mistakes: one line naming the key, exit code 2, no traceback, nothing written.
 
+Table-driven: overrides, config files, data files and launcher environments, each wrong in
+one way. Where a run's output_dir already holds an earlier run, it must be byte-for-byte
+unchanged afterwards.
+"""
+
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,15 +26,63 @@ BAD_OVERRIDES = [
     ("text-column", ["data.text_field=body"], "data.text_field: column 'body'"),
     ("labels-out-of-range", ["data.num_labels=3"], "data.num_labels: data.train_split has labels in [0, 4]"),
     ("missing-split", ["data.eval_split=validation"], "data.eval_split"),
+    ("negative-lr", ["train.lr=-0.1"], "train.lr: must be in (0, 1)"),
+    ("warmup-ratio", ["train.warmup_ratio=1.5"], "train.warmup_ratio: must be in [0, 1)"),
+    ("zero-accum", ["train.grad_accum=0"], "train.grad_accum: must be >= 1"),
+    ("zero-keep", ["checkpoint.keep=0"], "checkpoint.keep: must be >= 1"),
+    ("zero-timeout", ["dist.timeout_s=0"], "dist.timeout_s: must be > 0"),
+    ("bad-backend", ["dist.backend=mpi"], "dist.backend:"),
+    ("bad-wandb-mode", ["wandb.mode=sometimes"], "wandb.mode:"),
+    ("unknown-section", ["optimizer.lr=1"], "optimizer"),
+    ("label-column", ["data.label_field=stars"], "data.label_field: column 'stars'"),
 ]
+
+
+def previous_run(out: Path) -> dict[str, str]:
+    """An output_dir holding an earlier run's files; returns their checksums."""
+    for name, text in {"metrics.jsonl": '{"step": 2}\n', "summary.json": "{}", "config.yaml": "seed: 0\n",
+                       "checkpoints/step-2/COMPLETE": "{}", "final/config.json": "{}"}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    return snapshot(out)
+
+
+def snapshot(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.parametrize("case, extra, expected", BAD_OVERRIDES, ids=[c[0] for c in BAD_OVERRIDES])
 def test_bad_override(tiny_model, reviews, tmp_path, case, extra, expected):
     out = tmp_path / "run"
+    before = previous_run(out)
     result = run(trainer_command(tiny_overrides(tiny_model, reviews, out, **{"train.max_steps": 2}) + extra, nproc=None))
     assert_usage_error(result, expected)
-    assert not out.exists() or not any(out.iterdir())
+    assert snapshot(out) == before
+
+
+GOOD_ROWS = "".join(json.dumps({"text": f"review {i}", "label": i % 5}) + "\n" for i in range(40))
+BAD_DATA = [
+    ("not-json", GOOD_ROWS + "{not json\n", "JSON parse error"),
+    ("empty-file", "", "no rows could be read"),
+    ("negative-label", GOOD_ROWS + json.dumps({"text": "x", "label": -1}) + "\n",
+     "data.num_labels: data.train_split has labels in [-1, 4]"),
+    ("text-labels", GOOD_ROWS.replace('"label": 1}', '"label": "good"}'), "data.label_field: column 'label'"),
+    ("null-text", GOOD_ROWS + json.dumps({"text": None, "label": 1}) + "\n",
+     "data.text_field: column 'text' in data.train_split has a non-text value in row 40: None"),
+]
+
+
+@pytest.mark.parametrize("case, train_rows, expected", BAD_DATA, ids=[c[0] for c in BAD_DATA])
+def test_bad_data_file(tiny_model, tmp_path, case, train_rows, expected):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text(train_rows)
+    (data / "test.jsonl").write_text(GOOD_ROWS)
+    out = tmp_path / "run"
+    before = previous_run(out)
+    assert_usage_error(run(trainer_command(tiny_overrides(tiny_model, data, out), nproc=None)), expected)
+    assert snapshot(out) == before
 
 
 @pytest.mark.parametrize(
@@ -38,6 +93,9 @@ def test_bad_override(tiny_model, reviews, tmp_path, case, extra, expected):
         ("data:\n  path: x\n", "model.name: is required but not set"),
         ("train:\n  max_steps: many\n", "train.max_steps:"),
         ("train:\n  batch_size: [16]\n", "train.batch_size:"),
+        ("", "model.name: is required but not set"),
+        ("trian:\n  lr: 0.1\n", "trian"),
+        ("model:\n  name: x\n  name: y\n", "invalid YAML"),
     ],
 )
 def test_bad_config_file(tmp_path, content, expected):
@@ -50,6 +108,10 @@ def test_missing_config_file(tmp_path):
     assert_usage_error(run(trainer_command([], nproc=None, config=str(tmp_path / "nope.yaml"))), "nope.yaml: not found")
 
 
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
 @pytest.mark.parametrize(
     "env, expected",
     [
@@ -57,6 +119,10 @@ def test_missing_config_file(tmp_path):
         ({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
          "RANK=3 is outside WORLD_SIZE=2"),
         ({"SLURM_NTASKS": "4", "SLURM_PROCID": "1"}, "srun started 4 tasks but RANK/WORLD_SIZE are unset"),
+        ({**TORCHRUN_ENV, "LOCAL_RANK": "first"}, "LOCAL_RANK='first' is not an integer"),
+        ({**TORCHRUN_ENV, "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a valid port"),
+        ({**TORCHRUN_ENV, "MASTER_ADDR": " "}, "MASTER_ADDR is empty"),
+        ({**TORCHRUN_ENV, "LOCAL_RANK": "1"}, "LOCAL_RANK=1 is inconsistent with RANK=0"),
     ],
 )
 def test_inconsistent_launcher_environment(tiny_model, reviews, tmp_path, env, expected):

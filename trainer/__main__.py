@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
     setup_logging(dist_env)
+    from trainer.checkpoint import CheckpointError
     from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here
 
     exit_code, trainer = 1, None
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # found in the data or the model, once they are loaded
         print(f"error: {e}", file=sys.stderr)
         exit_code = EXIT_USAGE
+    except CheckpointError as e:  # a full or failing disk: every rank stops with rank 0's reason
+        print(f"error: {e}", file=sys.stderr)
     finally:
         if trainer is not None:
             trainer.close(exit_code)

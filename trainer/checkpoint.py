@@ -11,7 +11,7 @@ Layout: `output_dir/checkpoints/step-N/` holding
 A checkpoint is written under a temporary name and renamed into place, so a crash or a full
 disk mid-save leaves the previous checkpoints untouched. On resume, a folder without a
 marker, or whose files don't match the marker's checksums, is skipped with a warning and the
-previous one is used.
+previous one is used. Pruning never removes the checkpoint just written.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json", "config.yaml")
+
+
+class CheckpointError(RuntimeError):
+    """A save failed on rank 0; raised on every rank with rank 0's message."""
 
 
 def _sha256(path: Path) -> str:
@@ -129,16 +133,19 @@ class Checkpointer:
             try:
                 started = time.perf_counter()
                 path = self._write(step, model, optimizer, scheduler, state, config_yaml, rngs)
-                self._prune()
+                self._prune(step)
                 log.info("saved %s in %.2fs", path, time.perf_counter() - started)
             except Exception as e:  # any failure must reach the other ranks, or they wait for it
-                error = f"checkpoint step-{step}: save failed: {type(e).__name__}: {e}"
+                # torch.save reports a full disk as "unexpected pos ...": say how much room is left.
+                free_mb = shutil.disk_usage(self.root).free / 2**20 if self.root.exists() else float("nan")
+                error = (f"checkpoint step-{step}: save failed: {type(e).__name__}: {e} "
+                         f"({free_mb:.1f} MB free in {self.root})")
         if dist.is_initialized():
             errors = [error]
             dist.broadcast_object_list(errors, src=0)
             error = errors[0]
         if error:
-            raise RuntimeError(error)
+            raise CheckpointError(error)
 
     def _write(self, step, model, optimizer, scheduler, state, config_yaml, rngs) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -170,8 +177,18 @@ class Checkpointer:
             raise
         return final
 
-    def _prune(self) -> None:
-        """Keep the newest `keep` complete checkpoints; the one just written is the newest."""
+    def _prune(self, step: int) -> None:
+        """Keep the checkpoint just written and the newest `keep - 1` complete ones before it.
+
+        Folders from later steps belong to a timeline this run left behind: corrupt ones that
+        resume skipped, or ones past a checkpoint the user chose to resume from. Counting them
+        could delete the only good checkpoint, and `resume: auto` would pick them up later, so
+        they are moved aside (not deleted) where resume doesn't look.
+        """
+        for later in [p for p in self._step_dirs() if _step_of(p) > step]:
+            aside = self.root / f"abandoned-{later.name}-{int(time.time())}"
+            later.rename(aside)
+            log.warning("moved %s aside to %s: this run resumed from an earlier step", later, aside.name)
         complete = [p for p in self._step_dirs() if (p / MARKER).is_file()]
         for old in complete[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)

@@ -56,11 +56,19 @@ def _load_split(data_cfg: DictConfig, split: str, key: str):
             raise ConfigError(f"{key}: {split!r}: {_first_line(e)}") from None
         raise ConfigError(f"data.path: {data_cfg.path}: {_first_line(e)}") from None
     except Exception as e:  # datasets raises many types for an unreadable or unknown source
-        raise ConfigError(f"data.path: {data_cfg.path}: {type(e).__name__}: {_first_line(e)}") from None
+        raise ConfigError(f"data.path: {data_cfg.path}: {_describe(e)}") from None
 
 
 def _first_line(e: Exception) -> str:
     return " ".join(str(e).strip().split("\n")[0].split())[:300]
+
+
+def _describe(e: BaseException) -> str:
+    """The root cause says what is wrong with the file (a JSON parse error and its row); the
+    wrappers raised from it ("An error occurred while generating the dataset") don't."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {_first_line(e) or 'no rows could be read (is the file empty?)'}"
 
 
 def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
@@ -70,6 +78,13 @@ def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
             raise ConfigError(
                 f"data.{key}: column {column!r} not in {split_key} (columns: {', '.join(ds.column_names)})"
             )
+    for key in ("text_field", "text_pair_field"):
+        column = data_cfg[key]
+        if column is not None:
+            row = next((i for i, value in enumerate(ds[column]) if not isinstance(value, str)), None)
+            if row is not None:
+                raise ConfigError(f"data.{key}: column {column!r} in {split_key} has a non-text value "
+                                  f"in row {row}: {ds[row][column]!r}")
     labels = np.asarray(ds[data_cfg.label_field])
     if labels.size and not np.issubdtype(labels.dtype, np.integer):
         raise ConfigError(f"data.label_field: column {data_cfg.label_field!r} must hold integer class ids")

@@ -1,0 +1,125 @@
+"""Checkpoints a run can trust: damaged ones are skipped by name, failed saves harm nothing.
+
+Every case starts from the same uninterrupted run (checkpoints at steps 4, 6 and 8), damages
+it the way disks and schedulers do, relaunches the same command, and asserts where it resumed
+from, what it warned about, and that its final weights are bitwise those of the
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import final_weights, run, tiny_overrides, train, trainer_command
+from trainer.checkpoint import verify
+
+STEPS = 8
+
+
+def overrides(tiny_model, reviews, output_dir, **extra):
+    return tiny_overrides(tiny_model, reviews, output_dir, **{
+        "train.max_steps": STEPS, "checkpoint.every": 2, "checkpoint.keep": 3, **extra})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, reviews, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    train(overrides(tiny_model, reviews, out), nproc=None)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4", "step-6", "step-8"]
+    return out
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def assert_same_weights(out: Path, uninterrupted: Path) -> None:
+    ours, reference = final_weights(out, STEPS), final_weights(uninterrupted, STEPS)
+    assert all(torch.equal(ours[name], reference[name]) for name in reference)
+
+
+@pytest.mark.parametrize("damage, resumed_from, warnings", [
+    ({"step-8/model.safetensors": truncate}, 6,
+     ["step-8: model.safetensors does not match its checksum"]),
+    ({"step-8/optimizer.pt": flip_byte}, 6, ["step-8: optimizer.pt does not match its checksum"]),
+    ({"step-8/COMPLETE": Path.unlink}, 6, ["step-8: no completion marker"]),
+    ({"step-8/rng.pt": Path.unlink, "step-6/state.json": flip_byte}, 4,
+     ["step-8: rng.pt is missing", "step-6: state.json does not match its checksum"]),
+], ids=["truncated", "flipped-byte", "no-marker", "two-bad"])
+def test_damaged_checkpoint_is_skipped_by_name(uninterrupted, tiny_model, reviews, tmp_path,
+                                               damage, resumed_from, warnings):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    for name, hurt in damage.items():
+        hurt(out / "checkpoints" / name)
+
+    result = train(overrides(tiny_model, reviews, out), nproc=None)
+    for warning in warnings:
+        assert f"skipping checkpoint {out / 'checkpoints'}/{warning}" in result.output
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == resumed_from
+    assert_same_weights(out, uninterrupted)
+    assert verify(out / "checkpoints" / "step-8") is None  # rewritten whole
+
+
+def test_pruning_never_deletes_the_last_good_checkpoint(uninterrupted, tiny_model, reviews, tmp_path):
+    """keep=1 after falling back past two damaged checkpoints: the newer damaged step-8 must
+    not count as "the newest", or pruning would delete the step-6 just written."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    flip_byte(out / "checkpoints/step-6/model.safetensors")
+    flip_byte(out / "checkpoints/step-8/model.safetensors")
+    settings = overrides(tiny_model, reviews, out, **{"checkpoint.keep": 1, "checkpoint.every": 3})
+
+    killed = run(trainer_command(settings, nproc=None), env={"TRAINER_FAULT_SIGKILL": "0:7"})
+    assert killed.returncode != 0
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names[0] == "abandoned-step-8" or names[0].startswith("abandoned-step-8-"), names
+    assert names[1:] == ["step-6"] and verify(out / "checkpoints/step-6") is None
+
+    result = train(settings, nproc=None)
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 6
+    assert_same_weights(out, uninterrupted)
+
+
+def test_disk_full_mid_save_keeps_the_previous_checkpoint(uninterrupted, tiny_model, reviews, tmp_path):
+    """A real ENOSPC: output_dir on a tmpfs with room for one checkpoint. Both ranks fail with
+    the same message, the previous checkpoint still verifies, no partial folder is left, and
+    with room again the job resumes from it to the same weights."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    checkpoint_bytes = sum(f.stat().st_size for f in (uninterrupted / "checkpoints/step-4").iterdir())
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(checkpoint_bytes * 1.6)}", "tmpfs", mount],
+                   check=True)
+    try:
+        out = mount / "run"
+        settings = overrides(tiny_model, reviews, out, **{"checkpoint.keep": 2, "checkpoint.every": 4,
+                                                       "train.batch_size": 8})  # 2 x 8 = 1 x 16
+        full = run(trainer_command(settings, nproc=2))
+        assert full.returncode != 0
+        error = re.compile(rf"error: checkpoint step-8: save failed: .* \([0-9.]+ MB free in {out}/checkpoints\)")
+        assert len(error.findall(full.output)) == 2, full.output[-3000:]  # rank 0 and rank 1
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4"]
+        assert verify(out / "checkpoints/step-4") is None
+
+        subprocess.run(["mount", "-o", "remount,size=512M", mount], check=True)
+        train(settings, nproc=2)
+        assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 4
+        two_ranks = final_weights(out, STEPS)
+    finally:
+        subprocess.run(["umount", "-l", mount], check=False)
+    # 2 ranks x batch b equal 1 process x 2b (the DDP-exactness tests), not bitwise.
+    reference = final_weights(uninterrupted, STEPS)
+    assert all(torch.allclose(two_ranks[n], reference[n], atol=1e-5) for n in reference)
