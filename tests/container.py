@@ -12,6 +12,7 @@ could not reach. The mounted state is still owned by that user, as in the image.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -48,8 +49,6 @@ def read_dockerfile(path: Path = REPO / "Dockerfile") -> Image:
         elif keyword == "RUN":
             run_steps += [step.strip() for step in rest.split("&&")]
         elif keyword == "CMD":
-            import json
-
             cmd = json.loads(rest)
     return Image(workdir, env, uid, run_steps, cmd)
 

@@ -21,7 +21,7 @@ from container import Container, build_app_dir, read_dockerfile
 from conftest import REPO
 from netns import Network
 
-SCHEMA = json.loads((REPO / "tests/schemas/compose-spec.json").read_text())
+SCHEMA = jsonschema.Draft7Validator(json.loads((REPO / "tests/schemas/compose-spec.json").read_text()))
 RESET = object()  # Compose's `!reset` tag: drop the key when merging
 
 
@@ -86,7 +86,7 @@ def compose(*files: str, environ: dict[str, str] | None = None) -> dict:
     for name in files:
         merged = merge(merged, load(name))
     config = interpolate(merged, environ or {})
-    jsonschema.Draft7Validator(SCHEMA).validate(config)
+    SCHEMA.validate(config)
     return config
 
 
@@ -129,7 +129,7 @@ def test_compose_rejects_what_compose_rejects():
     config = compose("docker-compose.yml")
     config["services"]["node0"]["gpus_per_node"] = 1
     with pytest.raises(jsonschema.ValidationError, match="gpus_per_node"):
-        jsonschema.Draft7Validator(SCHEMA).validate(config)
+        SCHEMA.validate(config)
 
 
 def test_compose_cpu_variant_runs_a_two_node_job(tmp_path_factory):

@@ -201,14 +201,15 @@ def test_trainjob_fits_the_runtime():
     assert TRAINJOB["spec"]["runtimeRef"]["name"] == RUNTIME["metadata"]["name"]
 
 
-def run_pods(pods: list[Pod], tmp: Path) -> tuple[list[int | None], dict[str, Path]]:
-    """Run every pod's training container as the operator would start it."""
+def run_pods(pods: list[Pod], tmp: Path) -> tuple[list[int | None], dict[str, Path], list[Container]]:
+    """Run every pod's training container as the operator would start it: exit codes, logs,
+    and each pod's view of its filesystem."""
     image = read_dockerfile()
     app_dir = build_app_dir(image, tmp / "app")
     configmaps = {k8s_objects()["ConfigMap"]["metadata"]["name"]: k8s_objects()["ConfigMap"]}
     claims: dict[str, Path] = {}
     with Network({pod.name: pod.dns_names[1:] for pod in pods}) as net:
-        procs, logs = [], {}
+        procs, logs, containers = [], {}, []
         for pod in pods:
             root = tmp / pod.name
             volumes = {v["name"]: v for v in pod.spec["volumes"]}
@@ -221,14 +222,16 @@ def run_pods(pods: list[Pod], tmp: Path) -> tuple[list[int | None], dict[str, Pa
                     for key, text in configmaps[volume["configMap"]["name"]]["data"].items():
                         (path / key).write_text(text)
                 elif "persistentVolumeClaim" in volume:
-                    path = claims.setdefault(volume["persistentVolumeClaim"]["claimName"], tmp / "pvc")
-                    path.mkdir(exist_ok=True)
+                    claim = volume["persistentVolumeClaim"]["claimName"]
+                    path = claims.setdefault(claim, tmp / "claims" / claim)
+                    path.mkdir(parents=True, exist_ok=True)
                 else:
                     assert "emptyDir" in volume, volume
                     path = root / "emptydirs" / mount["name"]
                     path.mkdir(parents=True)
                 mounts[mount["mountPath"]] = path
             container = Container(image, app_dir, root, mounts)
+            containers.append(container)
             env = {e["name"]: e["value"] for e in pod.container.get("env", []) if "value" in e}
             for e in pod.container.get("env", []):  # an absent optional Secret leaves the variable unset
                 assert "value" in e or e["valueFrom"]["secretKeyRef"]["optional"], e
@@ -238,15 +241,13 @@ def run_pods(pods: list[Pod], tmp: Path) -> tuple[list[int | None], dict[str, Pa
                                    pod.container.get("workingDir", image.workdir), container.binds,
                                    log=logs[pod.name]))
         codes = net.wait(procs, timeout=400)
-    return codes, {"pvc": tmp / "pvc", **logs}
+    return codes, logs, containers
 
 
-def assert_job_completed(codes, paths: dict[str, Path]) -> None:
-    logs = {name: path.read_text()[-3000:] for name, path in paths.items() if name != "pvc"}
-    assert codes == [0] * len(codes), logs
+def assert_job_completed(codes, logs: dict[str, Path], containers: list[Container]) -> None:
+    assert codes == [0] * len(codes), {name: path.read_text()[-3000:] for name, path in logs.items()}
     config = yaml.safe_load(k8s_objects()["ConfigMap"]["data"]["config.yaml"])
-    output_dir = Path(config["output_dir"]).relative_to("/workspace")
-    summary = json.loads((paths["pvc"] / output_dir / "summary.json").read_text())
+    summary = json.loads(containers[0].host_path(f"{config['output_dir']}/summary.json").read_text())
     assert summary["world_size"] == 2 and len(summary["hosts"]) == 2, summary
     assert summary["steps"] == config["train"]["max_steps"]
 
@@ -255,12 +256,10 @@ def test_pytorchjob_runs_as_the_operator_starts_it(tmp_path_factory):
     pods = pytorchjob_pods(k8s_objects()["PyTorchJob"])
     assert [pod.name for pod in pods] == ["ddp-trainer-master-0", "ddp-trainer-worker-0"]
     assert pods[1].injected_env["WORLD_SIZE"] == "2" and pods[1].injected_env["RANK"] == "1"
-    codes, paths = run_pods(pods, tmp_path_factory.mktemp("pytorchjob"))
-    assert_job_completed(codes, paths)
+    assert_job_completed(*run_pods(pods, tmp_path_factory.mktemp("pytorchjob")))
 
 
 def test_trainjob_runs_as_the_runtime_starts_it(tmp_path_factory):
     pods = trainjob_pods(TRAINJOB, RUNTIME)
     assert pods[0].injected_env["PET_MASTER_ADDR"] == "ddp-trainer-node-0-0.ddp-trainer"
-    codes, paths = run_pods(pods, tmp_path_factory.mktemp("trainjob"))
-    assert_job_completed(codes, paths)
+    assert_job_completed(*run_pods(pods, tmp_path_factory.mktemp("trainjob")))
