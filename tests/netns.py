@@ -17,6 +17,7 @@ the fixtures call even when a test fails.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import signal
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 SUBNET = "10.99.0"  # the bridge has no address, so this never meets the root namespace's routes
+_created = itertools.count()
 
 
 def _ip(*args: str) -> None:
@@ -37,7 +39,8 @@ class Network:
 
     def __init__(self, hosts: dict[str, list[str]]):
         self.aliases = dict(hosts)
-        tag = f"{os.getpid() % 100000}"
+        # Unique per instance: a network closed a moment ago may still be deleting its links.
+        tag = f"{os.getpid() % 10000}x{next(_created)}"
         self.bridge = f"tnb{tag}"
         self.namespaces = {name: f"tnet{tag}-{i}" for i, name in enumerate(self.aliases)}
         self.addresses = {name: f"{SUBNET}.{11 + i}" for i, name in enumerate(self.aliases)}
@@ -114,6 +117,11 @@ class Network:
             path.touch()
         self.created_dirs += missing
 
+    def pids(self, host: str) -> list[str]:
+        """Every process running on `host` now."""
+        listed = subprocess.run(["ip", "netns", "pids", self.namespaces[host]], capture_output=True, text=True)
+        return listed.stdout.split()
+
     def wait(self, procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
         """Exit codes, or None for a process still running at the deadline."""
         deadline = time.monotonic() + timeout
@@ -131,9 +139,8 @@ class Network:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for ns in self.namespaces.values():  # anything that escaped its process group
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-            for pid in pids.split():
+        for host in self.namespaces:  # anything that escaped its process group
+            for pid in self.pids(host):
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                 except (ProcessLookupError, ValueError):
@@ -143,7 +150,10 @@ class Network:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        for ns in self.namespaces.values():
+        for i, ns in enumerate(self.namespaces.values()):
+            # A namespace outlives its name while sockets of killed peers linger in it, and
+            # its veth with it: delete our end, which deletes the pair.
+            subprocess.run(["ip", "link", "del", f"{self.bridge}v{i}"], capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
         for path in sorted(self.created_dirs, key=lambda p: len(p.parts), reverse=True):

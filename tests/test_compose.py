@@ -111,7 +111,8 @@ def test_compose_files_are_valid_and_describe_two_one_gpu_nodes():
         command = service["command"]
         assert command[0] == "torchrun" and option(command, "--nnodes") == "2"
         assert option(command, "--nproc-per-node") == "1"  # one process per reserved GPU
-        assert option(command, "--rdzv-backend") == "c10d"
+        assert option(command, "--rdzv-backend") == "trainer-c10d"
+        assert option(command, "--rdzv-conf") == "join_timeout=300"
         assert option(command, "--rdzv-endpoint").split(":")[0] == "node0"
         assert service["shm_size"] or service.get("ipc") == "host"
         assert any(volume.startswith("runs:") for volume in service["volumes"])

@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(dist_env)
     from trainer.checkpoint import CheckpointError
+    from trainer.faults import EXIT_PREEMPTED, Preempted
     from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here
 
     exit_code, trainer = 1, None
@@ -65,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         exit_code = EXIT_USAGE
     except CheckpointError as e:  # a full or failing disk: every rank stops with rank 0's reason
         print(f"error: {e}", file=sys.stderr)
+    except Preempted as e:
+        logging.getLogger("trainer").warning("%s; exiting with %d, relaunch to resume", e, EXIT_PREEMPTED)
+        exit_code = EXIT_PREEMPTED
+    except Exception as e:  # a crash or a collective timeout: explain it, then the traceback
+        if trainer is not None:
+            trainer.report_failure(e)
+        raise
     finally:
         if trainer is not None:
             trainer.close(exit_code)

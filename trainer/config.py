@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -103,6 +104,19 @@ class DistConfig:
 
 
 @dataclass
+class FaultConfig:
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
+    """Signals that mean "save and stop": at the next step boundary every rank saves, then
+    the job exits with code 75. torchrun forwards SIGTERM (and SIGINT, SIGHUP) to workers."""
+    slow_step_factor: float = 10.0
+    """The watchdog reports a step slower than this many times the recent median..."""
+    slow_step_min_s: float = 60.0
+    """...and slower than this, with every rank's Python stacks, before dist.timeout_s fires."""
+    heartbeat_s: float = 5.0
+    """How often each rank records its step in the rendezvous store, for those reports."""
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 500
     """Save every N optimizer steps (and always at the end); 0 saves only at the end."""
@@ -129,6 +143,7 @@ class Config:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     seed: int = 42
     output_dir: str = MISSING
@@ -179,6 +194,9 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("ddp.bucket_cap_mb", lambda v: v > 0, "must be > 0"),
     ("dist.init_timeout_s", lambda v: v > 0, "must be > 0"),
     ("dist.timeout_s", lambda v: v > 0, "must be > 0"),
+    ("fault.slow_step_factor", lambda v: v > 1, "must be > 1"),
+    ("fault.slow_step_min_s", lambda v: v > 0, "must be > 0"),
+    ("fault.heartbeat_s", lambda v: v > 0, "must be > 0"),
     ("checkpoint.every", _non_negative, "must be >= 0"),
     ("checkpoint.keep", _positive, "must be >= 1"),
     ("model.name", bool, "must not be empty"),
@@ -255,6 +273,9 @@ def _check_cross_field(cfg: DictConfig) -> None:
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not Path(resume).is_dir():
         raise ConfigError(f"checkpoint.resume: {resume}: expected auto, never or a checkpoint folder")
+    for name in cfg.fault.preempt_signals:
+        if not isinstance(getattr(signal, name, None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(f"fault.preempt_signals: {name!r} is not a signal that can be caught")
     if cfg.data.text_pair_field == cfg.data.text_field:
         raise ConfigError("data.text_pair_field: must differ from data.text_field")
     if cfg.wandb.mode == "online" and not (os.environ.get("WANDB_API_KEY") or _has_netrc_login()):

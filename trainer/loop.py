@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer import checkpoint, config, data, model, perf, rendezvous, tracking
+from trainer import checkpoint, config, data, faults, model, perf, rendezvous, tracking
 from trainer.rendezvous import DistEnv
 
 log = logging.getLogger(__name__)
@@ -45,9 +45,10 @@ def fault_injection(dist_env: DistEnv) -> int | None:
 
     For fault-tolerance tests and drills: a real, unannounced process death at a chosen
     step, so kill-and-resume runs can be compared with uninterrupted ones point by point.
+    Only in a launch's first attempt: workers that torchrun restarts must get past STEP.
     """
     spec = os.environ.get("TRAINER_FAULT_SIGKILL")
-    if not spec:
+    if not spec or dist_env.restart_count > 0:
         return None
     rank, _, step = spec.partition(":")
     return int(step) if int(rank) == dist_env.rank else None
@@ -103,6 +104,9 @@ class Trainer:
         self.tracker: tracking.Tracker | None = None
         self.run_id = ""
         self.kill_at_step = fault_injection(dist_env)
+        self.preemption = faults.Preemption(cfg.fault.preempt_signals)
+        self.watchdog = faults.Watchdog(cfg, dist_env, self.output_dir)
+        self.step = 0  # the step in progress or last done, for failure reports
 
     # --- the run ----------------------------------------------------------------------
 
@@ -122,16 +126,21 @@ class Trainer:
         run_started, trained_samples, paused_s, first_step_end_unix = time.perf_counter(), 0, 0.0, None
         progress = self._progress(start_step)
         epoch = start_step // self.data.steps_per_epoch
+        self.watchdog.start()
         for step in range(start_step + 1, cfg.train.max_steps + 1):
             if step == self.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
+            self.step = step
+            self.watchdog.step_started(step)
             self.timer.start("data")
             epoch, batches = next(steps)
             self.train_step(batches, window)
+            self.watchdog.step_done()
             if step == start_step + 1:
                 # The slow first step (allocation, compilation, cold caches) is done: from
                 # here on a stalled peer fails the job within dist.timeout_s.
                 rendezvous.set_timeout(cfg.dist.timeout_s)
+                self.watchdog.set_timeout(cfg.dist.timeout_s)
                 first_step_end_unix = time.time()
             trained_samples += self.global_batch
             progress.update(1)
@@ -146,8 +155,14 @@ class Trainer:
             paused_started = time.perf_counter()
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.max_steps:
                 self.tracker.log({f"eval/{k}": v for k, v in self.evaluate().items()}, step)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.train.max_steps:
+            saved = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == cfg.train.max_steps
+            if saved:
                 self.save(step, epoch)
+            preempted_by = self.preemption.agreed()
+            if preempted_by and step < cfg.train.max_steps:
+                if not saved:
+                    self.save(step, epoch)
+                raise faults.Preempted(step, preempted_by)
             paused = time.perf_counter() - paused_started
             window["paused_s"] += paused
             paused_s += paused
@@ -263,7 +278,17 @@ class Trainer:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
 
+    def report_failure(self, error: BaseException) -> None:
+        """What a failed step tells the user: the step, the error, every peer's state and
+        this rank's stacks. Each rank reports for itself, so every local rank's stacks land
+        in the log even when only one of them hit the timeout."""
+        first_line = (str(error).splitlines() or [""])[0]
+        self.watchdog.report(f"step {self.step} failed: {type(error).__name__}: {first_line}")
+
     def close(self, exit_code: int) -> None:
+        self.watchdog.close()
+        if exit_code == 0:
+            self.preemption.close()
         if self.tracker is not None:
             self.tracker.close(exit_code)
 

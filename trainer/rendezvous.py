@@ -15,6 +15,7 @@ from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousTimeoutError
 
 from trainer.config import ConfigError
 
@@ -29,6 +30,8 @@ class DistEnv:
     local_world_size: int = 1
     master_addr: str = ""
     master_port: int = 0
+    restart_count: int = 0
+    """How many times torchrun has restarted the workers (TORCHELASTIC_RESTART_COUNT)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -87,7 +90,8 @@ def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
         raise ConfigError("environment: MASTER_ADDR is empty")
     if not 0 < port < 65536:
         raise ConfigError(f"environment: MASTER_PORT={port} is not a valid port")
-    return DistEnv(rank, local_rank, world_size, local_world_size, environ["MASTER_ADDR"], port)
+    restart_count = _int_var(environ, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in environ else 0
+    return DistEnv(rank, local_rank, world_size, local_world_size, environ["MASTER_ADDR"], port, restart_count)
 
 
 def pick_device(dist_env: DistEnv, backend: str) -> tuple[torch.device, str]:
@@ -110,20 +114,28 @@ def pick_device(dist_env: DistEnv, backend: str) -> tuple[torch.device, str]:
     return torch.device("cuda", dist_env.local_rank), backend
 
 
+# A second, CPU-only (gloo) group for small agreements between ranks, such as the
+# preemption flag: on it they never wait behind, or sync with, the GPU stream.
+_control_group: dist.ProcessGroup | None = None
+
+
 def init(dist_env: DistEnv, device: torch.device, backend: str, init_timeout_s: float) -> None:
     """Join the process group. Long timeout: slow nodes, image pulls and the first step."""
+    global _control_group
     if device.type == "cuda":
         # Before any CUDA call: otherwise every rank creates a context on GPU 0.
         torch.cuda.set_device(device)
     if not dist_env.is_distributed:
         return
+    timeout = timedelta(seconds=init_timeout_s)
     dist.init_process_group(
         backend=backend,
         rank=dist_env.rank,
         world_size=dist_env.world_size,
-        timeout=timedelta(seconds=init_timeout_s),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
+    _control_group = dist.new_group(backend="gloo", timeout=timeout)
 
 
 def set_timeout(timeout_s: float) -> None:
@@ -136,12 +148,15 @@ def set_timeout(timeout_s: float) -> None:
         # Every rank calls this at the same step; the barrier makes the switch happen together.
         dist.barrier()
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), _control_group)
 
 
 def close() -> None:
-    """Destroy the process group. Called on every exit path, errors included."""
+    """Destroy the process groups. Called on every exit path, errors included."""
+    global _control_group
     if dist.is_initialized():
         dist.destroy_process_group()
+    _control_group = None
 
 
 @contextmanager
@@ -166,3 +181,75 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(tensor)
     return tensor
+
+
+def any_rank_async(flag: bool) -> tuple[dist.Work, torch.Tensor]:
+    """Start an all-reduce (max) of `flag` on the control group: (work, result tensor)."""
+    tensor = torch.tensor([int(flag)], dtype=torch.int32)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control_group, async_op=True), tensor
+
+
+# --- torchrun side: the `trainer-c10d` rendezvous backend -------------------------------
+# torchrun's own c10d rendezvous, loaded into torchrun through the `torchrun.handlers` entry
+# point (pyproject.toml). It behaves exactly like c10d, except that when a node never
+# arrives the timeout says where the others waited and how many came, instead of a bare
+# `RendezvousTimeoutError`.
+
+
+def c10d_handler_factory():
+    """The `torchrun.handlers` entry point: returns the handler constructor."""
+    return _create_explained_c10d_handler
+
+
+def _create_explained_c10d_handler(params):
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    backend, store = create_backend(params)
+    return _ExplainedTimeouts(create_handler(store, backend, params), store, params)
+
+
+class _ExplainedTimeouts(RendezvousHandler):
+    """Delegates to torchrun's c10d handler; counts the nodes waiting in the store so that a
+    timeout can say how many arrived (c10d's own state forgets them as they time out)."""
+
+    def __init__(self, handler, store, params):
+        self._handler, self._store, self._params = handler, store, params
+        self._waiting_key = f"trainer-rdzv/{params.run_id}/waiting"
+
+    def next_rendezvous(self):
+        self._store.add(self._waiting_key, 1)
+        try:
+            return self._handler.next_rendezvous()
+        except RendezvousTimeoutError as e:
+            arrived = self._store.add(self._waiting_key, 0)
+            join_timeout = self._params.get_as_int("join_timeout", 600)
+            raise RendezvousTimeoutError(
+                f"rendezvous '{self._params.run_id}' at {self._params.endpoint} timed out after "
+                f"{join_timeout}s: {arrived} of {self._params.min_nodes} nodes arrived; check that every node "
+                "was started, can reach this endpoint, and uses the same --rdzv-id"
+            ) from e
+        finally:
+            self._store.add(self._waiting_key, -1)
+
+    def get_backend(self) -> str:
+        return "trainer-c10d"
+
+    def is_closed(self) -> bool:
+        return self._handler.is_closed()
+
+    def set_closed(self) -> None:
+        self._handler.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._handler.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._handler.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self._handler.shutdown()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._handler.use_agent_store

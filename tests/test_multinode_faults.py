@@ -1,0 +1,176 @@
+"""Faults across nodes: each "node" is a network namespace running its own torchrun.
+
+- a worker SIGKILLed at a random step: torchrun restarts everyone, training resumes from
+  the last valid checkpoint, and the final weights are bitwise the uninterrupted run's;
+- SIGTERM to one node (a pod eviction, a Slurm preemption): every rank saves at the next
+  step boundary and exits 75; the relaunch is bitwise exact too;
+- a node frozen mid-run (SIGSTOP): the survivors report the silent peer with their stacks
+  and exit within the timeout; relaunching resumes from the last checkpoint;
+- a node that never arrives: the rendezvous fails in bounded time and says how many came.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+import multinode
+from conftest import final_weights, make_tiny_model, tiny_overrides
+from netns import Network
+
+STEPS = 40
+OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "checkpoint.keep": 2,
+           "train.log_every": 5}
+TWO_NODES = {"node0": [], "node1": []}
+
+
+@pytest.fixture(scope="module")
+def dropout_model(tmp_path_factory):
+    """Dropout on: a resume that lost any rank's RNG state would not be bitwise exact."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-dropout"), dropout=0.1)
+
+
+def run_to_end(net: Network, logs, overrides, timeout: float = 240, **kwargs) -> list[int | None]:
+    procs = multinode.launch(net, logs, overrides, **kwargs)
+    return net.wait(list(procs.values()), timeout)
+
+
+def logs_of(logs, tail: int | None = 5000) -> str:
+    """Every host's log; the last `tail` characters of each, for assertion messages."""
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-tail if tail else 0:]}" for p in sorted(logs.glob("*.log")))
+
+
+def assert_bitwise_equal(expected_dir, actual_dir) -> None:
+    expected, actual = final_weights(expected_dir, STEPS), final_weights(actual_dir, STEPS)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(dropout_model, reviews, tmp_path_factory):
+    out = tmp_path_factory.mktemp("two-nodes")
+    with Network(TWO_NODES) as net:
+        codes = run_to_end(net, out / "logs", tiny_overrides(dropout_model, reviews, out / "run", **OPTIONS))
+    assert codes == [0, 0], logs_of(out / "logs")
+    assert multinode.summary(out / "run")["hosts"] == ["node0", "node1"]
+    return out / "run"
+
+
+@pytest.mark.parametrize("kill", ["1:7", "0:19", "1:33"])
+def test_elastic_restart_after_sigkill_is_bitwise_exact(uninterrupted, dropout_model, reviews, tmp_path, kill):
+    """`torchrun --max-restarts`: one SIGKILLed worker, every worker restarted, one launch."""
+    out = tmp_path / "run"
+    overrides = tiny_overrides(dropout_model, reviews, out, **OPTIONS)
+    with Network(TWO_NODES) as net:
+        codes = run_to_end(net, tmp_path / "logs", overrides, torchrun_args=("--max-restarts=2",),
+                           env={"TRAINER_FAULT_SIGKILL": kill})
+    assert codes == [0, 0], logs_of(tmp_path / "logs")
+    logs = logs_of(tmp_path / "logs", tail=None)
+    killed_at = int(kill.split(":")[1])
+    resumed_from = (killed_at - 1) // 5 * 5  # the last checkpoint before the kill
+    assert "failed (exitcode: -9)" in logs  # torchrun saw the SIGKILL, and restarted the workers
+    assert f"resumed from {out / 'checkpoints' / f'step-{resumed_from}'}" in logs
+    assert multinode.summary(out)["resumed_from_step"] == resumed_from
+    assert_bitwise_equal(uninterrupted, out)
+
+
+def test_sigterm_on_one_node_saves_everywhere_and_resumes_exactly(uninterrupted, dropout_model, reviews, tmp_path):
+    """The preempted node's torchrun forwards SIGTERM to its workers, which only set a flag.
+    All ranks agree on it at a step boundary, save together, and exit 75."""
+    out = tmp_path / "run"
+    overrides = tiny_overrides(dropout_model, reviews, out, **OPTIONS)
+    with Network(TWO_NODES) as net:
+        procs = multinode.launch(net, tmp_path / "logs", overrides)
+        multinode.wait_for(lambda: 10 in multinode.complete_steps(out), 120, "checkpoint step-10", procs)
+        # Freeze the workers, so that the signal lands mid-run however fast this machine is,
+        # signal node1's torchrun (it forwards SIGTERM to its workers), and thaw them.
+        launchers = {str(p.pid) for p in procs.values()}
+        workers = [pid for host in TWO_NODES for pid in net.pids(host) if pid not in launchers]
+        for pid in workers:
+            os.kill(int(pid), signal.SIGSTOP)
+        signalled = time.monotonic()
+        procs["node1"].send_signal(signal.SIGTERM)  # nsenter, unshare and sh exec: this is torchrun
+        time.sleep(0.5)
+        for pid in workers:
+            os.kill(int(pid), signal.SIGCONT)
+        codes = net.wait(list(procs.values()), timeout=60)
+        elapsed = time.monotonic() - signalled
+    logs = logs_of(tmp_path / "logs", tail=None)
+    assert None not in codes, logs_of(tmp_path / "logs")
+    assert elapsed < 30, f"took {elapsed:.1f}s to save and exit"  # torchrun SIGKILLs after 30 s
+    saved = re.findall(r"preempted by (.+?): saved the checkpoint of step (\d+); exiting with 75", logs)
+    # Each rank says so, at the same step: the signalled one names the signal.
+    assert sorted(by for by, _ in saved) == ["SIGTERM", "a preemption signal on another rank"], logs
+    assert {step for _, step in saved} == {str(multinode.complete_steps(out)[-1])}
+    step = int(saved[0][1])
+    assert 10 <= step < STEPS and not (out / "summary.json").exists()
+    assert "exitcode  : 75" in logs  # what torchrun on the surviving node saw its worker return
+
+    with Network(TWO_NODES) as net:
+        codes = run_to_end(net, tmp_path / "logs-resumed", overrides)
+    assert codes == [0, 0], logs_of(tmp_path / "logs-resumed")
+    assert multinode.summary(out)["resumed_from_step"] == step
+    assert_bitwise_equal(uninterrupted, out)
+
+
+def test_frozen_node_is_reported_and_the_job_fails_within_the_timeout(dropout_model, reviews, tmp_path):
+    """node1 is SIGSTOPped mid-run. node0's two ranks each report node1's ranks as not
+    responding, dump their stacks, and exit within dist.timeout_s plus a margin."""
+    out = tmp_path / "run"
+    timeout_s = 10
+    overrides = tiny_overrides(
+        dropout_model, reviews, out, **{**OPTIONS, "train.max_steps": 100000, "checkpoint.every": 10},
+        **{"dist.timeout_s": timeout_s, "fault.slow_step_min_s": 2, "fault.heartbeat_s": 1},
+    )
+    with Network(TWO_NODES) as net:
+        procs = multinode.launch(net, tmp_path / "logs", overrides, nproc=2)
+        multinode.wait_for(lambda: 20 in multinode.complete_steps(out), 180, "checkpoint step-20", procs)
+        for pid in net.pids("node1"):
+            os.kill(int(pid), signal.SIGSTOP)
+        stopped = time.monotonic()
+        (code,) = net.wait([procs["node0"]], timeout=timeout_s + 60)
+        elapsed = time.monotonic() - stopped
+    logs = logs_of(tmp_path / "logs")
+    assert code not in (0, None), logs
+    assert elapsed < timeout_s + 20, f"survivors took {elapsed:.1f}s to give up"
+
+    node0 = (tmp_path / "logs" / "node0.log").read_text()
+    # The watchdog, before the collective timeout: both silent peers are named.
+    assert re.search(r"step \d+ has run [\d.]+s .*the job may be hung", node0), node0[-5000:]
+    assert len(set(re.findall(r"rank (\d) on node1: NOT RESPONDING", node0))) == 2, node0[-5000:]
+    assert "Timed out" in node0  # the collective that stalled, as gloo reports it
+    # Every local rank of node0 dumped its stacks, into the log and into output_dir/stacks.
+    dumps = {p.name: p.read_text() for p in (out / "stacks").glob("rank-*.txt")}
+    on_node0 = [name for name, text in dumps.items() if " on node0: " in text]
+    assert len(on_node0) == 2, dumps.keys()
+    assert all("File " in dumps[name] and "Thread " in dumps[name] for name in on_node0)
+
+    last = multinode.complete_steps(out)[-1]
+    with Network(TWO_NODES) as net:  # relaunch both nodes: resume from the last checkpoint
+        codes = run_to_end(net, tmp_path / "logs-resumed", [*overrides, f"train.max_steps={last + 5}"], nproc=2)
+    assert codes == [0, 0], logs_of(tmp_path / "logs-resumed")
+    assert multinode.summary(out)["resumed_from_step"] == last
+
+
+def test_a_node_that_never_arrives_fails_the_rendezvous_in_bounded_time(tiny_model, reviews, tmp_path):
+    """Only node0 starts. Its torchrun gives up after join_timeout and says who came."""
+    join_timeout = 8
+    with Network(TWO_NODES) as net:
+        procs = multinode.launch(net, tmp_path / "logs", tiny_overrides(tiny_model, reviews, tmp_path / "run"),
+                                 hosts=["node0"], torchrun_args=(f"--rdzv-conf=join_timeout={join_timeout}",))
+        started = time.monotonic()
+        (code,) = net.wait([procs["node0"]], timeout=120)
+        elapsed = time.monotonic() - started
+    log = (tmp_path / "logs" / "node0.log").read_text()
+    assert code == 1, log[-3000:]
+    assert elapsed < join_timeout + 15, f"gave up after {elapsed:.1f}s"
+    assert (f"RendezvousTimeoutError: rendezvous 'test' at node0:{multinode.RDZV_PORT} timed out after "
+            f"{join_timeout}s: 1 of 2 nodes arrived") in log, log[-3000:]
+    assert not (tmp_path / "run").exists()  # no worker ever started

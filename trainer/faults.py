@@ -1,0 +1,248 @@
+"""Faults: preemption signals, stalled steps, and what a rank says when a collective fails.
+
+A multi-node job must either make progress or fail fast with a message that says why. The
+collective timeout (`dist.timeout_s`, set in rendezvous) guarantees the "fail"; this module
+makes the failure explain itself, and turns a preemption notice into a saved checkpoint:
+
+- `Preemption`: a signal handler that only sets a flag; the ranks agree on the flag at step
+  boundaries, and the loop saves and exits with `EXIT_PREEMPTED`.
+- `Watchdog`: a thread that notices a step far slower than the recent median, before the
+  collective timeout fires, and reports which peers have gone quiet along with this rank's
+  Python stacks. Every rank runs one, so every local rank of a stalled job dumps its stacks.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from trainer import rendezvous
+from trainer.rendezvous import DistEnv
+
+log = logging.getLogger(__name__)
+
+# EX_TEMPFAIL from sysexits.h: "temporary failure, try again". The checkpoint is saved, and a
+# relaunch (Slurm requeue, Kubernetes restart) resumes from it.
+EXIT_PREEMPTED = 75
+
+
+class Preempted(Exception):
+    def __init__(self, step: int, signal_name: str):
+        super().__init__(f"preempted by {signal_name}: saved the checkpoint of step {step}")
+        self.step = step
+
+
+class Preemption:
+    """A preemption signal sets a flag; all ranks agree on it at a step boundary.
+
+    The handler never saves, and never touches a collective or the disk. It runs between two
+    bytecodes of the main thread, which may be halfway through a gradient all-reduce or a
+    checkpoint write: saving from there would tear the file, or enter a collective that the
+    other ranks never join, and hang the job until the scheduler kills it and the work with
+    it. Instead every rank contributes its flag to an all-reduce at every step boundary, so
+    all ranks see the same answer at the same step, and all of them call save together.
+    """
+
+    def __init__(self, signal_names: list[str]):
+        self.received: str | None = None
+        self._pending: tuple[object, torch.Tensor] | None = None
+        for name in signal_names:
+            signal.signal(getattr(signal, name), self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def agreed(self) -> str | None:
+        """Called by every rank at every step boundary: the signal's name once any rank has
+        one, the same on all ranks, else None.
+
+        The flag's all-reduce runs on the CPU control group (gloo) in the background while
+        the next step computes, and is read one boundary later. So the check costs no
+        device sync and no latency; a signal costs at most one more step before the save.
+        """
+        if not dist.is_initialized():
+            return self.received
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            self._pending = None
+            if flag.item():
+                return self.received or "a preemption signal on another rank"
+        self._pending = rendezvous.any_rank_async(self.received is not None)
+        return None
+
+    def close(self) -> None:
+        """Complete the last in-flight flag all-reduce (every rank has one) before teardown."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+
+class Heartbeats:
+    """Each rank's current step and time, in the rendezvous store, read when a step stalls.
+
+    A separate store client with a short timeout: the watchdog must not block for the
+    process group's long init timeout when the store's host is the node that went away.
+    """
+
+    TIMEOUT_S = 5.0
+
+    def __init__(self, dist_env: DistEnv):
+        self.dist_env = dist_env
+        self.prefix = f"trainer/heartbeat/{dist_env.restart_count}"
+        self._store = None
+
+    def _client(self):
+        if self._store is None:
+            self._store = dist.TCPStore(
+                self.dist_env.master_addr, self.dist_env.master_port, is_master=False,
+                timeout=timedelta(seconds=self.TIMEOUT_S), wait_for_workers=False,
+            )
+        return self._store
+
+    def beat(self, step: int) -> None:
+        record = {"step": step, "time": time.time(), "host": socket.gethostname()}
+        self._client().set(f"{self.prefix}/{self.dist_env.rank}", json.dumps(record))
+
+    def peers(self, my_step: int, stale_after_s: float) -> list[str]:
+        """One line per other rank: quiet (no heartbeat lately), behind, or waiting with us."""
+        store, now, lines = self._client(), time.time(), []
+        for rank in range(self.dist_env.world_size):
+            if rank == self.dist_env.rank:
+                continue
+            key = f"{self.prefix}/{rank}"
+            if not store.check([key]):
+                lines.append(f"rank {rank}: no heartbeat yet")
+                continue
+            beat = json.loads(store.get(key))
+            age = now - beat["time"]
+            where = f"rank {rank} on {beat['host']}"
+            if age > stale_after_s:
+                lines.append(f"{where}: NOT RESPONDING, last heartbeat {age:.1f}s ago at step {beat['step']}")
+            elif beat["step"] < my_step:
+                lines.append(f"{where}: behind, at step {beat['step']}")
+            else:
+                lines.append(f"{where}: alive, at step {beat['step']}")
+        return lines
+
+
+class Watchdog:
+    """Reports a step far slower than the recent median, with stacks, before the timeout.
+
+    The limit for a step is `slow_step_factor` x the median of recent steps, at least
+    `slow_step_min_s`, and always under the collective timeout then in force: the report
+    must come while the job is still alive to explain itself. Until a first step has been
+    timed, the limit follows the long init timeout (data loading, compilation).
+    """
+
+    POLL_S = 0.5
+
+    def __init__(self, cfg: DictConfig, dist_env: DistEnv, output_dir: Path):
+        self.dist_env = dist_env
+        self.factor, self.min_s = cfg.fault.slow_step_factor, cfg.fault.slow_step_min_s
+        self.heartbeat_s = cfg.fault.heartbeat_s
+        self.timeout_s = cfg.dist.init_timeout_s
+        self.stacks_file = output_dir / "stacks" / f"rank-{dist_env.rank}.txt"
+        self.heartbeats = Heartbeats(dist_env) if dist_env.is_distributed else None
+        self.durations: deque[float] = deque(maxlen=50)
+        # (step, started, limit) while a step runs, else None. One tuple, swapped whole, so
+        # the thread reads a consistent view without a lock.
+        self._watching: tuple[int, float, float] | None = None
+        self._step = 0
+        self._reported_step = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainer-watchdog", daemon=True)
+        # Python stacks on SIGABRT/SIGSEGV too: the NCCL watchdog aborts a timed-out rank.
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def set_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def step_started(self, step: int) -> None:
+        if self.durations:
+            limit = max(self.min_s, self.factor * statistics.median(self.durations))
+        else:
+            limit = self.timeout_s
+        self._step = step
+        self._watching = (step, time.monotonic(), min(limit, 0.75 * self.timeout_s))
+
+    def step_done(self) -> None:
+        step, started, _ = self._watching
+        self.durations.append(time.monotonic() - started)
+        self._watching = None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.POLL_S)
+
+    # --- the thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_beat = float("-inf")
+        while not self._stop.wait(self.POLL_S):
+            now = time.monotonic()
+            watching = self._watching
+            if watching is not None:
+                step, started, limit = watching
+                if now - started > limit and step != self._reported_step:
+                    self._reported_step = step
+                    median = f"{statistics.median(self.durations):.2f}s" if self.durations else "n/a"
+                    self.report(f"step {step} has run {now - started:.1f}s (recent median {median}, "
+                                f"limit {limit:.1f}s); the job may be hung")
+            if self.heartbeats is not None and now - last_beat >= self.heartbeat_s:
+                last_beat = now
+                try:
+                    self.heartbeats.beat(self._step)
+                except Exception as e:  # the store's node is gone; the report will say so
+                    log.debug("heartbeat failed: %s", e)
+
+    # --- reporting --------------------------------------------------------------------
+
+    def report(self, what: str) -> None:
+        """Log `what`, the state of every peer, and this rank's Python stacks (all threads)."""
+        lines = [f"rank {self.dist_env.rank} on {socket.gethostname()}: {what}"]
+        if self.heartbeats is not None:
+            try:
+                lines += ["  " + line for line in self.heartbeats.peers(self._step, 3 * self.heartbeat_s)]
+            except Exception as e:
+                lines.append(f"  rendezvous store {self.dist_env.master_addr}:{self.dist_env.master_port} "
+                             f"unreachable ({type(e).__name__}: {e}); this node may be the one cut off")
+        lines.append(f"  Python stacks of rank {self.dist_env.rank} follow, and are kept in {self.stacks_file}")
+        message = "\n".join(lines)
+        log.error("%s", message)
+        dump_stacks(message, self.stacks_file)
+
+
+def dump_stacks(header: str, path: Path) -> None:
+    """All threads' Python stacks to stderr and appended to `path`. faulthandler writes
+    straight to the file descriptor, so this works even while the main thread is blocked
+    inside a C++ collective holding no GIL-visible state."""
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}\n{header}\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+    except OSError as e:
+        log.warning("could not write %s: %s", path, e)
