@@ -22,23 +22,25 @@ LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def torchrun_argv(nnodes: int, nproc: int, overrides: list[str], torchrun_args: tuple[str, ...] = (),
-                  run_id: str = "test") -> list[str]:
+                  run_id: str = "test", command: str = "train") -> list[str]:
     return [
         TORCHRUN, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
         "--rdzv-backend=trainer-c10d", f"--rdzv-endpoint=node0:{RDZV_PORT}", f"--rdzv-id={run_id}",
-        *torchrun_args, "-m", "trainer", "train", *overrides,
+        *torchrun_args, "-m", "trainer", command, *overrides,
     ]
 
 
 def launch(net: Network, logs: Path, overrides: list[str], nproc: int = 1, torchrun_args: tuple[str, ...] = (),
-           env: dict[str, str] | None = None, hosts: list[str] | None = None,
-           run_id: str = "test") -> dict[str, subprocess.Popen]:
-    """Start the job's torchrun on `hosts` (default: all); logs in `logs/<host>.log`."""
+           env: dict[str, str] | None = None, hosts: list[str] | None = None, run_id: str = "test",
+           command: str = "train", binds: dict[str, dict[str, Path]] | None = None) -> dict[str, subprocess.Popen]:
+    """Start `python -m trainer COMMAND` under torchrun on `hosts` (default: all), with
+    per-host bind mounts `binds[host]`; logs in `logs/<host>.log`."""
     logs.mkdir(parents=True, exist_ok=True)
     procs = {}
     for host in hosts or list(net.aliases):
-        argv = torchrun_argv(len(net.aliases), nproc, overrides, torchrun_args, run_id)
-        procs[host] = net.spawn(host, argv, {**BASE_ENV, **LAUNCH_ENV, **(env or {})}, REPO, log=logs / f"{host}.log")
+        argv = torchrun_argv(len(net.aliases), nproc, overrides, torchrun_args, run_id, command)
+        procs[host] = net.spawn(host, argv, {**BASE_ENV, **LAUNCH_ENV, **(env or {})}, REPO,
+                                binds=(binds or {}).get(host), log=logs / f"{host}.log")
     return procs
 
 

@@ -1,4 +1,4 @@
-"""`python -m trainer {train,check} -c CONFIG [key=value ...]`, plain or under torchrun."""
+"""`python -m trainer {train,check,doctor} -c CONFIG [key=value ...]`, plain or under torchrun."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from trainer.config import EXIT_USAGE, ConfigError
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
-    parser.add_argument("command", choices=["train", "check"],
-                        help="train: run the job. check: validate and print the resolved config.")
+    parser.add_argument("command", choices=["train", "check", "doctor"],
+                        help="train: run the job. check: validate and print the resolved config. "
+                             "doctor: preflight the cluster under the same launcher as training.")
     parser.add_argument("-c", "--config", help="YAML config file (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-4")
     return parser.parse_intermixed_args(argv)
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
     setup_logging(dist_env)
+    if args.command == "doctor":
+        from trainer import doctor
+
+        return doctor.run(cfg, dist_env, device, backend)
     from trainer.checkpoint import CheckpointError
     from trainer.faults import EXIT_PREEMPTED, Preempted
     from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here

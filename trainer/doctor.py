@@ -1,0 +1,353 @@
+"""`python -m trainer doctor`: a preflight check, run under the same launcher as training.
+
+Minutes on the cluster instead of hours: it forms the job's real process group and checks
+what makes multi-node jobs hang or crawl, before any model is loaded.
+- who is where: each rank's host, local rank and device, and no GPU used twice on a node;
+- the NCCL_* / GLOO_* / TORCH_* settings, with known-bad values flagged;
+- that every rank reaches the job's store and forms the process group, and how fast;
+- a timed all-reduce at several sizes: algorithm and bus bandwidth, and the slowest rank;
+- that output_dir is writable by every rank and is one shared filesystem across hosts;
+- the wandb settings.
+
+Every rank checks itself; rank 0 gathers the answers and prints one report. Exit 0 when
+nothing is wrong (warnings allowed), 1 when something is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from trainer import rendezvous
+from trainer.rendezvous import DistEnv
+
+ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+
+
+@dataclass
+class Findings:
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+# --- this rank's own checks -------------------------------------------------------------
+
+
+def relevant_env() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k != "NCCL_COMM_ID"}
+
+
+def _interfaces() -> list[str]:
+    return sorted(name for _, name in socket.if_nameindex())
+
+
+def _nccl_ifname_matches(spec: str, interfaces: list[str]) -> bool:
+    """NCCL_SOCKET_IFNAME: comma-separated prefixes; `=` for exact names, `^` to exclude."""
+    if spec.startswith("^"):
+        return True  # an exclusion list leaves something unless it excludes everything
+    exact = spec.startswith("=")
+    names = [n for n in spec.lstrip("=").split(",") if n]
+    return any(i == n if exact else i.startswith(n) for n in names for i in interfaces)
+
+
+def check_env(env: dict[str, str], dist_env: DistEnv, multi_host: bool) -> Findings:
+    """Known-bad settings: the ones that hang a job, or quietly make it slow."""
+    found, interfaces, host = Findings(), _interfaces(), socket.gethostname()
+    gloo_ifname = env.get("GLOO_SOCKET_IFNAME")
+    if gloo_ifname:
+        missing = [n for n in gloo_ifname.split(",") if n not in interfaces]
+        if missing:
+            found.problems.append(f"GLOO_SOCKET_IFNAME={gloo_ifname}: no interface {', '.join(missing)} on "
+                                  f"{host} (it has {', '.join(interfaces)})")
+    nccl_ifname = env.get("NCCL_SOCKET_IFNAME")
+    if nccl_ifname and not _nccl_ifname_matches(nccl_ifname, interfaces):
+        found.problems.append(f"NCCL_SOCKET_IFNAME={nccl_ifname}: matches no interface on {host} "
+                              f"(it has {', '.join(interfaces)})")
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if multi_host and env.get(name, "").lstrip("=") in ("lo", "lo0"):
+            found.problems.append(f"{name}={env[name]}: the loopback interface cannot reach other hosts")
+    flags = {
+        "NCCL_IB_DISABLE": "InfiniBand is off: inter-node traffic falls back to TCP sockets",
+        "NCCL_P2P_DISABLE": "GPU peer-to-peer is off: intra-node traffic goes through host memory",
+        "NCCL_SHM_DISABLE": "shared-memory transport is off",
+    }
+    for name, why in flags.items():
+        if env.get(name) == "1":
+            found.warnings.append(f"{name}=1: {why}")
+    for name in ("NCCL_ALGO", "NCCL_PROTO"):
+        if name in env:
+            found.warnings.append(f"{name}={env[name]}: forces NCCL's choice, which is usually slower")
+    if env.get("NCCL_DEBUG", "").upper() == "TRACE":
+        found.warnings.append("NCCL_DEBUG=TRACE: very verbose and slow; INFO is enough to debug a hang")
+    if env.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+        found.warnings.append("TORCH_DISTRIBUTED_DEBUG=DETAIL: checks every collective, slowing training")
+    for old in ("NCCL_BLOCKING_WAIT", "NCCL_ASYNC_ERROR_HANDLING"):
+        if old in env:
+            found.warnings.append(f"{old}: deprecated and ignored; use TORCH_{old}")
+    if env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
+        found.warnings.append("TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a timed-out NCCL collective hangs "
+                              "the job instead of failing it")
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if restarts.isdigit() and int(restarts) > 0 and env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        found.warnings.append("torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: "
+                              "restarted workers can read stale peer addresses and fail again")
+    threads = env.get("OMP_NUM_THREADS")
+    cpus = len(os.sched_getaffinity(0))
+    if threads and threads.isdigit() and int(threads) * dist_env.local_world_size > cpus:
+        found.warnings.append(f"OMP_NUM_THREADS={threads} x {dist_env.local_world_size} local ranks "
+                              f"exceeds the {cpus} CPU(s) of {host}: ranks will fight for cores")
+    return found
+
+
+def store_round_trip(dist_env: DistEnv) -> float:
+    """Seconds for one set+get on the job's store (its host is rank 0's node)."""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"trainer/doctor/{dist_env.rank}"
+    started = time.perf_counter()
+    store.set(key, socket.gethostname())
+    store.get(key)
+    return time.perf_counter() - started
+
+
+def describe_device(device: torch.device) -> tuple[str, str]:
+    """(what the device is, an id that is unique per physical device on a host)."""
+    if device.type != "cuda":
+        return "cpu", ""
+    props = torch.cuda.get_device_properties(device)
+    return f"cuda:{device.index} {props.name}", str(getattr(props, "uuid", device.index))
+
+
+# --- collective checks ------------------------------------------------------------------
+
+
+def time_all_reduce(numel: int, device: torch.device, iterations: int) -> tuple[float, bool]:
+    """(median seconds per all-reduce on this rank, result correct)."""
+    world = dist.get_world_size()
+    tensor = torch.empty(numel, dtype=torch.float32, device=device)
+    times = []
+    for i in range(iterations + 2):  # two warm-up rounds: connection setup, allocations
+        tensor.fill_(dist.get_rank() + 1)
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - started)
+    correct = bool((tensor == world * (world + 1) / 2).all())
+    return statistics.median(times), correct
+
+
+def shared_output_dir(output_dir: Path, dist_env: DistEnv) -> tuple[str, list[int]]:
+    """('' or why not writable, the ranks whose probe files this rank can see)."""
+    token = [uuid.uuid4().hex if dist_env.is_rank_zero else None]
+    dist.broadcast_object_list(token, src=0)
+    probe_dir = output_dir / ".doctor" / token[0]
+    error = ""
+    try:
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        (probe_dir / f"rank-{dist_env.rank}").write_text(socket.gethostname())
+    except OSError as e:
+        error = f"{type(e).__name__}: {e}"
+    dist.barrier()  # every rank has written its probe before any rank looks
+    seen = sorted(int(p.name[5:]) for p in probe_dir.glob("rank-*")) if probe_dir.is_dir() else []
+    dist.barrier()  # every rank has looked before rank 0 removes the probes
+    if dist_env.is_rank_zero:
+        shutil.rmtree(output_dir / ".doctor", ignore_errors=True)
+    return error, seen
+
+
+def check_wandb(cfg: DictConfig, output_dir: Path) -> tuple[str, Findings]:
+    found = Findings()
+    mode = cfg.wandb.mode
+    where = os.environ.get("WANDB_DIR") or str(output_dir)
+    line = f"mode {mode}, project {cfg.wandb.project}" + (f", entity {cfg.wandb.entity}" if cfg.wandb.entity else "")
+    if mode == "offline":
+        line += f"; runs under {where}/wandb, upload later with `wandb sync`"
+    elif mode == "online":
+        has_key = bool(os.environ.get("WANDB_API_KEY"))
+        line += "; API key from " + ("WANDB_API_KEY" if has_key else "~/.netrc")
+        if os.environ.get("WANDB_MODE") in ("offline", "disabled"):
+            found.warnings.append(f"WANDB_MODE={os.environ['WANDB_MODE']} overrides wandb.mode=online")
+    if mode != "disabled" and not os.access(Path(where) if Path(where).exists() else Path(where).parent, os.W_OK):
+        found.problems.append(f"wandb: {where} is not writable")
+    return line, found
+
+
+# --- the report -------------------------------------------------------------------------
+
+
+def _sizes(device: torch.device) -> list[int]:
+    """Element counts (fp32): latency-bound to bandwidth-bound, smaller on CPU."""
+    if device.type == "cuda":
+        return [2**8, 2**18, 2**22, 2**26]  # 1 KiB, 1 MiB, 16 MiB, 256 MiB
+    return [2**8, 2**16, 2**20, 2**22]  # 1 KiB, 256 KiB, 4 MiB, 16 MiB
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:g} {unit}"
+        n //= 1024
+    return f"{n} TiB"
+
+
+def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, backend: str) -> int:
+    """Every rank runs this; rank 0 prints the report. Returns the exit code (same on all)."""
+    timeout_s = cfg.dist.timeout_s
+    host = socket.gethostname()
+    env = relevant_env()
+    if not dist_env.is_distributed:
+        print("doctor: not launched by torchrun (no RANK/MASTER_ADDR): run it exactly as you run "
+              "training, e.g. `torchrun ... -m trainer doctor -c CONFIG`")
+        return 1
+    # Checks that need no peers come first: a bad interface would otherwise surface as an
+    # obscure failure, or a wait, inside the process group.
+    own = check_env(env, dist_env, multi_host=dist_env.world_size > dist_env.local_world_size)
+    if own.problems:
+        for problem in own.problems:
+            print(f"error: rank {dist_env.rank} on {host}: {problem}", flush=True)
+        return 1
+    try:
+        rendezvous.init(dist_env, device, backend, timeout_s)
+    except Exception as e:
+        print(f"error: rank {dist_env.rank} on {host}: could not form the process group through the store at "
+              f"{dist_env.master_addr}:{dist_env.master_port} within {timeout_s:g}s ({type(e).__name__}); "
+              "a rank failed its own checks, never started, or cannot reach that address", flush=True)
+        return 1
+    try:
+        return _collective_checks(cfg, dist_env, device, backend, host, env, own)
+    finally:
+        rendezvous.close()
+
+
+def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings) -> int:
+    world = dist_env.world_size
+    device_name, device_id = describe_device(device)
+    facts = {"rank": dist_env.rank, "host": host, "local_rank": dist_env.local_rank, "device": device_name,
+             "device_id": device_id, "env": env, "rtt": store_round_trip(dist_env)}
+    gathered: list[dict] = [None] * world
+    dist.all_gather_object(gathered, facts)
+    hosts = sorted({f["host"] for f in gathered})
+    findings: list[Findings] = [None] * world
+    dist.all_gather_object(findings, own)
+
+    sizes, results = _sizes(device), []
+    for numel in sizes:
+        seconds, correct = time_all_reduce(numel, device, iterations=5 if numel >= 2**20 else 20)
+        per_rank: list[tuple[float, bool]] = [None] * world
+        dist.all_gather_object(per_rank, (seconds, correct))
+        results.append(per_rank)
+
+    output_dir = Path(cfg.output_dir)
+    write_error, seen = shared_output_dir(output_dir, dist_env)
+    shared: list[tuple[str, list[int]]] = [None] * world
+    dist.all_gather_object(shared, (write_error, seen))
+
+    code = [0]
+    if dist_env.is_rank_zero:
+        code[0] = _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir)
+    dist.broadcast_object_list(code, src=0)
+    return code[0]
+
+
+def _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir) -> int:
+    world = len(gathered)
+    problems = [p for f in findings for p in f.problems]
+    warnings = sorted({w for f in findings for w in f.warnings})
+    out = [f"trainer doctor: {_count(world, 'rank')} on {_count(len(hosts), 'host')} ({', '.join(hosts)}), "
+           f"backend {backend}", "",
+           "ranks", f"  {'rank':>4}  {'host':<24} {'local':>5}  device"]
+    for f in gathered:
+        out.append(f"  {f['rank']:>4}  {f['host']:<24} {f['local_rank']:>5}  {f['device']}")
+    for host in hosts:
+        on_host = [f for f in gathered if f["host"] == host]
+        local = sorted(f["local_rank"] for f in on_host)
+        if local != list(range(len(on_host))):
+            problems.append(f"{host}: local ranks {local}, expected 0..{len(on_host) - 1}")
+        ids = [f["device_id"] for f in on_host if f["device_id"]]
+        if len(ids) != len(set(ids)):
+            problems.append(f"{host}: two ranks share one GPU ({', '.join(f['device'] for f in on_host)}); "
+                            "--nproc-per-node must not exceed the GPUs per node")
+
+    out += ["", "settings (NCCL_*, GLOO_*, TORCH_*, OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES)"]
+    names = sorted({k for f in gathered for k in f["env"]})
+    for name in names:
+        values = {f["env"].get(name, "(unset)") for f in gathered}
+        if len(values) == 1 or name == "CUDA_VISIBLE_DEVICES":
+            out.append(f"  {name}={' / '.join(sorted(values))}")
+        else:
+            out.append(f"  {name}: differs between ranks: {' / '.join(sorted(values))}")
+            warnings.append(f"{name} differs between ranks")
+    if not names:
+        out.append("  (none set)")
+
+    slowest_rtt = max(gathered, key=lambda f: f["rtt"])
+    out += ["", f"rendezvous store {dist_env.master_addr}:{dist_env.master_port}: reached by all {world} ranks, "
+            f"round trip up to {slowest_rtt['rtt'] * 1e3:.1f} ms (rank {slowest_rtt['rank']} on {slowest_rtt['host']})"]
+
+    algorithm = "ring, gloo's default" if backend == "gloo" else os.environ.get("NCCL_ALGO", "chosen by NCCL per size")
+    out += ["", f"all-reduce, fp32 ({backend}, algorithm: {algorithm})",
+            f"  {'size':>9}  {'time':>10}  {'algbw':>12}  {'busbw':>12}  slowest rank"]
+    for numel, per_rank in zip(sizes, results):
+        nbytes = numel * 4
+        times = [t for t, _ in per_rank]
+        slowest = max(range(world), key=lambda r: times[r])
+        seconds = statistics.median(times)
+        algbw = nbytes / seconds / 1e9
+        busbw = algbw * 2 * (world - 1) / world  # what each link carries in a ring: nccl-tests' convention
+        out.append(f"  {_human_bytes(nbytes):>9}  {seconds * 1e3:>7.2f} ms  {algbw:>7.3f} GB/s  {busbw:>7.3f} GB/s  "
+                   f"rank {slowest} ({gathered[slowest]['host']}, {times[slowest] * 1e3:.2f} ms)")
+        wrong = [r for r, (_, ok) in enumerate(per_rank) if not ok]
+        if wrong:
+            problems.append(f"all-reduce of {_human_bytes(nbytes)} gave wrong sums on ranks {wrong}")
+
+    out += ["", f"output_dir {output_dir}"]
+    unwritable = [(r, e) for r, (e, _) in enumerate(shared) if e]
+    for rank, error in unwritable:
+        problems.append(f"output_dir {output_dir}: not writable by rank {rank} on {gathered[rank]['host']}: {error}")
+    blind = [r for r, (_, seen) in enumerate(shared) if seen != list(range(world))]
+    if unwritable:
+        out.append("  not writable by every rank")
+    elif blind:
+        hosts_blind = sorted({gathered[r]["host"] for r in blind})
+        message = (f"output_dir {output_dir} is not one shared filesystem: ranks on {', '.join(hosts_blind)} "
+                   "cannot see files written on other hosts")
+        if cfg.checkpoint.resume != "never":
+            problems.append(message + "; resuming needs every rank to read rank 0's checkpoints")
+        else:
+            warnings.append(message)
+        out.append("  writable, NOT shared between hosts")
+    else:
+        out.append(f"  writable by all {_count(world, 'rank')}, one shared filesystem across {_count(len(hosts), 'host')}")
+
+    wandb_line, wandb_found = check_wandb(cfg, output_dir)
+    problems += wandb_found.problems
+    warnings += wandb_found.warnings
+    out += ["", f"wandb: {wandb_line}"]
+
+    out.append("")
+    out += [f"warning: {w}" for w in warnings]
+    out += [f"problem: {p}" for p in problems]
+    if problems:
+        out.append(f"doctor: FAILED, {_count(len(problems), 'problem')}, {_count(len(warnings), 'warning')}")
+    else:
+        out.append(f"doctor: OK, {_count(len(warnings), 'warning')}")
+    print("\n".join(out), flush=True)
+    return 1 if problems else 0
