@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench kill-drill clean
 
 install: $(VENV)/.installed
 
@@ -30,6 +30,10 @@ test: install
 # Not part of `make test`: takes ~10 minutes and wants a quiet machine. Flags: ARGS="--reps 5"
 bench: install
 	$(BIN)/python -m benchmarks $(ARGS)
+
+# Not part of `make test` either: 20 random SIGKILL points on two nodes (~10 minutes, root).
+kill-drill: install
+	$(BIN)/python tests/kill_drill.py --points 20
 
 clean:
 	rm -rf runs data .pytest_cache

@@ -104,7 +104,9 @@ class Heartbeats:
 
     def __init__(self, dist_env: DistEnv):
         self.dist_env = dist_env
-        self.prefix = f"trainer/heartbeat/{dist_env.restart_count}"
+        # Not keyed by restart: nodes count restarts separately. A predecessor's record is
+        # overwritten within heartbeat_s by the live rank, and until then reads as stale.
+        self.prefix = "trainer/heartbeat"
         self._store = None
 
     def _client(self):
