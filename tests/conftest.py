@@ -57,6 +57,12 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def dropout_model(tmp_path_factory) -> Path:
+    """The same with dropout on: a resume that lost any rank's RNG state is not bitwise exact."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-dropout"), dropout=0.1)
+
+
+@pytest.fixture(scope="session")
 def reviews(tmp_path_factory) -> Path:
     """600 train / 203 eval reviews: 203 is odd, so 2 ranks get unequal eval shards."""
     from trainer.demo_data import generate
@@ -129,3 +135,13 @@ def load_weights(path: Path) -> dict:
 
 def final_weights(output_dir: Path, step: int) -> dict:
     return load_weights(output_dir / "checkpoints" / f"step-{step}" / "model.safetensors")
+
+
+def weight_differences(expected_dir: Path, actual_dir: Path, step: int) -> list[str]:
+    """The tensors of two runs' step-`step` checkpoints that are not bitwise equal, including
+    any that only one of them has. Empty when the runs ended identically."""
+    import torch
+
+    expected, actual = final_weights(expected_dir, step), final_weights(actual_dir, step)
+    differ = [name for name in expected.keys() & actual.keys() if not torch.equal(expected[name], actual[name])]
+    return sorted(expected.keys() ^ actual.keys()) + sorted(differ)

@@ -165,7 +165,7 @@ class Watchdog:
         # (step, started, limit) while a step runs, else None. One tuple, swapped whole, so
         # the thread reads a consistent view without a lock.
         self._watching: tuple[int, float, float] | None = None
-        self._step = 0
+        self.step = 0  # the step in progress, or the last one done
         self._reported_step = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainer-watchdog", daemon=True)
@@ -183,11 +183,11 @@ class Watchdog:
             limit = max(self.min_s, self.factor * statistics.median(self.durations))
         else:
             limit = self.timeout_s
-        self._step = step
+        self.step = step
         self._watching = (step, time.monotonic(), min(limit, 0.75 * self.timeout_s))
 
     def step_done(self) -> None:
-        step, started, _ = self._watching
+        _, started, _ = self._watching
         self.durations.append(time.monotonic() - started)
         self._watching = None
 
@@ -213,7 +213,7 @@ class Watchdog:
             if self.heartbeats is not None and now - last_beat >= self.heartbeat_s:
                 last_beat = now
                 try:
-                    self.heartbeats.beat(self._step)
+                    self.heartbeats.beat(self.step)
                 except Exception as e:  # the store's node is gone; the report will say so
                     log.debug("heartbeat failed: %s", e)
 
@@ -224,7 +224,7 @@ class Watchdog:
         lines = [f"rank {self.dist_env.rank} on {socket.gethostname()}: {what}"]
         if self.heartbeats is not None:
             try:
-                lines += ["  " + line for line in self.heartbeats.peers(self._step, 3 * self.heartbeat_s)]
+                lines += ["  " + line for line in self.heartbeats.peers(self.step, 3 * self.heartbeat_s)]
             except Exception as e:
                 lines.append(f"  rendezvous store {self.dist_env.master_addr}:{self.dist_env.master_port} "
                              f"unreachable ({type(e).__name__}: {e}); this node may be the one cut off")

@@ -106,7 +106,6 @@ class Trainer:
         self.kill_at_step = fault_injection(dist_env)
         self.preemption = faults.Preemption(cfg.fault.preempt_signals)
         self.watchdog = faults.Watchdog(cfg, dist_env, self.output_dir)
-        self.step = 0  # the step in progress or last done, for failure reports
 
     # --- the run ----------------------------------------------------------------------
 
@@ -130,7 +129,6 @@ class Trainer:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
             if step == self.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            self.step = step
             self.watchdog.step_started(step)
             self.timer.start("data")
             epoch, batches = next(steps)
@@ -283,7 +281,7 @@ class Trainer:
         this rank's stacks. Each rank reports for itself, so every local rank's stacks land
         in the log even when only one of them hit the timeout."""
         first_line = (str(error).splitlines() or [""])[0]
-        self.watchdog.report(f"step {self.step} failed: {type(error).__name__}: {first_line}")
+        self.watchdog.report(f"step {self.watchdog.step} failed: {type(error).__name__}: {first_line}")
 
     def close(self, exit_code: int) -> None:
         self.watchdog.close()

@@ -46,7 +46,9 @@ class DistEnv:
         return self.local_rank == 0
 
 
-def _int_var(environ: Mapping[str, str], name: str) -> int:
+def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    if default is not None and name not in environ:
+        return default
     try:
         return int(environ[name])
     except ValueError:
@@ -77,7 +79,7 @@ def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     rank, local_rank, world_size, port = (
         _int_var(environ, name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")
     )
-    local_world_size = _int_var(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else 1
+    local_world_size = _int_var(environ, "LOCAL_WORLD_SIZE", default=1)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"environment: RANK={rank} is outside WORLD_SIZE={world_size}")
     if not 0 <= local_rank < max(local_world_size, 1) or local_rank > rank:
@@ -89,7 +91,7 @@ def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
         raise ConfigError("environment: MASTER_ADDR is empty")
     if not 0 < port < 65536:
         raise ConfigError(f"environment: MASTER_PORT={port} is not a valid port")
-    restart_count = _int_var(environ, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in environ else 0
+    restart_count = _int_var(environ, "TORCHELASTIC_RESTART_COUNT", default=0)
     return DistEnv(rank, local_rank, world_size, local_world_size, environ["MASTER_ADDR"], port, restart_count)
 
 
