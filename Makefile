@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install demo test bench kill-drill clean
+.PHONY: install slurm demo test bench kill-drill clean
 
 install: $(VENV)/.installed
 
@@ -24,8 +24,14 @@ demo: install data/reviews/train.jsonl
 	rm -rf runs/demo
 	$(BIN)/torchrun --standalone --nproc-per-node=2 -m trainer train -c configs/demo.yaml
 
-test: install
+test: install slurm
 	$(BIN)/python -m pytest
+
+# The Slurm tests start a real cluster from Debian's slurm-wlm and munge (root, no systemd).
+slurm:
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    slurm-wlm munge >/dev/null; }
 
 # Not part of `make test`: takes ~10 minutes and wants a quiet machine. Flags: ARGS="--reps 5"
 bench: install

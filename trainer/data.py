@@ -8,6 +8,8 @@ Two properties matter and are tested:
 
 from __future__ import annotations
 
+import functools
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -220,6 +222,7 @@ def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, pin_memory: bool) -> Da
     workers = data_cfg.num_workers
     loader_options = dict(
         collate_fn=collate, num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+        worker_init_fn=functools.partial(_ignore_signals, tuple(cfg.fault.preempt_signals)),
     )
     train_loader = DataLoader(
         train_ds.remove_columns("length"), batch_size=batch_size, sampler=train_sampler,
@@ -231,6 +234,15 @@ def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, pin_memory: bool) -> Da
     )
     steps_per_epoch = (train_sampler.num_samples // batch_size) // grad_accum
     return Data(train_loader, eval_loader, train_sampler, steps_per_epoch, len(train_ds), len(eval_ds))
+
+
+def _ignore_signals(names: tuple[str, ...], worker_id: int) -> None:
+    """DataLoader workers ignore the preemption signals, which launchers send to whole
+    process groups (torchrun) or to every process of a job step (Slurm). A worker killed by
+    one would fail the main process ("DataLoader worker exited unexpectedly") before it
+    saves; ignoring it, the worker still exits with the main process, as it always does."""
+    for name in names:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def micro_batches(data: Data, grad_accum: int, start_step: int) -> Iterator[tuple[int, list[dict]]]:

@@ -61,8 +61,9 @@ class Preemption:
     def __init__(self, signal_names: list[str]):
         self.received: str | None = None
         self._pending: tuple[object, torch.Tensor] | None = None
-        for name in signal_names:
-            signal.signal(getattr(signal, name), self._on_signal)
+        # Given back in close(): a launcher such as submitit has its own handlers to run
+        # once the checkpoint is safe.
+        self._previous = {name: signal.signal(getattr(signal, name), self._on_signal) for name in signal_names}
 
     def _on_signal(self, signum: int, frame) -> None:
         self.received = signal.Signals(signum).name
@@ -86,9 +87,13 @@ class Preemption:
         self._pending = rendezvous.any_rank_async(self.received is not None)
         return None
 
-    def close(self) -> None:
-        """Complete the last in-flight flag all-reduce (every rank has one) before teardown."""
-        if self._pending is not None:
+    def close(self, clean_exit: bool) -> None:
+        """Give the signals back to their previous handlers. After a clean exit, also
+        complete the last in-flight flag all-reduce (every rank has one) before teardown;
+        after a failure a peer may never join it."""
+        for name, handler in self._previous.items():
+            signal.signal(getattr(signal, name), handler)
+        if clean_exit and self._pending is not None:
             self._pending[0].wait()
             self._pending = None
 

@@ -285,8 +285,7 @@ class Trainer:
 
     def close(self, exit_code: int) -> None:
         self.watchdog.close()
-        if exit_code == 0:
-            self.preemption.close()
+        self.preemption.close(clean_exit=exit_code == 0)
         if self.tracker is not None:
             self.tracker.close(exit_code)
 

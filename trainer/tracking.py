@@ -74,8 +74,7 @@ class Tracker:
         record = {"step": step, **metrics}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._wandb_run is not None:
-            self._wandb_run.log(metrics, step=step)
+        self._to_wandb(lambda run: run.log(metrics, step=step))
 
     def summary(self, summary: dict) -> None:
         if not self.enabled:
@@ -83,12 +82,27 @@ class Tracker:
         tmp = self.output_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, self.output_dir / "summary.json")
-        if self._wandb_run is not None:
-            self._wandb_run.summary.update(_flatten(summary))
+        self._to_wandb(lambda run: run.summary.update(_flatten(summary)))
 
     def close(self, exit_code: int = 0) -> None:
-        if self._wandb_run is not None:
-            self._wandb_run.finish(exit_code=exit_code)
+        self._to_wandb(lambda run: run.finish(exit_code=exit_code))
+        self._wandb_run = None
+
+    def _to_wandb(self, send) -> None:
+        """Send to wandb; if its service is gone, warn once and go on without it.
+
+        Slurm's scancel and preemption signal every process of a job step, wandb's service
+        too, which exits on SIGTERM while the ranks are still on their way to the agreed
+        checkpoint. Losing wandb must not turn that save into a crash; metrics.jsonl, written
+        above, keeps every step, and the resumed job continues the same wandb run.
+        """
+        if self._wandb_run is None:
+            return
+        try:
+            send(self._wandb_run)
+        except Exception as e:
+            log.warning("wandb: run %s lost its service (%s: %s); continuing without wandb, "
+                        "metrics.jsonl has every step", self._wandb_run.id, type(e).__name__, e)
             self._wandb_run = None
 
 

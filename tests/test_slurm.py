@@ -1,0 +1,189 @@
+"""slurm/ddp.sh and slurm/submit.py on a real two-node Slurm cluster (tests/slurm_cluster.py).
+
+Jobs are submitted exactly as a user would, from the repository with its .venv. Each node
+has two fake GPUs: `--gpus-per-node=1` is scheduled as on a GPU cluster and gives one
+process per node, which trains on the CPU with gloo because no CUDA driver is behind them.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+
+import wandb_log
+from conftest import BASE_ENV, PYTHON, REPO, tiny_overrides, weight_differences
+from multinode import complete_steps, summary, wait_for
+from slurm_cluster import SlurmCluster
+
+STEPS = 120
+OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 10, "checkpoint.keep": 2,
+           "train.log_every": 10, "wandb.mode": "offline", "dist.timeout_s": 60, "data.num_workers": 1}
+# One process per node, on one fake GPU each; a short wait for the nodes, a short log.
+SBATCH = ["--nodes=2", "--gpus-per-node=1", "--cpus-per-task=1", "--time=10"]
+JOB_ENV = {**BASE_ENV, "TRAINER_JOIN_TIMEOUT": "60"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with SlurmCluster() as running:
+        yield running
+
+
+def submit(cluster: SlurmCluster, tmp_path: Path, args: list[str], sbatch: list[str] = (),
+           env: dict[str, str] | None = None) -> tuple[str, Path]:
+    """`sbatch slurm/ddp.sh ARGS` from the repository; (job id, its log file)."""
+    log = tmp_path / "job.out"
+    job_id = cluster.sbatch([*SBATCH, f"--output={log}", *sbatch, "slurm/ddp.sh", *args],
+                            env={**JOB_ENV, **(env or {})}, cwd=REPO)
+    return job_id, log
+
+
+def finished(cluster: SlurmCluster, job_id: str, log: Path, timeout: float) -> dict[str, str]:
+    record = cluster.wait_job(job_id, timeout)
+    record["log"] = log.read_text() if log.exists() else "(no log)"
+    return record
+
+
+def explain(record: dict[str, str], cluster: SlurmCluster) -> str:
+    return f"{record.get('JobState')} {record.get('ExitCode')}\n{record['log'][-5000:]}\n{cluster.logs()}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, dropout_model, reviews, tmp_path_factory):
+    """The reference: `sbatch slurm/ddp.sh` to the end, on both nodes."""
+    tmp = tmp_path_factory.mktemp("sbatch")
+    job_id, log = submit(cluster, tmp, tiny_overrides(dropout_model, reviews, tmp / "run", **OPTIONS))
+    record = finished(cluster, job_id, log, timeout=180)
+    assert record["JobState"] == "COMPLETED", explain(record, cluster)
+    return tmp / "run", record
+
+
+def test_sbatch_runs_one_world_across_both_nodes(uninterrupted):
+    run, record = uninterrupted
+    result = summary(run)
+    assert result["world_size"] == 2
+    assert result["hosts"] == ["node1", "node2"]
+    assert record["NodeList"] == "node[1-2]"
+    assert "2 node(s) node[1-2] x 1 process(es), rendezvous node1:" in record["log"]
+
+
+def one_wandb_run(run: Path, attempts: int) -> str:
+    """The single wandb run id that every attempt's offline run logged to."""
+    logs = wandb_log.runs(run)
+    assert len(logs) == attempts, logs
+    ids = set().union(*(wandb_log.run_ids(log) for log in logs))
+    assert ids == {summary(run)["wandb_run_id"]}
+    return ids.pop()
+
+
+def test_time_limit_signal_checkpoints_requeues_and_resumes_bitwise(cluster, uninterrupted, dropout_model,
+                                                                    reviews, tmp_path):
+    reference, _ = uninterrupted
+    run = tmp_path / "run"
+    job_id, log = submit(cluster, tmp_path, tiny_overrides(dropout_model, reviews, run, **OPTIONS))
+    wait_for(lambda: complete_steps(run), 120, "the first checkpoint")
+    # Exactly what `#SBATCH --signal=B:USR1@300` does five minutes before the time limit.
+    cluster.client(["scancel", "--batch", "--signal=USR1", job_id])
+    record = finished(cluster, job_id, log, timeout=240)
+    assert record["JobState"] == "COMPLETED", explain(record, cluster)
+    assert record["Restarts"] == "1", explain(record, cluster)
+
+    # Attempt 1 saved where the ranks agreed to stop; attempt 2 resumed from there.
+    saved = re.search(r"preempted by [^:]+: saved the checkpoint of step (\d+)", record["log"])
+    assert saved, record["log"][-5000:]
+    resumed_from = summary(run)["resumed_from_step"]
+    assert resumed_from == int(saved.group(1)) and 0 < resumed_from < STEPS
+    assert "checkpoint saved; requeueing job" in record["log"]
+    assert weight_differences(reference, run, STEPS) == []
+    assert one_wandb_run(run, attempts=2) == summary(run)["wandb_run_id"]
+
+
+def test_submitit_job_is_requeued_on_preemption_and_matches_sbatch(cluster, uninterrupted, dropout_model,
+                                                                  reviews, tmp_path):
+    """`slurm/submit.py --wait`: one task per rank; TERM then USR2 mid-run, as Slurm preempts."""
+    reference, _ = uninterrupted
+    run = tmp_path / "run"
+    argv = [PYTHON, "slurm/submit.py", "--nodes", "2", "--gpus-per-node", "1", "--cpus-per-task", "1",
+            "--time", "10", "--folder", str(tmp_path / "submitit"), "--wait",
+            *tiny_overrides(dropout_model, reviews, run, **OPTIONS)]
+    submitter = cluster.popen(argv, env=JOB_ENV, cwd=REPO, log=tmp_path / "submit.out")
+    try:
+        wait_for(lambda: complete_steps(run), 120, "the first checkpoint")
+        job_id = re.search(r"submitted job (\d+)", (tmp_path / "submit.out").read_text()).group(1)
+        cluster.client(["scancel", "--signal=TERM", job_id])
+        cluster.client(["scancel", "--signal=USR2", job_id])
+        assert submitter.wait(timeout=240) == 0, (tmp_path / "submit.out").read_text()
+    finally:
+        submitter.kill()
+    output = (tmp_path / "submit.out").read_text()
+    assert f"job {job_id} completed" in output
+    record = cluster.wait_job(job_id, timeout=30)  # its tasks may still be exiting
+    assert (record["JobState"], record["Restarts"]) == ("COMPLETED", "1"), output
+    # What submitit's job.results() read for submit.py --wait: each task's pickled return.
+    for task in (0, 1):
+        with open(tmp_path / "submitit" / f"{job_id}_{task}_result.pkl", "rb") as f:
+            assert pickle.load(f) == ("success", 0)
+    assert 0 < summary(run)["resumed_from_step"] < STEPS
+    assert weight_differences(reference, run, STEPS) == []
+    one_wandb_run(run, attempts=2)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["-c", "configs/missing.yaml"], "error: config file configs/missing.yaml: not found"),
+    (["train.learning_rate=1e-4"], "error: train.learning_rate: unknown key"),
+])
+def test_bad_submission_fails_in_seconds_with_one_line(cluster, tmp_path, args, expected):
+    job_id, log = submit(cluster, tmp_path, args)
+    record = finished(cluster, job_id, log, timeout=60)
+    assert (record["JobState"], record["ExitCode"]) == ("FAILED", "2:0"), explain(record, cluster)
+    errors = [line for line in record["log"].splitlines() if "error" in line.lower()]
+    assert errors == [expected], record["log"]
+    assert "Traceback" not in record["log"]
+
+
+def test_submitit_refuses_a_bad_key_before_submitting(cluster):
+    queued = cluster.client(["squeue", "-h"]).stdout
+    done = cluster.client([PYTHON, "slurm/submit.py", "--nodes", "2", "train.learning_rate=1e-4"],
+                          check=False, env=JOB_ENV, cwd=REPO)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: train.learning_rate: unknown key"
+    assert "submitted job" not in done.stdout
+    assert cluster.client(["squeue", "-h"]).stdout == queued
+
+
+def test_a_failing_rank_ends_the_job_without_waiting_for_the_timeout(cluster, tiny_model, reviews, tmp_path):
+    """node2's only worker is SIGKILLed at step 3 and torchrun may not restart it: srun
+    --kill-on-bad-exit ends node1's task too, long before the 600 s collective timeout
+    (within torchrun's 30 s grace for its worker)."""
+    options = {**OPTIONS, "dist.timeout_s": 600, "fault.slow_step_min_s": 600}
+    job_id, log = submit(cluster, tmp_path, tiny_overrides(tiny_model, reviews, tmp_path / "run", **options),
+                         env={"TRAINER_FAULT_SIGKILL": "1:3", "TRAINER_MAX_RESTARTS": "0"})
+    record = finished(cluster, job_id, log, timeout=90)
+    assert record["JobState"] == "FAILED", explain(record, cluster)
+    # srun saw node2's torchrun fail and ended the step on node1 (--kill-on-bad-exit).
+    assert "srun: error: node2: task 1: Exited with exit code 1" in record["log"], record["log"][-4000:]
+    assert "_step_signal: Terminating StepId" in record["log"], record["log"][-4000:]
+
+
+@pytest.mark.parametrize("runtime, expected", [
+    ("pyxis", "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --container-image=registry#lab/trainer:0.1.0 "
+              f"--container-mounts={REPO} --container-workdir={REPO} --no-container-mount-home bash -c"),
+    ("apptainer", f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 apptainer exec --nv --bind {REPO} "
+                  f"--pwd {REPO} registry#lab/trainer:0.1.0 bash -c"),
+])
+def test_container_launch_line(cluster, tmp_path, runtime, expected):
+    """No pyxis or Apptainer here: check the exact srun line a container job runs (from a
+    real job, TRAINER_DRY_RUN), around the same torchrun command as every other test."""
+    env = {"TRAINER_CONTAINER_IMAGE": "registry#lab/trainer:0.1.0", "TRAINER_CONTAINER_RUNTIME": runtime,
+           "TRAINER_DRY_RUN": "1"}
+    job_id, log = submit(cluster, tmp_path, ["-c", "configs/demo.yaml"], env=env)
+    record = finished(cluster, job_id, log, timeout=60)
+    assert record["JobState"] == "COMPLETED", explain(record, cluster)
+    line = next(line for line in record["log"].splitlines() if line.startswith("slurm/ddp.sh: would run:"))
+    assert expected in line
+    assert line.endswith(f"node1 torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=trainer-c10d "
+                         f"--rdzv-endpoint=node1:{20000 + int(job_id) % 12000} --rdzv-id={job_id} "
+                         "--rdzv-conf=join_timeout=60 --max-restarts=0 -m trainer train -c configs/demo.yaml")
