@@ -157,15 +157,18 @@ def test_submitit_refuses_a_bad_key_before_submitting(cluster):
 def test_a_failing_rank_ends_the_job_without_waiting_for_the_timeout(cluster, tiny_model, reviews, tmp_path):
     """node2's only worker is SIGKILLed at step 3 and torchrun may not restart it: srun
     --kill-on-bad-exit ends node1's task too, long before the 600 s collective timeout
-    (within torchrun's 30 s grace for its worker)."""
+    (within torchrun's 30 s grace for its worker). Submitted as to a CPU partition
+    (--gpus-per-node=0): one process per node, gloo."""
     options = {**OPTIONS, "dist.timeout_s": 600, "fault.slow_step_min_s": 600}
     job_id, log = submit(cluster, tmp_path, tiny_overrides(tiny_model, reviews, tmp_path / "run", **options),
-                         env={"TRAINER_FAULT_SIGKILL": "1:3", "TRAINER_MAX_RESTARTS": "0"})
+                         sbatch=["--gpus-per-node=0"], env={"TRAINER_FAULT_SIGKILL": "1:3", "TRAINER_MAX_RESTARTS": "0"})
     record = finished(cluster, job_id, log, timeout=90)
     assert record["JobState"] == "FAILED", explain(record, cluster)
     # srun saw node2's torchrun fail and ended the step on node1 (--kill-on-bad-exit).
     assert "srun: error: node2: task 1: Exited with exit code 1" in record["log"], record["log"][-4000:]
     assert "_step_signal: Terminating StepId" in record["log"], record["log"][-4000:]
+    assert "2 node(s) node[1-2] x 1 process(es)" in record["log"]
+    assert "training " in record["log"] and "world size 2" in record["log"]
 
 
 @pytest.mark.parametrize("runtime, expected", [
