@@ -88,7 +88,6 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # find the real one would form a world of its own and wait forever for the others.
 rdzv_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 [[ -n $rdzv_host ]] || die "scontrol show hostnames '$SLURM_JOB_NODELIST' gave no node"
-getent hosts "$rdzv_host" >/dev/null || die "the first node '$rdzv_host' does not resolve on $(hostname); fix DNS or /etc/hosts"
 # Derived from the job id, so two jobs whose first node is the same don't collide. Below
 # 32768, the start of Linux's ephemeral range, so no outgoing connection holds it already.
 rdzv_port=${TRAINER_RDZV_PORT:-$(( 20000 + SLURM_JOB_ID % 12000 ))}
@@ -104,7 +103,7 @@ torchrun_cmd=(
     --rdzv-conf=join_timeout="${TRAINER_JOIN_TIMEOUT:-600}" --max-restarts="${TRAINER_MAX_RESTARTS:-0}"
     -m trainer train "${args[@]}"
 )
-# Each node's task checks that the rendezvous host resolves there too (torchrun's c10d
+# Each node's task checks that the rendezvous host resolves there (torchrun's c10d
 # would retry an unknown name for minutes), then runs torchrun under a small relay for the
 # time-limit signal. torchrun and everything it starts ignore USR1 (an ignored signal stays
 # ignored across fork and exec); the relay turns USR1 into a TERM to torchrun alone, which

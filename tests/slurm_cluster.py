@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from multinode import wait_for
 from netns import Network, TornDown
 
 NODES = ("node1", "node2")
@@ -52,12 +53,12 @@ class SlurmCluster(TornDown):
         self._write_conf()
         self._start_munge()
         self.net.spawn("ctl", ["slurmctld", "-D"], self.env, self.base, log=self.base / "log" / "ctl.out")
-        self._wait(lambda: "UP" in self.client(["scontrol", "ping"], check=False).stdout, 20, "slurmctld")
+        wait_for(lambda: "UP" in self.client(["scontrol", "ping"], check=False).stdout, 20, "slurmctld")
         for node in NODES:
             self.net.spawn(node, ["slurmd", "-D", "-N", node], self.env, self.base,
                            log=self.base / "log" / f"{node}.out")
-        self._wait(lambda: self.client(["sinfo", "-h", "-N", "-o", "%t"]).stdout.split() == ["idle"] * len(NODES),
-                   30, "both nodes idle")
+        wait_for(lambda: self.client(["sinfo", "-h", "-N", "-o", "%t"]).stdout.split() == ["idle"] * len(NODES),
+                 30, "both nodes idle")
 
     def _write_conf(self) -> None:
         ctl_addr = self.net.addresses["ctl"]
@@ -116,13 +117,15 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
              f"--log-file={self.base}/log/munged.log", f"--pid-file={self.base}/run/munged.pid",
              f"--seed-file={folder}/munged.seed", "--num-threads=4"],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait(self.munge_socket.exists, 10, "munged")
+        wait_for(self.munge_socket.exists, 10, "munged")
+
+    def _on_login_host(self, argv: list[str]) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{self.net.namespaces['ctl']}", *argv]
 
     def client(self, argv: list[str], check: bool = True, env: dict[str, str] | None = None,
                cwd: Path | str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
         """Run a Slurm client (or anything that calls one) on the login host `ctl`."""
-        cmd = ["nsenter", f"--net=/run/netns/{self.net.namespaces['ctl']}", *argv]
-        done = subprocess.run(cmd, env={**self.env, **(env or {})}, cwd=cwd, capture_output=True,
+        done = subprocess.run(self._on_login_host(argv), env={**self.env, **(env or {})}, cwd=cwd, capture_output=True,
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")
@@ -130,8 +133,7 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
 
     def popen(self, argv: list[str], env: dict[str, str], cwd: Path | str, log: Path) -> subprocess.Popen:
         """Start a long-running client on `ctl`; it is killed in close() if still running."""
-        cmd = ["nsenter", f"--net=/run/netns/{self.net.namespaces['ctl']}", *argv]
-        proc = subprocess.Popen(cmd, env={**self.env, **env}, cwd=cwd, stdout=open(log, "w"),
+        proc = subprocess.Popen(self._on_login_host(argv), env={**self.env, **env}, cwd=cwd, stdout=open(log, "w"),
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.net.procs.append(proc)
         return proc
@@ -157,14 +159,6 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
                 raise AssertionError(f"job {job_id} still {record.get('JobState')} after {timeout}s; "
                                      f"reason {record.get('Reason')}")
             time.sleep(0.5)
-
-    @staticmethod
-    def _wait(predicate, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"Slurm test cluster: {what} not up after {timeout}s")
-            time.sleep(0.1)
 
     def close(self) -> None:
         # Cancel jobs while the controller lives, then kill whatever is left on every host:
