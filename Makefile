@@ -33,7 +33,8 @@ slurm:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    slurm-wlm munge >/dev/null; }
 
-# Not part of `make test`: takes ~10 minutes and wants a quiet machine. Flags: ARGS="--reps 5"
+# Not part of `make test`: ~17 minutes on 2 CPUs, and wants a quiet machine. Flags: ARGS="--reps 5",
+# ARGS="--ablations --name cpu-minilm-ablations" (each speed feature off and on, ~18 minutes)
 bench: install
 	$(BIN)/python -m benchmarks $(ARGS)
 

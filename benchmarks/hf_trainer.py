@@ -3,7 +3,10 @@
 Run under torchrun by `python -m benchmarks`. Two settings:
 - `default`: as the seeds use it: tokenize with padding="max_length", then Trainer with its
   default arguments (fp32, random batches).
-- `best`: dynamic padding (DataCollatorWithPadding), group_by_length, bf16 when asked.
+- `best`: dynamic padding (DataCollatorWithPadding), group_by_length, one persistent loader
+  worker, bf16 when asked.
+`--attention eager` loads the model with eager attention (on CPU, faster than the default
+SDPA under bf16): the model-side choice our trainer makes by default there.
 
 Writes {"samples_per_s", "timed_steps", "first_step_end_unix"} to --out on rank 0. Samples/s
 is taken over the steps after --warmup, from a callback on step ends.
@@ -51,11 +54,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=5)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model, num_labels=5, attn_implementation=args.attention
+    )
     train = datasets.load_dataset(args.data, split="train")
     best = args.setting == "best"
 
@@ -77,6 +83,7 @@ def main() -> None:
         bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=1 if best else 0,
+        dataloader_persistent_workers=best,  # else a new worker process every epoch
     )
     clock = StepClock(args.warmup)
     trainer = Trainer(

@@ -13,9 +13,11 @@ STEPS = 40
 
 @pytest.fixture(scope="module")
 def single_process_weights(tiny_model, reviews, tmp_path_factory):
-    """The reference: one plain process (no torchrun), batch 16."""
+    """The reference: one plain process (no torchrun), batch 16, with the textbook dense
+    embedding gradient (the default sends it through backward and DDP as sparse rows)."""
     out = tmp_path_factory.mktemp("single")
-    train(tiny_overrides(tiny_model, reviews, out, **{"train.batch_size": 16, "train.max_steps": STEPS}), nproc=None)
+    overrides = {"train.batch_size": 16, "train.max_steps": STEPS, "ddp.sparse_embedding_grad": False}
+    train(tiny_overrides(tiny_model, reviews, out, **overrides), nproc=None)
     return final_weights(out, STEPS)
 
 
@@ -25,14 +27,17 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize(
-    "batch_size, grad_accum",
+    "batch_size, grad_accum, sparse",
     [
-        pytest.param(8, 1, id="ddp-2x8"),  # 2 ranks x 8 == 1 process x 16
-        pytest.param(4, 2, id="ddp-2x4-accum2"),  # accumulation with no_sync == one big batch
+        pytest.param(8, 1, True, id="ddp-2x8"),  # 2 ranks x 8 == 1 process x 16
+        pytest.param(4, 2, True, id="ddp-2x4-accum2"),  # accumulation with no_sync == one big batch
+        pytest.param(8, 1, False, id="ddp-2x8-dense-embedding"),
     ],
 )
-def test_two_ranks_match_one_process(single_process_weights, tiny_model, reviews, tmp_path, batch_size, grad_accum):
-    overrides = {"train.batch_size": batch_size, "train.grad_accum": grad_accum, "train.max_steps": STEPS}
+def test_two_ranks_match_one_process(single_process_weights, tiny_model, reviews, tmp_path, batch_size, grad_accum,
+                                     sparse):
+    overrides = {"train.batch_size": batch_size, "train.grad_accum": grad_accum, "train.max_steps": STEPS,
+                 "ddp.sparse_embedding_grad": sparse}
     train(tiny_overrides(tiny_model, reviews, tmp_path, **overrides), nproc=2)
     weights = final_weights(tmp_path, STEPS)
     # The weights moved (the comparison is not between two untouched initializations) ...

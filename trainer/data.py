@@ -203,6 +203,8 @@ class PadToLongest:
 
 def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, pin_memory: bool) -> Data:
     data_cfg = cfg.data
+    import datasets  # noqa: F401  (~0.5 s) before the wait below, not after it
+
     # One tokenization per node: local rank 0 fills the datasets cache, the others read it.
     with local_rank_zero_first(dist_env):
         train_ds = _prepare(data_cfg, "train_split", data_cfg.max_train_samples, tokenizer, cfg.seed)

@@ -72,24 +72,28 @@ def confusion_metrics(confusion: torch.Tensor) -> dict[str, float]:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, dist_env: DistEnv, device: torch.device):
-        self.cfg, self.dist_env, self.device = cfg, dist_env, device
+    def __init__(self, cfg: DictConfig, dist_env: DistEnv, device: torch.device, startup: perf.StartupClock):
+        self.cfg, self.dist_env, self.device, self.startup = cfg, dist_env, device, startup
         self.output_dir = Path(cfg.output_dir)
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads(dist_env, cfg.train.threads))
         self.amp_dtype = resolve_precision(cfg.train.precision, device)
 
         self.tokenizer = model.load_tokenizer(cfg.model)
-        self.model = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed).to(device)
+        self.model = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device)
+        startup.mark("model")
         self.data = data.build(cfg, dist_env, self.tokenizer, pin_memory=device.type == "cuda")
+        startup.mark("data")
+        self.sparse_embedding = model.SparseEmbeddingGrad.maybe(self.model, cfg, device)
         self.train_model = model.wrap(self.model, cfg, dist_env, device)
         self.ddp = self.train_model if isinstance(self.train_model, DistributedDataParallel) else None
         if cfg.train.compile and isinstance(getattr(self.train_model, "_orig_mod", None), DistributedDataParallel):
             self.ddp = self.train_model._orig_mod
+        self.comm_clock = perf.CommClock.attach(self.ddp) if self.ddp is not None else None
 
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-            fused=True,  # one kernel for all parameters, on CPU and GPU: ~7x faster step on CPU
+            fused=cfg.train.fused_adamw,
         )
         from transformers import get_linear_schedule_with_warmup
 
@@ -106,6 +110,7 @@ class Trainer:
         self.kill_at_step = fault_injection(dist_env)
         self.preemption = faults.Preemption(cfg.fault.preempt_signals)
         self.watchdog = faults.Watchdog(cfg, dist_env, self.output_dir)
+        startup.mark("setup")
 
     # --- the run ----------------------------------------------------------------------
 
@@ -139,15 +144,18 @@ class Trainer:
                 # here on a stalled peer fails the job within dist.timeout_s.
                 rendezvous.set_timeout(cfg.dist.timeout_s)
                 self.watchdog.set_timeout(cfg.dist.timeout_s)
+                self.startup.mark("first_step")
                 first_step_end_unix = time.time()
+                self._log_startup()
             trained_samples += self.global_batch
             progress.update(1)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
                 metrics = self._window_metrics(window, epoch)
                 self.tracker.log(metrics, step)
-                log.info("step %d/%d loss %.4f lr %.3g | %.1f samples/s, MFU %.1f%%", step,
-                         cfg.train.max_steps, metrics["loss"], metrics["lr"], metrics["samples_per_s"],
-                         100 * metrics["mfu"])
+                log.info("step %d/%d loss %.4f lr %.3g | %.1f samples/s, %.0f tokens/s, MFU %.1f%% | ms/step: %s",
+                         step, cfg.train.max_steps, metrics["loss"], metrics["lr"], metrics["samples_per_s"],
+                         metrics["tokens_per_s"], 100 * metrics["mfu"],
+                         ", ".join(f"{k[5:-2]} {1000 * v:.0f}" for k, v in metrics.items() if k.startswith("time/")))
                 window = self._new_window()
             # Eval and checkpoint time is kept out of the throughput figures.
             paused_started = time.perf_counter()
@@ -180,6 +188,7 @@ class Trainer:
             "samples_per_s": trained_samples / train_seconds if trained_samples else None,
             "train_seconds": train_seconds,
             "first_step_end_unix": first_step_end_unix,
+            "startup_s": self.startup.phases(),
             "wandb_run_id": self.run_id,
             "hosts": self._hosts(),
         }
@@ -206,8 +215,12 @@ class Trainer:
                     loss = self.train_model(**batch).loss.mean() / grad_accum  # mean: DataParallel
                 self.timer.start("backward")
                 loss.backward()
+            if is_last and self.comm_clock is not None:
+                self.timer.start("comm", at=self.comm_clock.take())  # from the last bucket on
             window["loss_sum"] += loss.detach()
         self.timer.start("optimizer")
+        if self.sparse_embedding is not None:
+            self.sparse_embedding.densify()
         if self.cfg.train.max_grad_norm > 0:
             window["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
         self.optimizer.step()
@@ -263,7 +276,11 @@ class Trainer:
             "global_batch": self.global_batch,
             "wandb_run_id": self.run_id,
         }
+        started = time.perf_counter()
         self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, state, config.to_yaml(self.cfg))
+        # What training paused for (every rank waits for rank 0's write); benchmarks/RESULTS.md
+        # puts it against the default checkpoint interval.
+        self.tracker.log({"checkpoint/save_s": time.perf_counter() - started}, step)
 
     def export_final(self) -> None:
         """output_dir/final: save_pretrained model and tokenizer, loadable by plain transformers."""
@@ -320,6 +337,11 @@ class Trainer:
         if window["grad_norm"] is not None:
             metrics["grad_norm"] = window["grad_norm"].item()
         return metrics
+
+    def _log_startup(self) -> None:
+        phases = self.startup.phases()
+        log.info("launch to first step %.1fs: %s", sum(phases.values()),
+                 ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in phases.items()))
 
     def _progress(self, start_step: int):
         """A progress bar on rank 0, on a terminal only: in a batch job's log file it would

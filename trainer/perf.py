@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -60,8 +62,9 @@ class PhaseTimer:
         self._phase: str | None = None
         self._started = 0.0
 
-    def start(self, phase: str) -> None:
-        now = time.perf_counter()
+    def start(self, phase: str, at: float | None = None) -> None:
+        """End the current phase and start `phase`, now or at an earlier `at`."""
+        now = time.perf_counter() if at is None else at
         if self._phase is not None:
             self.seconds[self._phase] += now - self._started
         self._phase, self._started = phase, now
@@ -73,3 +76,70 @@ class PhaseTimer:
     def take(self) -> dict[str, float]:
         taken, self.seconds = dict(self.seconds), defaultdict(float)
         return taken
+
+
+class CommClock:
+    """A DDP comm hook: the default all-reduce, noting when each bucket became ready.
+
+    The last bucket is ready when backward's compute is done, so whatever backward() still
+    takes after that is communication that did not overlap with compute (exposed). Exact
+    on CPU, where backward() blocks until the all-reduce ends. On GPU the host runs ahead
+    of the kernels, and the wait shows up in the next phase that synchronizes.
+    """
+
+    def __init__(self) -> None:
+        self.last_ready: float | None = None
+
+    @classmethod
+    def attach(cls, ddp: torch.nn.parallel.DistributedDataParallel) -> "CommClock":
+        clock = cls()
+        ddp.register_comm_hook(None, clock._hook)
+        return clock
+
+    def _hook(self, process_group, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.last_ready = time.perf_counter()
+        return allreduce_hook(process_group, bucket)
+
+    def take(self) -> float | None:
+        """When the last bucket of the latest backward became ready (None without one)."""
+        taken, self.last_ready = self.last_ready, None
+        return taken
+
+
+class StartupClock:
+    """Launch to first optimizer step, phase by phase: where a job's first seconds go.
+
+    Each mark names the phase that ends there. The launch is the launcher's start when
+    under torchrun (its agent's own start-up is the "launcher" phase), else this process's.
+    """
+
+    def __init__(self) -> None:
+        started = _process_start(os.getpid())
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            self.marks = [("launch", _process_start(os.getppid())), ("launcher", started)]
+        else:
+            self.marks = [("launch", started)]
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, time.time()))
+
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase; phases whose start is unknown (no /proc) are left out."""
+        return {
+            phase: end - start
+            for (_, start), (phase, end) in zip(self.marks, self.marks[1:])
+            if start is not None and end is not None
+        }
+
+
+def _process_start(pid: int) -> float | None:
+    """A process's start as Unix time, from /proc (10 ms resolution), or None off Linux."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        started_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, after "pid (comm)"
+    except (OSError, ValueError, IndexError):
+        return None
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - age
