@@ -88,18 +88,19 @@ def hf(args, work: Path, setting: str, bf16: bool, attention: str = "sdpa") -> l
     ]
 
 
-def read_ours(run: Path, warmup_steps: int) -> dict:
-    """Samples/s over the logging windows after the first (the warm-up epoch), and their
-    median step-time breakdown. Windows hold equal samples: the rate is their harmonic mean."""
+def read_ours(run: Path) -> dict:
+    """Samples/s over the logging windows after the first (the warm-up epoch: `ours` sets the
+    window to an epoch), and their median step-time breakdown. Windows hold equal samples:
+    the rate is their harmonic mean."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    windows = [w for w in records if "samples_per_s" in w and w["step"] > warmup_steps]
+    windows = [w for w in records if "samples_per_s" in w][1:]
     summary = json.loads((run / "summary.json").read_text())
     saves = [r["checkpoint/save_s"] for r in records if "checkpoint/save_s" in r]
-    phases = [k for k in windows[0] if k.startswith("time/")]
+    phases = {k: k.removeprefix("time/").removesuffix("_s") for k in windows[0] if k.startswith("time/")}
     return {"samples_per_s": statistics.harmonic_mean([w["samples_per_s"] for w in windows]),
             "tokens_per_s": statistics.harmonic_mean([w["tokens_per_s"] for w in windows]),
             "mfu": statistics.median(w["mfu"] for w in windows),
-            "step_ms": {k[5:-2]: 1000 * statistics.median(w[k] for w in windows) for k in phases},
+            "step_ms": {phase: 1000 * statistics.median(w[k] for w in windows) for k, phase in phases.items()},
             "startup_s": summary["startup_s"],
             "checkpoint_save_s": saves,
             "first_step_end_unix": summary["first_step_end_unix"]}
@@ -153,7 +154,7 @@ def run_once(name: str, args, work: Path) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     if kind == "ours":
-        result = read_ours(work / "run", args.warmup * (1 if "torchrun" in command[0] else args.nproc))
+        result = read_ours(work / "run")
     else:
         result = json.loads((work / "hf.json").read_text())
         result["step_ms"] = {"step (not broken down)": 1000 * args.batch_size * args.nproc / result["samples_per_s"]}
@@ -169,7 +170,7 @@ def run_side_by_side(name: str, commands: list[list[str]], env: dict, args, work
     for proc, output in zip(procs, outputs):
         if proc.returncode != 0:
             raise SystemExit(f"{name} failed:\n{output[-3000:]}")
-    results = [read_ours(work / f"run{i}", args.warmup * args.nproc) for i in range(len(commands))]
+    results = [read_ours(work / f"run{i}") for i in range(len(commands))]
     result = {**results[0], "samples_per_s": sum(r["samples_per_s"] for r in results),
               "tokens_per_s": sum(r["tokens_per_s"] for r in results)}
     result["launch_to_first_step_s"] = max(r["first_step_end_unix"] for r in results) - launched

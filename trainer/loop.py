@@ -144,18 +144,18 @@ class Trainer:
                 # here on a stalled peer fails the job within dist.timeout_s.
                 rendezvous.set_timeout(cfg.dist.timeout_s)
                 self.watchdog.set_timeout(cfg.dist.timeout_s)
-                self.startup.mark("first_step")
-                first_step_end_unix = time.time()
+                first_step_end_unix = self.startup.mark("first_step")
                 self._log_startup()
             trained_samples += self.global_batch
             progress.update(1)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
                 metrics = self._window_metrics(window, epoch)
                 self.tracker.log(metrics, step)
+                step_ms = ", ".join(f"{k.removeprefix('time/').removesuffix('_s')} {1000 * v:.0f}"
+                                    for k, v in metrics.items() if k.startswith("time/"))
                 log.info("step %d/%d loss %.4f lr %.3g | %.1f samples/s, %.0f tokens/s, MFU %.1f%% | ms/step: %s",
                          step, cfg.train.max_steps, metrics["loss"], metrics["lr"], metrics["samples_per_s"],
-                         metrics["tokens_per_s"], 100 * metrics["mfu"],
-                         ", ".join(f"{k[5:-2]} {1000 * v:.0f}" for k, v in metrics.items() if k.startswith("time/")))
+                         metrics["tokens_per_s"], 100 * metrics["mfu"], step_ms)
                 window = self._new_window()
             # Eval and checkpoint time is kept out of the throughput figures.
             paused_started = time.perf_counter()

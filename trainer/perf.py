@@ -87,20 +87,21 @@ class CommClock:
     of the kernels, and the wait shows up in the next phase that synchronizes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allreduce_hook) -> None:
+        self.allreduce_hook = allreduce_hook
         self.last_ready: float | None = None
 
     @classmethod
     def attach(cls, ddp: torch.nn.parallel.DistributedDataParallel) -> "CommClock":
-        clock = cls()
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        clock = cls(allreduce_hook)
         ddp.register_comm_hook(None, clock._hook)
         return clock
 
     def _hook(self, process_group, bucket):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
         self.last_ready = time.perf_counter()
-        return allreduce_hook(process_group, bucket)
+        return self.allreduce_hook(process_group, bucket)
 
     def take(self) -> float | None:
         """When the last bucket of the latest backward became ready (None without one)."""
@@ -122,8 +123,11 @@ class StartupClock:
         else:
             self.marks = [("launch", started)]
 
-    def mark(self, phase: str) -> None:
-        self.marks.append((phase, time.time()))
+    def mark(self, phase: str) -> float:
+        """End `phase` now; returns now as Unix time."""
+        now = time.time()
+        self.marks.append((phase, now))
+        return now
 
     def phases(self) -> dict[str, float]:
         """Seconds per phase; phases whose start is unknown (no /proc) are left out."""
