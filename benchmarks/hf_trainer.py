@@ -6,7 +6,8 @@ Run under torchrun by `python -m benchmarks`. Two settings:
 - `best`: dynamic padding (DataCollatorWithPadding), group_by_length, one persistent loader
   worker, bf16 when asked.
 `--attention eager` loads the model with eager attention (on CPU, faster than the default
-SDPA under bf16): the model-side choice our trainer makes by default there.
+SDPA under bf16): the model-side choice our trainer makes by default there. `--compile` adds
+the Trainer's own torch.compile switch.
 
 Writes {"samples_per_s", "timed_steps", "first_step_end_unix"} to --out on rank 0. Samples/s
 is taken over the steps after --warmup, from a callback on step ends.
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -84,6 +86,7 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=1 if best else 0,
         dataloader_persistent_workers=best,  # else a new worker process every epoch
+        torch_compile=args.compile,
     )
     clock = StepClock(args.warmup)
     trainer = Trainer(

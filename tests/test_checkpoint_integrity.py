@@ -93,10 +93,12 @@ def test_pruning_never_deletes_the_last_good_checkpoint(uninterrupted, tiny_mode
     assert_same_weights(out, uninterrupted)
 
 
-def test_disk_full_mid_save_keeps_the_previous_checkpoint(uninterrupted, tiny_model, reviews, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_disk_full_mid_save_keeps_the_previous_checkpoint(uninterrupted, tiny_model, reviews, tmp_path, async_save):
     """A real ENOSPC: output_dir on a tmpfs with room for one checkpoint. Both ranks fail with
-    the same message, the previous checkpoint still verifies, no partial folder is left, and
-    with room again the job resumes from it to the same weights."""
+    the same message (a background write's failure too), the previous checkpoint still
+    verifies, no partial folder is left, and with room again the job resumes from it to the
+    same weights."""
     mount = tmp_path / "small-disk"
     mount.mkdir()
     checkpoint_bytes = sum(f.stat().st_size for f in (uninterrupted / "checkpoints/step-4").iterdir())
@@ -105,7 +107,8 @@ def test_disk_full_mid_save_keeps_the_previous_checkpoint(uninterrupted, tiny_mo
     try:
         out = mount / "run"
         settings = overrides(tiny_model, reviews, out, **{"checkpoint.keep": 2, "checkpoint.every": 4,
-                                                       "train.batch_size": 8})  # 2 x 8 = 1 x 16
+                                                       "train.batch_size": 8,  # 2 x 8 = 1 x 16
+                                                       "checkpoint.async_save": async_save})
         full = run(trainer_command(settings, nproc=2))
         assert full.returncode != 0
         error = re.compile(rf"error: checkpoint step-8: save failed: .* \([0-9.]+ MB free in {out}/checkpoints\)")
@@ -122,3 +125,22 @@ def test_disk_full_mid_save_keeps_the_previous_checkpoint(uninterrupted, tiny_mo
     # 2 ranks x batch b equal 1 process x 2b (the DDP-exactness tests), not bitwise.
     reference = final_weights(uninterrupted, STEPS)
     assert all(torch.allclose(two_ranks[n], reference[n], atol=1e-5) for n in reference)
+
+
+def test_sigkill_mid_background_write_resumes_from_the_checkpoint_before(uninterrupted, tiny_model, reviews,
+                                                                         tmp_path):
+    """The process dies while its background thread writes step 6 (files written, no marker
+    yet: a test hook kills it exactly there). Step 6 is not taken for complete; the relaunch
+    resumes from step 4, rewrites step 6, and ends with the uninterrupted run's weights."""
+    out = tmp_path / "run"
+    settings = overrides(tiny_model, reviews, out, **{"checkpoint.async_save": True})
+    killed = run(trainer_command(settings, nproc=None), env={"TRAINER_FAULT_SIGKILL_IN_SAVE": "6"})
+    assert killed.returncode == -9, killed.output[-3000:]
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names[0].startswith(".tmp-step-6-") and names[1:] == ["step-2", "step-4"], names  # torn, unmarked
+
+    result = train(settings, nproc=None)
+    assert "(in the background)" in result.output
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 4
+    assert_same_weights(out, uninterrupted)
+    assert verify(out / "checkpoints" / "step-6") is None

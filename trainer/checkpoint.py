@@ -9,9 +9,13 @@ Layout: `output_dir/checkpoints/step-N/` holding
 - COMPLETE            written last: the sha256 of every file above
 
 A checkpoint is written under a temporary name and renamed into place, so a crash or a full
-disk mid-save leaves the previous checkpoints untouched. On resume, a folder without a
-marker, or whose files don't match the marker's checksums, is skipped with a warning and the
-previous one is used. Pruning never removes the checkpoint just written.
+disk mid-save leaves the previous checkpoints untouched. On resume, a folder without a marker,
+or whose files don't match the marker's checksums, is skipped with a warning and the previous
+one is used. Pruning never removes the checkpoint just written.
+
+With `checkpoint.async_save`, training pauses only while the state is copied to host memory;
+a background thread on rank 0 writes it, and every rank learns the write's outcome at the
+next save or at the end. A process that exits for any reason finishes its write first.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import logging
 import os
 import random
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -100,11 +106,87 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def host_copy(obj):
+    """`obj` (a state dict, nested) with every tensor copied to host memory: the snapshot a
+    background write reads while training changes the originals.
+
+    Device tensors go through pinned memory without a sync each (one sync at the end);
+    tensors that share storage (tied weights) stay shared, so safetensors still saves them
+    once. CPU tensors are cloned: `.to("cpu")` would return the live tensor itself.
+    """
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def copy(value):
+        if isinstance(value, torch.Tensor):
+            key = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+            if key not in copies:
+                detached = value.detach()
+                copies[key] = detached.clone() if detached.device.type == "cpu" else \
+                    detached.to("cpu", non_blocking=True)
+            return copies[key]
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy(v) for v in value)
+        return value
+
+    copied = copy(obj)
+    if any(device.type == "cuda" for device, *_ in copies):
+        torch.cuda.synchronize()  # the non-blocking copies have landed
+    return copied
+
+
+class _StateDict:
+    """A model stand-in for safetensors' save_model, which wants `.state_dict()`: it drops
+    the duplicate names of shared tensors and records them in the file's metadata."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors)
+
+
+class _Write:
+    """One checkpoint write on rank 0, in a background thread or in the caller's."""
+
+    def __init__(self, step: int):
+        self.step, self.error, self.seconds = step, "", 0.0
+        self._thread: threading.Thread | None = None
+
+    def start(self, write, in_background: bool) -> "_Write":
+        if in_background:
+            # Not a daemon: an exiting interpreter finishes the write rather than tear it.
+            self._thread = threading.Thread(target=self._run, args=(write,), name=f"checkpoint-step-{self.step}")
+            self._thread.start()
+        else:
+            self._run(write)
+        return self
+
+    def _run(self, write) -> None:
+        started = time.perf_counter()
+        try:
+            write()
+        except Exception as e:  # any failure must reach the other ranks, or they wait for it
+            self.error = f"{type(e).__name__}: {e}"
+        self.seconds = time.perf_counter() - started
+
+    def wait(self) -> str:
+        """The error, or "" once the write is complete."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.error
+
+
 class Checkpointer:
-    def __init__(self, output_dir: str, keep: int, dist_env: DistEnv):
+    def __init__(self, output_dir: str, keep: int, dist_env: DistEnv, async_save: bool = False):
         self.root = Path(output_dir) / "checkpoints"
         self.keep = keep
         self.dist_env = dist_env
+        self.async_save = async_save
+        self._pending: _Write | None = None
+        self.write_seconds: list[float] = []
+        """How long each finished write took (rank 0): in the background, training ran meanwhile."""
 
     def _step_dirs(self) -> list[Path]:
         """step-N folders, newest first."""
@@ -118,28 +200,57 @@ class Checkpointer:
     def save(self, step: int, model: nn.Module, optimizer, scheduler, state: dict, config_yaml: str) -> None:
         """Collective: every rank must call it at the same step.
 
-        Each rank hands its RNG state to rank 0, rank 0 writes, and then all ranks agree on
-        whether the write succeeded. A rank never waits alone at a barrier that another rank
-        skipped, and if rank 0's disk is full, every rank fails together with the same error
-        instead of the others timing out.
+        Each rank hands its RNG state to rank 0, rank 0 copies the state to host memory
+        and writes it, and all ranks agree on whether the write succeeded: at once, or
+        with `async_save` at the next save or `finish()`. A rank never waits alone at a
+        barrier that another rank skipped, and if rank 0's disk is full, every rank fails
+        together with the same error instead of the others timing out.
         """
+        if self.async_save:
+            self.finish()  # the previous write, if it is still going: one at a time
         rngs = [rng_state()]
         if dist.is_initialized():
             gathered = [None] * self.dist_env.world_size if self.dist_env.is_rank_zero else None
             dist.gather_object(rngs[0], gathered, dst=0)
             rngs = gathered
-        error = ""
         if self.dist_env.is_rank_zero:
-            try:
-                started = time.perf_counter()
-                path = self._write(step, model, optimizer, scheduler, state, config_yaml, rngs)
-                self._prune(step)
-                log.info("saved %s in %.2fs", path, time.perf_counter() - started)
-            except Exception as e:  # any failure must reach the other ranks, or they wait for it
+            self._pending = self._start_write(step, model, optimizer, scheduler, state, config_yaml, rngs)
+        if not self.async_save:
+            self.finish()
+
+    def _start_write(self, step, model, optimizer, scheduler, state, config_yaml, rngs) -> _Write:
+        write = _Write(step)
+        model_tensors, optimizer_state = model.state_dict(), optimizer.state_dict()
+        if self.async_save:
+            try:  # training changes the live tensors from the next step on
+                model_tensors, optimizer_state = host_copy((model_tensors, optimizer_state))
+            except Exception as e:  # e.g. out of host memory: reported like a failed write
+                write.error = f"{type(e).__name__}: {e}"
+                return write
+        trainer_state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}
+
+        def write_and_prune() -> None:
+            started = time.perf_counter()
+            path = self._write(step, model_tensors, trainer_state, state, config_yaml, rngs)
+            self._prune(step)
+            log.info("saved %s in %.2fs%s", path, time.perf_counter() - started,
+                     " (in the background)" if self.async_save else "")
+
+        return write.start(write_and_prune, in_background=self.async_save)
+
+    def finish(self) -> None:
+        """Collective: wait for rank 0's pending write, then every rank raises its error,
+        if any. Called by `save`, and by the loop before the end and before a preemption exit."""
+        error = ""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            if pending.wait():
                 # torch.save reports a full disk as "unexpected pos ...": say how much room is left.
                 free_mb = shutil.disk_usage(self.root).free / 2**20 if self.root.exists() else float("nan")
-                error = (f"checkpoint step-{step}: save failed: {type(e).__name__}: {e} "
+                error = (f"checkpoint step-{pending.step}: save failed: {pending.error} "
                          f"({free_mb:.1f} MB free in {self.root})")
+            else:
+                self.write_seconds.append(pending.seconds)
         if dist.is_initialized():
             errors = [error]
             dist.broadcast_object_list(errors, src=0)
@@ -147,19 +258,28 @@ class Checkpointer:
         if error:
             raise CheckpointError(error)
 
-    def _write(self, step, model, optimizer, scheduler, state, config_yaml, rngs) -> Path:
+    def close(self) -> None:
+        """On any exit: let a background write finish (not collective: peers may be gone).
+        A checkpoint that was being written when the job failed is then complete, not lost."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            if pending.wait():
+                log.error("checkpoint step-%d: save failed: %s", pending.step, pending.error)
+
+    def _write(self, step, model_tensors, trainer_state, state, config_yaml, rngs) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{step}"
         tmp = self.root / f".tmp-step-{step}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            save_model(model, str(tmp / "model.safetensors"))
-            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                       tmp / "optimizer.pt")
+            save_model(_StateDict(model_tensors), str(tmp / "model.safetensors"))
+            torch.save(trainer_state, tmp / "optimizer.pt")
             torch.save(rngs, tmp / "rng.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
             (tmp / "config.yaml").write_text(config_yaml)
+            if os.environ.get("TRAINER_FAULT_SIGKILL_IN_SAVE") == str(step):
+                os.kill(os.getpid(), signal.SIGKILL)  # a fault-injection point: files written, no marker
             checksums = {}
             for name in FILES:
                 _fsync(tmp / name)

@@ -61,6 +61,9 @@ class DataConfig:
     """Group samples of similar length into the same global batch (less padding)."""
     num_workers: int = 1
     """DataLoader worker processes per rank; 0 loads in the training process."""
+    pin_memory: bool = True
+    """On GPU: batches in page-locked host memory, copied to the device without blocking
+    the host (benchmarks/RESULTS.md measures it). Ignored on CPU."""
 
 
 @dataclass
@@ -89,6 +92,13 @@ class TrainConfig:
     log_every: int = 10
     threads: Optional[int] = None
     """torch intra-op threads per rank; None: the CPUs this process may use / local ranks."""
+    deterministic: bool = False
+    """Bitwise-reproducible kernels: torch.use_deterministic_algorithms with
+    CUBLAS_WORKSPACE_CONFIG, which also makes scaled_dot_product_attention use only its
+    deterministic backends. On GPU, without it, kernels such as the embedding backward add
+    with atomics in a varying order, so two runs (or a run and its resume) differ in the
+    last bits. Costs speed on GPU (benchmarks/RESULTS.md); CPU kernels are deterministic
+    either way."""
 
 
 @dataclass
@@ -134,6 +144,12 @@ class CheckpointConfig:
     """Keep the newest k complete checkpoints."""
     resume: str = "auto"
     """auto: latest valid checkpoint in output_dir, if any. never: start fresh. Or a step-N path."""
+    async_save: Optional[bool] = None
+    """True: training waits only while the state is copied to host memory, and a background
+    thread writes, checksums and renames the checkpoint (a failed write stops every rank at
+    the next save or at the end). False: training waits for the whole write. None (auto):
+    true on GPU, where a bert-base save would otherwise pause training for seconds; false on
+    CPU, where the writer would take cores from the step (benchmarks/RESULTS.md)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
@@ -75,6 +76,8 @@ class Trainer:
     def __init__(self, cfg: DictConfig, dist_env: DistEnv, device: torch.device, startup: perf.StartupClock):
         self.cfg, self.dist_env, self.device, self.startup = cfg, dist_env, device, startup
         self.output_dir = Path(cfg.output_dir)
+        if cfg.train.deterministic:
+            rendezvous.use_deterministic_kernels()
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads(dist_env, cfg.train.threads))
         self.amp_dtype = resolve_precision(cfg.train.precision, device)
@@ -82,7 +85,8 @@ class Trainer:
         self.tokenizer = model.load_tokenizer(cfg.model)
         self.model = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device)
         startup.mark("model")
-        self.data = data.build(cfg, dist_env, self.tokenizer, pin_memory=device.type == "cuda")
+        self.pin_memory = device.type == "cuda" and cfg.data.pin_memory
+        self.data = data.build(cfg, dist_env, self.tokenizer, pin_memory=self.pin_memory)
         startup.mark("data")
         self.sparse_embedding = model.SparseEmbeddingGrad.maybe(self.model, cfg, device)
         self.train_model = model.wrap(self.model, cfg, dist_env, device)
@@ -100,7 +104,11 @@ class Trainer:
         self.scheduler = get_linear_schedule_with_warmup(
             self.optimizer, round(cfg.train.warmup_ratio * cfg.train.max_steps), cfg.train.max_steps
         )
-        self.checkpointer = checkpoint.Checkpointer(cfg.output_dir, cfg.checkpoint.keep, dist_env)
+        async_save = cfg.checkpoint.async_save
+        self.checkpointer = checkpoint.Checkpointer(
+            cfg.output_dir, cfg.checkpoint.keep, dist_env,
+            async_save=device.type == "cuda" if async_save is None else async_save,
+        )
         self.flop_model = model.FlopModel.of(self.model)
         self.peak_flops, self.peak_source = perf.peak_flops(device, self.amp_dtype)
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * dist_env.world_size
@@ -119,10 +127,11 @@ class Trainer:
         start_step, self.run_id = self.resume()
         self.tracker = tracking.Tracker(cfg, self.dist_env, self.run_id, start_step)
         log.info(
-            "training %s: world size %d, global batch %d, %d steps (%d per epoch), precision %s, "
-            "peak %.3g FLOP/s (%s)",
-            cfg.model.name, self.dist_env.world_size, self.global_batch, cfg.train.max_steps,
-            self.data.steps_per_epoch, str(self.amp_dtype).removeprefix("torch."), self.peak_flops,
+            "training %s on %s (%s): world size %d, global batch %d, %d steps (%d per epoch), precision %s, "
+            "attention %s, peak %.3g FLOP/s (%s)",
+            cfg.model.name, self.device, dist.get_backend() if dist.is_initialized() else "no process group",
+            self.dist_env.world_size, self.global_batch, cfg.train.max_steps, self.data.steps_per_epoch,
+            str(self.amp_dtype).removeprefix("torch."), self.model.config._attn_implementation, self.peak_flops,
             self.peak_source,
         )
         steps = data.micro_batches(self.data, cfg.train.grad_accum, start_step)
@@ -168,12 +177,14 @@ class Trainer:
             if preempted_by and step < cfg.train.max_steps:
                 if not saved:
                     self.save(step, epoch)
+                self.checkpointer.finish()  # on disk, or every rank fails with why
                 raise faults.Preempted(step, preempted_by)
             paused = time.perf_counter() - paused_started
             window["paused_s"] += paused
             paused_s += paused
         progress.close()
         train_seconds = time.perf_counter() - run_started - paused_s
+        self.checkpointer.finish()  # the last checkpoint is on disk before anything reports done
 
         final_eval = self.evaluate()
         self.tracker.log({f"eval/{k}": v for k, v in final_eval.items()}, cfg.train.max_steps)
@@ -189,6 +200,8 @@ class Trainer:
             "train_seconds": train_seconds,
             "first_step_end_unix": first_step_end_unix,
             "startup_s": self.startup.phases(),
+            "checkpoint_write_s": self.checkpointer.write_seconds,
+            "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),
             "wandb_run_id": self.run_id,
             "hosts": self._hosts(),
         }
@@ -206,7 +219,7 @@ class Trainer:
         for i, batch in enumerate(batches):
             window["tokens"] += int(batch["attention_mask"].sum())
             window["sum_sq_len"] += int(batch["attention_mask"].sum(1).square().sum())
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            batch = {k: v.to(self.device, non_blocking=self.pin_memory) for k, v in batch.items()}
             is_last = i == grad_accum - 1
             with (self.ddp.no_sync() if self.ddp is not None and not is_last else nullcontext()):
                 self.timer.start("forward")
@@ -241,7 +254,7 @@ class Trainer:
         confusion = torch.zeros(num_labels, num_labels, dtype=torch.long, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in self.data.eval_loader:
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            batch = {k: v.to(self.device, non_blocking=self.pin_memory) for k, v in batch.items()}
             labels = batch.pop("labels")
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype != torch.float32):
                 logits = self.model(**batch).logits.float()
@@ -301,6 +314,7 @@ class Trainer:
         self.watchdog.report(f"step {self.watchdog.step} failed: {type(error).__name__}: {first_line}")
 
     def close(self, exit_code: int) -> None:
+        self.checkpointer.close()
         self.watchdog.close()
         self.preemption.close(clean_exit=exit_code == 0)
         if self.tracker is not None:
@@ -336,6 +350,8 @@ class Trainer:
         }
         if window["grad_norm"] is not None:
             metrics["grad_norm"] = window["grad_norm"].item()
+        if self.device.type == "cuda":  # how full the GPU is: the batch size's headroom
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics
 
     def _log_startup(self) -> None:
@@ -355,8 +371,6 @@ class Trainer:
 
     def _hosts(self) -> list[str]:
         import socket
-
-        import torch.distributed as dist
 
         hostname = socket.gethostname()
         if not dist.is_initialized():

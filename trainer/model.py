@@ -7,6 +7,7 @@ reaches a file, whatever the strategy.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,12 @@ class SparseEmbeddingGrad:
         self.weight.grad, self.written_rows = self.dense, rows
 
 
+# torch 2.13 renamed DDP's broadcast_buffers (now deprecated, with a warning) to
+# forward_sync_buffers; images built on an earlier torch know only the old name.
+_FORWARD_SYNC_BUFFERS = next(name for name in ("forward_sync_buffers", "broadcast_buffers")
+                             if name in inspect.signature(DistributedDataParallel).parameters)
+
+
 def wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.device) -> nn.Module:
     """The module the training step calls: DDP, DataParallel, or the model itself."""
     if cfg.train.strategy == "dp":
@@ -112,7 +119,7 @@ def wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.dev
             # ones costs a graph traversal per step.
             find_unused_parameters=False,
             # Buffers (position ids) never change: no broadcast before each forward.
-            forward_sync_buffers=False,
+            **{_FORWARD_SYNC_BUFFERS: False},
         )
     else:
         wrapped = model

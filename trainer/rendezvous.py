@@ -106,13 +106,28 @@ def pick_device(dist_env: DistEnv, backend: str) -> tuple[torch.device, str]:
         return torch.device("cpu"), backend
     visible = torch.cuda.device_count()
     if dist_env.local_rank >= visible:
-        # Two ranks on one GPU would either fail later with "Duplicate GPU detected" or
-        # silently share it. Usually torchrun --nproc-per-node exceeds the GPUs per node.
+        if backend == "gloo":
+            # gloo all-reduces CUDA tensors through host memory, so ranks may share a GPU
+            # (a one-GPU workstation testing a multi-rank job): an explicit choice.
+            return torch.device("cuda", dist_env.local_rank % visible), backend
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") only at the first
+        # collective. Usually torchrun --nproc-per-node exceeds the GPUs per node.
         raise ConfigError(
             f"environment: LOCAL_RANK={dist_env.local_rank} but only {visible} GPU(s) are visible; "
-            "--nproc-per-node must not exceed the GPUs per node"
+            "--nproc-per-node must not exceed the GPUs per node (or share GPUs with dist.backend=gloo)"
         )
     return torch.device("cuda", dist_env.local_rank), backend
+
+
+def use_deterministic_kernels() -> None:
+    """Make every kernel bitwise reproducible, or fail at the first one that cannot be.
+
+    Before the first cuBLAS call: cuBLAS reads its workspace setting when it creates its
+    handle, and with the default one its reductions are split in a varying order.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 # A second, CPU-only (gloo) group for small agreements between ranks, such as the
@@ -134,7 +149,8 @@ def init(dist_env: DistEnv, device: torch.device, backend: str, init_timeout_s: 
         rank=dist_env.rank,
         world_size=dist_env.world_size,
         timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
+        # Binds NCCL's communicator to this GPU now; gloo takes no device.
+        device_id=device if backend == "nccl" else None,
     )
     _control_group = dist.new_group(backend="gloo", timeout=timeout)
 
