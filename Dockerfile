@@ -22,9 +22,6 @@ LABEL org.opencontainers.image.title="ddp-trainer" \
 
 # Writable state lives under /workspace: mount a volume there (the compose file and the
 # Kubernetes PVC do) so checkpoints, the HF cache and wandb runs outlive the container.
-# TORCH_DISABLE_SHARE_RDZV_TCP_STORE: a fresh worker store per rendezvous round. With the
-# shared one, workers that torchrun restarts can read their predecessors' addresses and fail
-# again (README, "Elastic restarts").
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -33,8 +30,7 @@ ENV PYTHONUNBUFFERED=1 \
     WANDB_DIR=/workspace/wandb \
     WANDB_CACHE_DIR=/workspace/cache/wandb \
     WANDB_CONFIG_DIR=/workspace/cache/wandb-config \
-    TRITON_CACHE_DIR=/workspace/cache/triton \
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    TRITON_CACHE_DIR=/workspace/cache/triton
 
 WORKDIR /app
 

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
+from trainer.launch import torchrun_argv, trainer_program
+
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 
 
 def bench_data(out: Path, samples: int) -> Path:
@@ -78,19 +79,18 @@ def ours(args, work: Path, nproc: int, precision: str, extra: tuple[str, ...] = 
         "checkpoint.every=0", "checkpoint.resume=never", "wandb.mode=disabled", f"output_dir={work / run}", *extra,
     ]
     if nproc == 1:
-        return [sys.executable, "-m", "trainer", "train", *overrides]
-    return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m", "trainer", "train", *overrides]
+        return [sys.executable, *trainer_program(overrides=overrides)]
+    return torchrun_argv(nproc, trainer_program(overrides=overrides))
 
 
 def hf(args, work: Path, setting: str, bf16: bool, attention: str = "sdpa", compile: bool = False) -> list[str]:
     epoch_steps = args.samples // (args.batch_size * args.nproc)
-    return [
-        str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={args.nproc}", str(REPO / "benchmarks/hf_trainer.py"),
-        "--model", args.model, "--data", str(work / "data"), "--setting", setting, "--attention", attention,
+    return torchrun_argv(args.nproc, [
+        str(REPO / "benchmarks/hf_trainer.py"), "--model", args.model, "--data", str(work / "data"), "--setting", setting, "--attention", attention,
         "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
         "--steps", str(epoch_steps * args.timed_epochs), "--warmup", str(epoch_steps), "--out", str(work / "hf.json"),
         *(["--bf16"] if bf16 else []), *(["--compile"] if compile else []),
-    ]
+    ])
 
 
 def read_ours(run: Path) -> dict:
@@ -125,6 +125,14 @@ MAIN = {
     "HF Trainer best bf16 + eager attention": (lambda a, w: hf(a, w, "best", True, "eager"), "hf"),
     "HF Trainer best bf16 + torch.compile": (lambda a, w: hf(a, w, "best", True, compile=True), "hf"),
 }
+# Not in the default selection: ask for them with --only.
+OPTIONAL = {"HF Trainer best bf16 + torch.compile"}
+# A speed feature measured in fp32, for CPUs without native bf16 (AVX2 only), where bf16
+# autocast is emulated and slow.
+FP32_VARIANTS = {
+    "trainer DDP fp32 - padding to a multiple of 8": (
+        lambda a, w: ours(a, w, a.nproc, "fp32", ("data.pad_to_multiple_of=null",)), "ours"),
+}
 # Not a way to train: nproc unrelated 1-rank runs side by side, with no communication at
 # all. What they reach together is this machine's ceiling for nproc-rank scaling efficiency
 # (the ranks share caches, memory bandwidth and the loader workers' cores).
@@ -141,6 +149,7 @@ CPU_ABLATIONS = {
     "+ DDP bucket 100 MB": ("ddp.bucket_cap_mb=100",),
     "- gradient_as_bucket_view": ("ddp.gradient_as_bucket_view=false",),
     "+ static_graph": ("ddp.static_graph=true",),
+    "- padding to a multiple of 8": ("data.pad_to_multiple_of=null",),
     "+ torch.compile": ("train.compile=true",),
     "+ checkpoint every 5 steps": ("checkpoint.every=5",),  # its cost: checkpoint/save_s
 }
@@ -154,6 +163,7 @@ GPU_ABLATIONS = {
     "- loader worker (0 workers)": ("data.num_workers=0",),
     "+ 4 loader workers": ("data.num_workers=4",),
     "- length grouping": ("data.group_by_length=false",),
+    "- padding to a multiple of 8": ("data.pad_to_multiple_of=null",),
     "- gradient_as_bucket_view": ("ddp.gradient_as_bucket_view=false",),
     "+ static_graph": ("ddp.static_graph=true",),
     "+ deterministic": ("train.deterministic=true",),
@@ -163,6 +173,7 @@ GPU_ABLATIONS = {
 STRATEGIES = {
     **MAIN,
     **SCALING,
+    **FP32_VARIANTS,
     **{f"trainer DDP bf16 {label}": (lambda a, w, extra=extra: ours(a, w, a.nproc, "bf16", extra), "ours")
        for label, extra in {**CPU_ABLATIONS, **GPU_ABLATIONS}.items()},
 }
@@ -308,6 +319,9 @@ def main() -> None:
     parser.add_argument("--sweep-batch", type=int, nargs="*", metavar="B",
                         help="instead: 'trainer DDP bf16' at each of these per-rank batch sizes (find the knee)")
     parser.add_argument("--only", nargs="*", help="run these strategies only")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run every selected 'trainer ...' strategy from git revision REV (a worktree), "
+                             "interleaved with this tree's: a before/after comparison")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds before a run is killed")
     parser.add_argument("--keep-going", action="store_true", help="record a failed run and go on")
     parser.add_argument("--name", default="cpu-minilm", help="results/<name>.json and .png")
@@ -329,10 +343,17 @@ def main() -> None:
         names = ["trainer DDP bf16",
                  *(f"trainer DDP bf16 {label}" for label in (GPU_ABLATIONS if on_gpu else CPU_ABLATIONS))]
     else:
-        names = args.only or [n for n in [*MAIN, *SCALING] if n != "HF Trainer best bf16 + torch.compile"]
+        names = args.only or [n for n in [*MAIN, *SCALING] if n not in OPTIONAL]
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         parser.error(f"unknown strategies {unknown}; known: {list(STRATEGIES)}")
+    baseline = Worktree(args.baseline) if args.baseline else None
+    if baseline is not None:
+        for name in [n for n in names if n.startswith("trainer") and n in MAIN]:
+            build, kind = STRATEGIES[name]
+            STRATEGIES[f"{name} @ {args.baseline}"] = (
+                lambda a, w, build=build: ["env", f"--chdir={baseline.path}", *build(a, w)], kind)
+            names.append(f"{name} @ {args.baseline}")
     # Whole epochs, so every strategy times exactly the same samples: length-grouped
     # batches run longest first, and a partial epoch would favour whoever sorts coarser.
     args.samples = args.epoch_steps * max([args.batch_size, *(args.sweep_batch or ())]) * args.nproc
@@ -367,6 +388,8 @@ def main() -> None:
                 # What is done so far survives a killed session.
                 write_results(report(args, label, runs, failures), out_dir, args.name, chart_too=False)
 
+    if baseline is not None:
+        baseline.remove()
     results = report(args, label, runs, failures)
     write_results(results, out_dir, args.name, chart_too=True)
     print(f"\n{'strategy':50s} median samples/s   launch->first step")
@@ -377,6 +400,19 @@ def main() -> None:
     print(f"wrote {out_dir / (args.name + '.json')} and .png")
 
 
+class Worktree:
+    """A git revision of this repository checked out beside it: `python -m trainer` run from
+    there imports that revision's trainer (the working directory comes first on sys.path)."""
+
+    def __init__(self, rev: str):
+        self.path = Path(tempfile.mkdtemp(prefix="baseline-")) / "tree"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(self.path), rev], check=True,
+                       capture_output=True)
+
+    def remove(self) -> None:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(self.path)], check=False)
+
+
 def report(args, label: str, runs: dict[str, list[dict]], failures: dict[str, list[str]]) -> dict:
     done = {n: r for n, r in runs.items() if r}
     medians = {n: statistics.median(x["samples_per_s"] for x in r) for n, r in done.items()}
@@ -384,7 +420,9 @@ def report(args, label: str, runs: dict[str, list[dict]], failures: dict[str, li
     pairs = [(base, "HF Trainer defaults fp32"), ("trainer DDP fp32", "HF Trainer defaults fp32"),
              (base, "HF Trainer best bf16"), (base, "HF Trainer best bf16 + eager attention"),
              (f"{base} + torch.compile", "HF Trainer best bf16 + torch.compile"),
-             *((n, base) for n in medians if n.startswith(base + " "))]
+             *((n, base) for n in medians if n.startswith(base + " ") and " @ " not in n),
+             *((n, "trainer DDP fp32") for n in medians if n in FP32_VARIANTS),
+             *((n.split(" @ ")[0], n) for n in medians if " @ " in n)]
     ratios = {f"{a} / {b}": medians[a] / medians[b] for a, b in pairs if a in medians and b in medians}
     if base in medians and "trainer 1 rank bf16" in medians:
         ratios["scaling efficiency: DDP bf16 / (nproc x 1 rank bf16)"] = (

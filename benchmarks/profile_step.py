@@ -22,9 +22,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.__main__ import ARCHS, bench_data, random_init_model
-from trainer import config, perf
+from trainer import config, metrics
+from trainer.data import micro_batches
+from trainer.distributed import DistEnv, pick_device
 from trainer.loop import Trainer
-from trainer.rendezvous import DistEnv, pick_device
 
 # Kernel name patterns, first match wins: what each kind of time is spent on.
 CATEGORIES = [
@@ -68,13 +69,10 @@ def main() -> None:
         ])
         dist_env = DistEnv()
         device, _ = pick_device(dist_env, cfg.dist.backend)
-        trainer = Trainer(cfg, dist_env, device, perf.StartupClock())
-        from trainer.data import micro_batches
-
+        trainer = Trainer(cfg, dist_env, device, metrics.StartupClock())
         steps = micro_batches(trainer.data, cfg.train.grad_accum, 0)
-        window = trainer._new_window()
         for _ in range(args.warmup):
-            trainer.train_step(next(steps)[1], window)
+            trainer.train_step(next(steps)[1])
         batches = [next(steps)[1] for _ in range(args.steps)]  # loading is not what is profiled
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -82,7 +80,7 @@ def main() -> None:
         with profile(activities=activities) as prof:
             started = time.perf_counter()
             for batch in batches:
-                trainer.train_step(batch, window)
+                trainer.train_step(batch)
             sync()
             wall_s = time.perf_counter() - started
         trainer.close(0)

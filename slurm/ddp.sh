@@ -79,9 +79,6 @@ nnodes=$SLURM_JOB_NUM_NODES
 # core of the node and they all thrash.
 threads=$(( ${SLURM_CPUS_PER_TASK:-1} / nproc_per_node ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
-# A fresh worker store per rendezvous round: with torchrun's shared one, workers it restarts
-# can read their dead predecessors' addresses and fail again (README, "Elastic restarts").
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 # Rendezvous on the allocation's first node. Never a localhost fallback: a node that can't

@@ -28,6 +28,7 @@ import submitit
 
 from trainer import config
 from trainer.__main__ import main as trainer_main
+from trainer.errors import ConfigError, report
 from trainer.faults import EXIT_PREEMPTED
 
 # submitit's time-limit signal, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise. The
@@ -83,15 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     trainer_args = (["-c", args.config] if args.config else []) + [PREEMPT_SIGNALS, *args.overrides]
     try:  # the same checks as the job's own first seconds, before anything is queued
         config.load(args.config, [PREEMPT_SIGNALS, *args.overrides])
-    except config.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return config.EXIT_USAGE
+    except ConfigError as e:
+        return report(e)
     extra = {}
     for option in args.sbatch:
         key, sep, value = option.partition("=")
         if not sep or not key:
-            print(f"error: --sbatch {option!r} is not KEY=VALUE", file=sys.stderr)
-            return config.EXIT_USAGE
+            return report(f"--sbatch {option!r} is not KEY=VALUE")
         extra[key] = value
 
     executor = submitit.AutoExecutor(folder=args.folder, cluster="slurm")

@@ -10,14 +10,17 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
+from trainer.launch import torchrun_argv, trainer_program
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 # Offline and quiet: nothing may come from a hub, and runs must not steal each other's cores.
 BASE_ENV = {
@@ -92,6 +95,34 @@ def tiny_overrides(model: Path, data: Path, output_dir: Path, **extra) -> list[s
 
 
 @dataclass
+class Reference:
+    run: Path
+    """The run's output_dir."""
+    launched: Any = None
+    """Whatever the launcher returned (a Slurm job's record, say)."""
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, reviews):
+    """`reference_run(launch, model, **options)`: an uninterrupted run of `model` on the test
+    reviews, for a faulted run to be compared with. `launch(overrides, workdir)` runs the job
+    to the end however the test launches it (one process, torchrun, two nodes, Slurm) and
+    asserts that it succeeded."""
+
+    def run_reference(launch: Callable[[list[str], Path], Any], model: Path, **options) -> Reference:
+        work = tmp_path_factory.mktemp("reference")
+        launched = launch(tiny_overrides(model, reviews, work / "run", **options), work)
+        return Reference(work / "run", launched)
+
+    return run_reference
+
+
+def locally(nproc: int | None) -> Callable[[list[str], Path], Run]:
+    """A reference_run launcher: this machine, one process (None) or `nproc` torchrun ranks."""
+    return lambda overrides, workdir: train(overrides, nproc=nproc)
+
+
+@dataclass
 class Run:
     returncode: int
     output: str
@@ -101,10 +132,10 @@ class Run:
 def trainer_command(overrides: list[str], nproc: int | None, command: str = "train",
                     config: str | None = None, torchrun_args: tuple[str, ...] = ()) -> list[str]:
     """`python -m trainer ...` as a plain process (nproc None) or under torchrun."""
-    args = ["-m", "trainer", command] + (["-c", config] if config else []) + overrides
+    program = trainer_program(command, config, overrides)
     if nproc is None:
-        return [PYTHON, *args]
-    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *torchrun_args, *args]
+        return [PYTHON, *program]
+    return torchrun_argv(nproc, program, torchrun_args=torchrun_args)
 
 
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO) -> Run:
@@ -137,21 +168,50 @@ def train(overrides: list[str], nproc: int | None = 2, **kwargs) -> Run:
     return result
 
 
-def load_weights(path: Path) -> dict:
+def weights(source: Path, step: int | None = None) -> dict:
+    """The weights of a run's checkpoint at `step` (source: the run's output_dir), or of a
+    model folder (step None)."""
     from safetensors.torch import load_file
 
-    return load_file(str(path))
+    folder = source if step is None else source / "checkpoints" / f"step-{step}"
+    return load_file(str(folder / "model.safetensors"))
 
 
-def final_weights(output_dir: Path, step: int) -> dict:
-    return load_weights(output_dir / "checkpoints" / f"step-{step}" / "model.safetensors")
+@dataclass(frozen=True)
+class WeightDiff:
+    differing: list[str]
+    """Tensors that are not bitwise equal, or that only one side has: empty when identical."""
+    max_abs: float
+    """The largest elementwise difference over the tensors both sides have."""
 
 
-def weight_differences(expected_dir: Path, actual_dir: Path, step: int) -> list[str]:
-    """The tensors of two runs' step-`step` checkpoints that are not bitwise equal, including
-    any that only one of them has. Empty when the runs ended identically."""
+def compare_weights(expected: dict | Path, actual: dict | Path, step: int | None = None) -> WeightDiff:
+    """Two state dicts, or two runs' step-`step` checkpoints (or model folders) by path."""
     import torch
 
-    expected, actual = final_weights(expected_dir, step), final_weights(actual_dir, step)
-    differ = [name for name in expected.keys() & actual.keys() if not torch.equal(expected[name], actual[name])]
-    return sorted(expected.keys() ^ actual.keys()) + sorted(differ)
+    expected = weights(expected, step) if isinstance(expected, Path) else expected
+    actual = weights(actual, step) if isinstance(actual, Path) else actual
+    common = sorted(expected.keys() & actual.keys())
+    differing = [name for name in common if not torch.equal(expected[name], actual[name])]
+    max_abs = max((float((expected[n].double() - actual[n].double()).abs().max()) for n in common), default=0.0)
+    return WeightDiff(sorted(expected.keys() ^ actual.keys()) + differing, max_abs)
+
+
+def wait_for(predicate, timeout: float, what, procs: dict[str, subprocess.Popen] | None = None,
+             interval: float = 0.2):
+    """Poll until `predicate()` returns something truthy, and return it. Fails at `timeout`
+    saying `what` it waited for (a string, or a callable that describes the state then), and
+    fails early if one of `procs` has already exited."""
+    deadline = time.monotonic() + timeout
+    while not (found := predicate()):
+        if procs and any(p.poll() is not None for p in procs.values()):
+            raise AssertionError(f"a process exited while waiting for {_text(what)}: "
+                                 f"{ {name: p.returncode for name, p in procs.items()} }")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {_text(what)}")
+        time.sleep(interval)
+    return found
+
+
+def _text(what) -> str:
+    return what() if callable(what) else what

@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from netns import Network
+
 REPO = Path(__file__).resolve().parents[1]
 HOME = "/home/trainer"  # `useradd --create-home trainer` in the Dockerfile
 
@@ -101,3 +103,44 @@ class Container:
         for layer in layers:
             env.update(layer)
         return env
+
+
+@dataclass
+class Service:
+    """One container to start: a compose service, or a pod's training container."""
+
+    name: str
+    """Its host name; other containers reach it by this and by `aliases`."""
+    aliases: list[str]
+    argv: list[str]
+    env_layers: list[dict[str, str]]
+    """Over the image's ENV, in order: the service's environment, then what an operator injects."""
+    workdir: str
+    volumes: dict[str, Path]
+    """Container path -> host folder."""
+
+
+@dataclass
+class Started:
+    codes: list[int | None]
+    """Exit codes by service, None for one still running at the timeout."""
+    logs: dict[str, Path]
+    containers: dict[str, Container]
+
+    def logs_tail(self, chars: int = 3000) -> dict[str, str]:
+        return {name: path.read_text()[-chars:] for name, path in self.logs.items()}
+
+
+def run_services(services: list[Service], image: Image, app_dir: Path, base: Path, timeout: float) -> Started:
+    """Start every service in its own network namespace, named as on its network, and wait
+    for all of them to end."""
+    with Network({s.name: s.aliases for s in services}) as net:
+        procs, logs, containers = [], {}, {}
+        for service in services:
+            container = Container(image, app_dir, base / service.name, service.volumes)
+            containers[service.name] = container
+            logs[service.name] = base / f"{service.name}.log"
+            procs.append(net.spawn(service.name, service.argv, container.environment(*service.env_layers),
+                                   service.workdir, container.binds, log=logs[service.name]))
+        codes = net.wait(procs, timeout=timeout)
+    return Started(codes, logs, containers)

@@ -22,17 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import REPO, final_weights, make_tiny_model, run, tiny_overrides, trainer_command, \
-    weight_differences  # noqa: E402
+from conftest import REPO, compare_weights, make_tiny_model, run, tiny_overrides, trainer_command  # noqa: E402
 
 STEPS = 40
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "train.log_every": 5,
            "dist.backend": "gloo"}
-
-
-def max_difference(a: Path, b: Path) -> float:
-    wa, wb = final_weights(a, STEPS), final_weights(b, STEPS)
-    return max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa)
 
 
 def check(mode: str, base: Path, model: Path, data: Path) -> dict:
@@ -49,10 +43,10 @@ def check(mode: str, base: Path, model: Path, data: Path) -> dict:
     summary = json.loads((outs["resumed"] / "summary.json").read_text())
     report = {"deterministic": mode == "on", "resumed_from_step": summary["resumed_from_step"]}
     for name in ("second", "resumed"):
-        differing = weight_differences(outs["first"], outs[name], STEPS)
-        report[f"{name}_bitwise_equal_to_first"] = not differing
-        report[f"{name}_tensors_differing"] = len(differing)
-        report[f"{name}_max_abs_difference"] = max_difference(outs["first"], outs[name])
+        diff = compare_weights(outs["first"], outs[name], STEPS)
+        report[f"{name}_bitwise_equal_to_first"] = not diff.differing
+        report[f"{name}_tensors_differing"] = len(diff.differing)
+        report[f"{name}_max_abs_difference"] = diff.max_abs
     return report
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import multinode  # noqa: E402
-from conftest import REPO, make_tiny_model, tiny_overrides, weight_differences  # noqa: E402
+from conftest import REPO, compare_weights, make_tiny_model, tiny_overrides  # noqa: E402
 from netns import Network  # noqa: E402
 
 STEPS = 40
@@ -63,7 +63,7 @@ def main() -> int:
     for i, point in enumerate(points):
         started = time.monotonic()
         codes, out = run_job(base / f"point-{i}", model, data, {"TRAINER_FAULT_SIGKILL": point})
-        matched = codes == [0, 0] and not weight_differences(reference, out, STEPS)
+        matched = codes == [0, 0] and not compare_weights(reference, out, STEPS).differing
         summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
         results.append({"kill": point, "exit_codes": codes, "resumed_from_step": summary.get("resumed_from_step"),
                         "bitwise_equal": matched, "seconds": round(time.monotonic() - started, 1)})

@@ -9,25 +9,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
-from conftest import BASE_ENV, REPO, TORCHRUN
+from conftest import BASE_ENV, REPO
 from netns import Network
+from trainer.launch import torchrun_argv, trainer_program
 
 RDZV_PORT = 29400
-# As the Dockerfile and slurm/ddp.sh set it (see README, "Elastic restarts"): a fresh worker
-# store per rendezvous round, so restarted workers never read their predecessors' addresses.
-LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def torchrun_argv(nnodes: int, nproc: int, overrides: list[str], torchrun_args: tuple[str, ...] = (),
-                  run_id: str = "test", command: str = "train") -> list[str]:
-    return [
-        TORCHRUN, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=trainer-c10d", f"--rdzv-endpoint=node0:{RDZV_PORT}", f"--rdzv-id={run_id}",
-        *torchrun_args, "-m", "trainer", command, *overrides,
-    ]
 
 
 def launch(net: Network, logs: Path, overrides: list[str], nproc: int = 1, torchrun_args: tuple[str, ...] = (),
@@ -38,22 +26,11 @@ def launch(net: Network, logs: Path, overrides: list[str], nproc: int = 1, torch
     logs.mkdir(parents=True, exist_ok=True)
     procs = {}
     for host in hosts or list(net.aliases):
-        argv = torchrun_argv(len(net.aliases), nproc, overrides, torchrun_args, run_id, command)
-        procs[host] = net.spawn(host, argv, {**BASE_ENV, **LAUNCH_ENV, **(env or {})}, REPO,
+        argv = torchrun_argv(nproc, trainer_program(command, overrides=overrides), nnodes=len(net.aliases),
+                             rdzv_endpoint=f"node0:{RDZV_PORT}", rdzv_id=run_id, torchrun_args=torchrun_args)
+        procs[host] = net.spawn(host, argv, {**BASE_ENV, **(env or {})}, REPO,
                                 binds=(binds or {}).get(host), log=logs / f"{host}.log")
     return procs
-
-
-def wait_for(predicate, timeout: float, what: str, procs: dict[str, subprocess.Popen] | None = None) -> None:
-    """Poll until `predicate()`; fail early if one of `procs` has already exited."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if procs and any(p.poll() is not None for p in procs.values()):
-            raise AssertionError(f"a node exited while waiting for {what}: "
-                                 f"{ {h: p.returncode for h, p in procs.items()} }")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def complete_steps(output_dir: Path) -> list[int]:

@@ -24,10 +24,9 @@ import signal
 import stat
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from multinode import wait_for
+from conftest import wait_for
 from netns import Network, TornDown
 
 NODES = ("node1", "node2")
@@ -150,15 +149,14 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
     def wait_job(self, job_id: str, timeout: float, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
                                                               "NODE_FAIL", "OUT_OF_MEMORY")) -> dict[str, str]:
         """Poll until the job reaches one of `states`; its scontrol record then."""
-        deadline = time.monotonic() + timeout
-        while True:
-            record = self.job(job_id)
-            if record.get("JobState") in states:
-                return record
-            if time.monotonic() > deadline:
-                raise AssertionError(f"job {job_id} still {record.get('JobState')} after {timeout}s; "
-                                     f"reason {record.get('Reason')}")
-            time.sleep(0.5)
+        last: dict[str, str] = {}
+
+        def settled() -> dict[str, str] | None:
+            last.update(self.job(job_id))
+            return dict(last) if last.get("JobState") in states else None
+
+        return wait_for(settled, timeout, lambda: f"job {job_id} to end: still {last.get('JobState')}, "
+                                                  f"reason {last.get('Reason')}", interval=0.5)
 
     def close(self) -> None:
         # Cancel jobs while the controller lives, then kill whatever is left on every host:

@@ -15,23 +15,23 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import final_weights, run, tiny_overrides, train, trainer_command, weight_differences
+from conftest import compare_weights, locally, run, tiny_overrides, train, trainer_command, weights
 from trainer.checkpoint import verify
 
 STEPS = 8
 
 
+OPTIONS = {"train.max_steps": STEPS, "checkpoint.every": 2, "checkpoint.keep": 3}
+
+
 def overrides(tiny_model, reviews, output_dir, **extra):
-    return tiny_overrides(tiny_model, reviews, output_dir, **{
-        "train.max_steps": STEPS, "checkpoint.every": 2, "checkpoint.keep": 3, **extra})
+    return tiny_overrides(tiny_model, reviews, output_dir, **{**OPTIONS, **extra})
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_model, reviews, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("uninterrupted")
-    train(overrides(tiny_model, reviews, out), nproc=None)
+def uninterrupted(reference_run, tiny_model) -> Path:
+    out = reference_run(locally(None), tiny_model, **OPTIONS).run
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4", "step-6", "step-8"]
     return out
 
@@ -44,10 +44,6 @@ def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-
-
-def assert_same_weights(out: Path, uninterrupted: Path) -> None:
-    assert not weight_differences(uninterrupted, out, STEPS)
 
 
 @pytest.mark.parametrize("damage, resumed_from, warnings", [
@@ -69,7 +65,7 @@ def test_damaged_checkpoint_is_skipped_by_name(uninterrupted, tiny_model, review
     for warning in warnings:
         assert f"skipping checkpoint {out / 'checkpoints'}/{warning}" in result.output
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == resumed_from
-    assert_same_weights(out, uninterrupted)
+    assert not compare_weights(uninterrupted, out, STEPS).differing
     assert verify(out / "checkpoints" / "step-8") is None  # rewritten whole
 
 
@@ -90,7 +86,7 @@ def test_pruning_never_deletes_the_last_good_checkpoint(uninterrupted, tiny_mode
 
     result = train(settings, nproc=None)
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 6
-    assert_same_weights(out, uninterrupted)
+    assert not compare_weights(uninterrupted, out, STEPS).differing
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -119,12 +115,11 @@ def test_disk_full_mid_save_keeps_the_previous_checkpoint(uninterrupted, tiny_mo
         subprocess.run(["mount", "-o", "remount,size=512M", mount], check=True)
         train(settings, nproc=2)
         assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 4
-        two_ranks = final_weights(out, STEPS)
+        two_ranks = weights(out, STEPS)
     finally:
         subprocess.run(["umount", "-l", mount], check=False)
     # 2 ranks x batch b equal 1 process x 2b (the DDP-exactness tests), not bitwise.
-    reference = final_weights(uninterrupted, STEPS)
-    assert all(torch.allclose(two_ranks[n], reference[n], atol=1e-5) for n in reference)
+    assert compare_weights(weights(uninterrupted, STEPS), two_ranks).max_abs <= 1e-5
 
 
 def test_sigkill_mid_background_write_resumes_from_the_checkpoint_before(uninterrupted, tiny_model, reviews,
@@ -142,5 +137,5 @@ def test_sigkill_mid_background_write_resumes_from_the_checkpoint_before(uninter
     result = train(settings, nproc=None)
     assert "(in the background)" in result.output
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 4
-    assert_same_weights(out, uninterrupted)
+    assert not compare_weights(uninterrupted, out, STEPS).differing
     assert verify(out / "checkpoints" / "step-6") is None

@@ -17,9 +17,8 @@ import jsonschema
 import pytest
 import yaml
 
-from container import Container, build_app_dir, read_dockerfile
+from container import Service, build_app_dir, read_dockerfile, run_services
 from conftest import REPO
-from netns import Network
 
 SCHEMA = jsonschema.Draft7Validator(json.loads((REPO / "tests/schemas/compose-spec.json").read_text()))
 RESET = object()  # Compose's `!reset` tag: drop the key when merging
@@ -145,24 +144,17 @@ def test_compose_cpu_variant_runs_a_two_node_job(tmp_path_factory):
         path.mkdir(parents=True)
 
     services = config["services"]
-    with Network({name: [svc.get("hostname", name)] for name, svc in services.items()}) as net:
-        procs, containers = [], {}
-        for name, service in services.items():
-            volumes = {}
-            for spec in service["volumes"]:
-                source, target = spec.split(":")[:2]
-                volumes[target] = named_volumes[source]
-            container = Container(image, app_dir, base / name, volumes)
-            containers[name] = container
-            env = container.environment(service.get("environment", {}))
-            procs.append(net.spawn(name, service["command"], env, service.get("working_dir", image.workdir),
-                                   container.binds, log=base / f"{name}.log"))
-        codes = net.wait(procs, timeout=300)
-    logs = {name: (base / f"{name}.log").read_text()[-3000:] for name in services}
-    assert codes == [0, 0], logs
+    started = run_services([
+        Service(name, [service.get("hostname", name)], service["command"], [service.get("environment", {})],
+                service.get("working_dir", image.workdir),
+                {target: named_volumes[source] for source, target, *_ in
+                 (spec.split(":") for spec in service["volumes"])})
+        for name, service in services.items()
+    ], image, app_dir, base, timeout=300)
+    assert started.codes == [0, 0], started.logs_tail()
 
     output_dir = option(services["node0"]["command"], "output_dir")
-    summary = json.loads(containers["node0"].host_path(f"{output_dir}/summary.json").read_text())
+    summary = json.loads(started.containers["node0"].host_path(f"{output_dir}/summary.json").read_text())
     assert summary["world_size"] == 2
     assert sorted(summary["hosts"]) == ["node0", "node1"]
     assert summary["steps"] == 12

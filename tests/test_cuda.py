@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import load_weights, run, tiny_overrides, train, trainer_command, weight_differences
+from conftest import compare_weights, locally, run, tiny_overrides, train, trainer_command, weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -49,25 +49,22 @@ def test_gloo_ranks_sharing_the_gpu_match_one_process(tiny_model, reviews, tmp_p
         "train.batch_size": batch_size, "train.grad_accum": grad_accum, "train.max_steps": STEPS,
         "dist.backend": "gloo"}), nproc=2)
     assert "on cuda:0 (gloo)" in result.output
-    expected = load_weights(single / "checkpoints" / f"step-{STEPS}" / "model.safetensors")
-    actual = load_weights(ranks / "checkpoints" / f"step-{STEPS}" / "model.safetensors")
-    initial = load_weights(tiny_model / "model.safetensors")
-    assert max((actual[k] - initial[k]).abs().max().item() for k in actual) > 1e-2  # it trained
-    assert max((actual[k] - expected[k]).abs().max().item() for k in actual) <= 1e-5
+    assert compare_weights(weights(tiny_model), weights(ranks, STEPS)).max_abs > 1e-2  # it trained
+    assert compare_weights(single, ranks, STEPS).max_abs <= 1e-5
 
 
-def test_kill_and_resume_on_the_gpu_is_bitwise_with_deterministic_kernels(dropout_model, reviews, tmp_path):
+def test_kill_and_resume_on_the_gpu_is_bitwise_with_deterministic_kernels(reference_run, dropout_model, reviews,
+                                                                          tmp_path):
     """As tests/test_resume.py, on CUDA, with the GPU's defaults (asynchronous checkpoints)
     and train.deterministic: without it, atomics in CUDA kernels (embedding backward) make
     even two uninterrupted runs differ in the last bits."""
     options = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "train.log_every": 5,
                "dist.backend": "gloo", "train.deterministic": True}
-    uninterrupted = tmp_path / "uninterrupted"
-    train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
+    uninterrupted = reference_run(locally(2), dropout_model, **options).run
     resumed = tmp_path / "resumed"
     overrides = tiny_overrides(dropout_model, reviews, resumed, **options)
     killed = run(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:23"})
     assert killed.returncode != 0 and "(in the background)" in killed.output
     result = train(overrides)
     assert f"resumed from {resumed / 'checkpoints' / 'step-20'}" in result.output
-    assert not weight_differences(uninterrupted, resumed, STEPS)
+    assert not compare_weights(uninterrupted, resumed, STEPS).differing

@@ -5,15 +5,14 @@ import json
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import TORCHRUN, run
+from conftest import run, trainer_command
 
 
 def test_demo_config_end_to_end(reviews, tmp_path):
     out = tmp_path / "demo"
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "trainer", "train", "-c", "configs/demo.yaml",
-           f"data.path={reviews}", "data.max_train_samples=192", "data.max_eval_samples=64",
-           "train.max_steps=4", "train.eval_every=2", "checkpoint.every=2", f"output_dir={out}"]
-    result = run(cmd, timeout=600)
+    overrides = [f"data.path={reviews}", "data.max_train_samples=192", "data.max_eval_samples=64",
+                 "train.max_steps=4", "train.eval_every=2", "checkpoint.every=2", f"output_dir={out}"]
+    result = run(trainer_command(overrides, nproc=2, config="configs/demo.yaml"), timeout=600)
     assert result.returncode == 0, result.output[-5000:]
 
     summary = json.loads((out / "summary.json").read_text())

@@ -23,10 +23,9 @@ import jsonschema
 import pytest
 import yaml
 
-from container import Container, build_app_dir, read_dockerfile
+from container import Service, Started, build_app_dir, read_dockerfile, run_services
 from conftest import REPO
 from kubeflow import Pod, pytorchjob_pods, pytorchjob_webhook_violations, trainjob_pods
-from netns import Network
 
 SCHEMAS = REPO / "tests/schemas"
 BIN = Path(sys.executable).parent
@@ -201,53 +200,46 @@ def test_trainjob_fits_the_runtime():
     assert TRAINJOB["spec"]["runtimeRef"]["name"] == RUNTIME["metadata"]["name"]
 
 
-def run_pods(pods: list[Pod], tmp: Path) -> tuple[list[int | None], dict[str, Path], list[Container]]:
-    """Run every pod's training container as the operator would start it: exit codes, logs,
-    and each pod's view of its filesystem."""
+def run_pods(pods: list[Pod], tmp: Path) -> Started:
+    """Run every pod's training container as the operator would start it, each volume made
+    real: a ConfigMap's files, one shared folder per PVC, a private emptyDir."""
     image = read_dockerfile()
-    app_dir = build_app_dir(image, tmp / "app")
     configmaps = {k8s_objects()["ConfigMap"]["metadata"]["name"]: k8s_objects()["ConfigMap"]}
     claims: dict[str, Path] = {}
-    with Network({pod.name: pod.dns_names[1:] for pod in pods}) as net:
-        procs, logs, containers = [], {}, []
-        for pod in pods:
-            root = tmp / pod.name
-            volumes = {v["name"]: v for v in pod.spec["volumes"]}
-            mounts: dict[str, Path] = {}
-            for mount in pod.container["volumeMounts"]:
-                volume = volumes[mount["name"]]
-                if "configMap" in volume:
-                    path = root / "configmaps" / mount["name"]
-                    path.mkdir(parents=True)
-                    for key, text in configmaps[volume["configMap"]["name"]]["data"].items():
-                        (path / key).write_text(text)
-                elif "persistentVolumeClaim" in volume:
-                    claim = volume["persistentVolumeClaim"]["claimName"]
-                    path = claims.setdefault(claim, tmp / "claims" / claim)
-                    path.mkdir(parents=True, exist_ok=True)
-                else:
-                    assert "emptyDir" in volume, volume
-                    path = root / "emptydirs" / mount["name"]
-                    path.mkdir(parents=True)
-                mounts[mount["mountPath"]] = path
-            container = Container(image, app_dir, root, mounts)
-            containers.append(container)
-            env = {e["name"]: e["value"] for e in pod.container.get("env", []) if "value" in e}
-            for e in pod.container.get("env", []):  # an absent optional Secret leaves the variable unset
-                assert "value" in e or e["valueFrom"]["secretKeyRef"]["optional"], e
-            argv = pod.container["command"] + pod.container.get("args", [])
-            logs[pod.name] = tmp / f"{pod.name}.log"
-            procs.append(net.spawn(pod.name, argv, container.environment(env, pod.injected_env),
-                                   pod.container.get("workingDir", image.workdir), container.binds,
-                                   log=logs[pod.name]))
-        codes = net.wait(procs, timeout=400)
-    return codes, logs, containers
+    services = []
+    for pod in pods:
+        root = tmp / pod.name
+        volumes = {v["name"]: v for v in pod.spec["volumes"]}
+        mounts: dict[str, Path] = {}
+        for mount in pod.container["volumeMounts"]:
+            volume = volumes[mount["name"]]
+            if "configMap" in volume:
+                path = root / "configmaps" / mount["name"]
+                path.mkdir(parents=True)
+                for key, text in configmaps[volume["configMap"]["name"]]["data"].items():
+                    (path / key).write_text(text)
+            elif "persistentVolumeClaim" in volume:
+                claim = volume["persistentVolumeClaim"]["claimName"]
+                path = claims.setdefault(claim, tmp / "claims" / claim)
+                path.mkdir(parents=True, exist_ok=True)
+            else:
+                assert "emptyDir" in volume, volume
+                path = root / "emptydirs" / mount["name"]
+                path.mkdir(parents=True)
+            mounts[mount["mountPath"]] = path
+        env = {e["name"]: e["value"] for e in pod.container.get("env", []) if "value" in e}
+        for e in pod.container.get("env", []):  # an absent optional Secret leaves the variable unset
+            assert "value" in e or e["valueFrom"]["secretKeyRef"]["optional"], e
+        services.append(Service(pod.name, pod.dns_names[1:], pod.container["command"] + pod.container.get("args", []),
+                                [env, pod.injected_env], pod.container.get("workingDir", image.workdir), mounts))
+    return run_services(services, image, build_app_dir(image, tmp / "app"), tmp, timeout=400)
 
 
-def assert_job_completed(codes, logs: dict[str, Path], containers: list[Container]) -> None:
-    assert codes == [0] * len(codes), {name: path.read_text()[-3000:] for name, path in logs.items()}
+def assert_job_completed(started: Started) -> None:
+    assert started.codes == [0] * len(started.codes), started.logs_tail()
     config = yaml.safe_load(k8s_objects()["ConfigMap"]["data"]["config.yaml"])
-    summary = json.loads(containers[0].host_path(f"{config['output_dir']}/summary.json").read_text())
+    first = next(iter(started.containers.values()))
+    summary = json.loads(first.host_path(f"{config['output_dir']}/summary.json").read_text())
     assert summary["world_size"] == 2 and len(summary["hosts"]) == 2, summary
     assert summary["steps"] == config["train"]["max_steps"]
 
@@ -256,10 +248,10 @@ def test_pytorchjob_runs_as_the_operator_starts_it(tmp_path_factory):
     pods = pytorchjob_pods(k8s_objects()["PyTorchJob"])
     assert [pod.name for pod in pods] == ["ddp-trainer-master-0", "ddp-trainer-worker-0"]
     assert pods[1].injected_env["WORLD_SIZE"] == "2" and pods[1].injected_env["RANK"] == "1"
-    assert_job_completed(*run_pods(pods, tmp_path_factory.mktemp("pytorchjob")))
+    assert_job_completed(run_pods(pods, tmp_path_factory.mktemp("pytorchjob")))
 
 
 def test_trainjob_runs_as_the_runtime_starts_it(tmp_path_factory):
     pods = trainjob_pods(TRAINJOB, RUNTIME)
     assert pods[0].injected_env["PET_MASTER_ADDR"] == "ddp-trainer-node-0-0.ddp-trainer"
-    assert_job_completed(*run_pods(pods, tmp_path_factory.mktemp("trainjob")))
+    assert_job_completed(run_pods(pods, tmp_path_factory.mktemp("trainjob")))

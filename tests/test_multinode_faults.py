@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -20,7 +19,7 @@ import time
 import pytest
 
 import multinode
-from conftest import tiny_overrides, weight_differences
+from conftest import compare_weights, tiny_overrides, wait_for
 from netns import Network
 
 STEPS = 40
@@ -39,14 +38,18 @@ def logs_of(logs, tail: int | None = 5000) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-tail if tail else 0:]}" for p in sorted(logs.glob("*.log")))
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(dropout_model, reviews, tmp_path_factory):
-    out = tmp_path_factory.mktemp("two-nodes")
+def on_two_nodes(overrides: list[str], workdir) -> None:
+    """A reference_run launcher: node0 and node1, one torchrun each, to the end."""
     with Network(TWO_NODES) as net:
-        codes = run_to_end(net, out / "logs", tiny_overrides(dropout_model, reviews, out / "run", **OPTIONS))
-    assert codes == [0, 0], logs_of(out / "logs")
-    assert multinode.summary(out / "run")["hosts"] == ["node0", "node1"]
-    return out / "run"
+        codes = run_to_end(net, workdir / "logs", overrides)
+    assert codes == [0, 0], logs_of(workdir / "logs")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(reference_run, dropout_model):
+    out = reference_run(on_two_nodes, dropout_model, **OPTIONS).run
+    assert multinode.summary(out)["hosts"] == ["node0", "node1"]
+    return out
 
 
 @pytest.mark.parametrize("kill", ["1:7", "0:19", "1:33"])
@@ -64,7 +67,7 @@ def test_elastic_restart_after_sigkill_is_bitwise_exact(uninterrupted, dropout_m
     assert "failed (exitcode: -9)" in logs  # torchrun saw the SIGKILL, and restarted the workers
     assert f"resumed from {out / 'checkpoints' / f'step-{resumed_from}'}" in logs
     assert multinode.summary(out)["resumed_from_step"] == resumed_from
-    assert not weight_differences(uninterrupted, out, STEPS)
+    assert not compare_weights(uninterrupted, out, STEPS).differing
 
 
 def test_sigterm_on_one_node_saves_everywhere_and_resumes_exactly(uninterrupted, dropout_model, reviews, tmp_path):
@@ -74,7 +77,7 @@ def test_sigterm_on_one_node_saves_everywhere_and_resumes_exactly(uninterrupted,
     overrides = tiny_overrides(dropout_model, reviews, out, **OPTIONS)
     with Network(TWO_NODES) as net:
         procs = multinode.launch(net, tmp_path / "logs", overrides)
-        multinode.wait_for(lambda: 10 in multinode.complete_steps(out), 120, "checkpoint step-10", procs)
+        wait_for(lambda: 10 in multinode.complete_steps(out), 120, "checkpoint step-10", procs)
         # Freeze the workers, so that the signal lands mid-run however fast this machine is,
         # signal node1's torchrun (it forwards SIGTERM to its workers), and thaw them.
         launchers = {str(p.pid) for p in procs.values()}
@@ -103,7 +106,7 @@ def test_sigterm_on_one_node_saves_everywhere_and_resumes_exactly(uninterrupted,
         codes = run_to_end(net, tmp_path / "logs-resumed", overrides)
     assert codes == [0, 0], logs_of(tmp_path / "logs-resumed")
     assert multinode.summary(out)["resumed_from_step"] == step
-    assert not weight_differences(uninterrupted, out, STEPS)
+    assert not compare_weights(uninterrupted, out, STEPS).differing
 
 
 def test_frozen_node_is_reported_and_the_job_fails_within_the_timeout(dropout_model, reviews, tmp_path):
@@ -117,7 +120,7 @@ def test_frozen_node_is_reported_and_the_job_fails_within_the_timeout(dropout_mo
     )
     with Network(TWO_NODES) as net:
         procs = multinode.launch(net, tmp_path / "logs", overrides, nproc=2)
-        multinode.wait_for(lambda: 20 in multinode.complete_steps(out), 180, "checkpoint step-20", procs)
+        wait_for(lambda: 20 in multinode.complete_steps(out), 180, "checkpoint step-20", procs)
         for pid in net.pids("node1"):
             os.kill(int(pid), signal.SIGSTOP)
         stopped = time.monotonic()

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from conftest import run, tiny_overrides, trainer_command
 from trainer.config import Config
 from trainer.data import GlobalBatchSampler
-from trainer.rendezvous import DistEnv
+from trainer.distributed import DistEnv
 
 STEPS, LOG_EVERY, PER_RANK = 8, 4, 8
 PHASES = ["data", "forward", "backward", "comm", "optimizer"]

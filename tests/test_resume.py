@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import wandb_log
-from conftest import run, tiny_overrides, train, trainer_command, weight_differences
+from conftest import compare_weights, locally, run, tiny_overrides, train, trainer_command
 
 STEPS = 40
 # Logged values are means over a logging window; a window after a resume starts at the
@@ -22,10 +22,8 @@ OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(dropout_model, reviews, tmp_path_factory):
-    out = tmp_path_factory.mktemp("uninterrupted")
-    train(tiny_overrides(dropout_model, reviews, out, **OPTIONS))
-    return out
+def uninterrupted(reference_run, dropout_model):
+    return reference_run(locally(2), dropout_model, **OPTIONS).run
 
 
 def metrics_by_step(output_dir: Path) -> dict[int, dict]:
@@ -65,7 +63,7 @@ def test_sigkill_then_resume_is_bitwise_exact(uninterrupted, dropout_model, revi
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from_step"] == resumed_from
 
-    assert not weight_differences(uninterrupted, tmp_path, STEPS)
+    assert not compare_weights(uninterrupted, tmp_path, STEPS).differing
     # The logged global loss is the same at every step, including the redone ones.
     losses = lambda out: {s: r["loss"] for s, r in metrics_by_step(out).items() if "loss" in r}  # noqa: E731
     assert losses(tmp_path) == losses(uninterrupted)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import wandb_log
-from conftest import BASE_ENV, PYTHON, REPO, tiny_overrides, weight_differences
-from multinode import complete_steps, summary, wait_for
+from conftest import BASE_ENV, PYTHON, REPO, compare_weights, tiny_overrides, wait_for
+from multinode import complete_steps, summary
 from slurm_cluster import SlurmCluster
 
 STEPS = 120
@@ -52,13 +52,17 @@ def explain(record: dict[str, str], cluster: SlurmCluster) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cluster, dropout_model, reviews, tmp_path_factory):
-    """The reference: `sbatch slurm/ddp.sh` to the end, on both nodes."""
-    tmp = tmp_path_factory.mktemp("sbatch")
-    job_id, log = submit(cluster, tmp, tiny_overrides(dropout_model, reviews, tmp / "run", **OPTIONS))
-    record = finished(cluster, job_id, log, timeout=180)
-    assert record["JobState"] == "COMPLETED", explain(record, cluster)
-    return tmp / "run", record
+def uninterrupted(cluster, reference_run, dropout_model):
+    """The reference: `sbatch slurm/ddp.sh` to the end, on both nodes; (output_dir, job record)."""
+
+    def sbatch(overrides: list[str], workdir: Path) -> dict[str, str]:
+        job_id, log = submit(cluster, workdir, overrides)
+        record = finished(cluster, job_id, log, timeout=180)
+        assert record["JobState"] == "COMPLETED", explain(record, cluster)
+        return record
+
+    reference = reference_run(sbatch, dropout_model, **OPTIONS)
+    return reference.run, reference.launched
 
 
 def test_sbatch_runs_one_world_across_both_nodes(uninterrupted):
@@ -97,7 +101,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bitwise(cluster, uni
     resumed_from = summary(run)["resumed_from_step"]
     assert resumed_from == int(saved.group(1)) and 0 < resumed_from < STEPS
     assert "checkpoint saved; requeueing job" in record["log"]
-    assert weight_differences(reference, run, STEPS) == []
+    assert compare_weights(reference, run, STEPS).differing == []
     assert one_wandb_run(run, attempts=2) == summary(run)["wandb_run_id"]
 
 
@@ -127,7 +131,7 @@ def test_submitit_job_is_requeued_on_preemption_and_matches_sbatch(cluster, unin
         with open(tmp_path / "submitit" / f"{job_id}_{task}_result.pkl", "rb") as f:
             assert pickle.load(f) == ("success", 0)
     assert 0 < summary(run)["resumed_from_step"] < STEPS
-    assert weight_differences(reference, run, STEPS) == []
+    assert compare_weights(reference, run, STEPS).differing == []
     one_wandb_run(run, attempts=2)
 
 

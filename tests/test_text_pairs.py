@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from conftest import final_weights, train
+from conftest import train, weights
 
 
 def test_premise_hypothesis_pairs_train_and_evaluate(tiny_model, tmp_path):
@@ -31,5 +31,5 @@ def test_premise_hypothesis_pairs_train_and_evaluate(tiny_model, tmp_path):
     single = tmp_path / "single"
     train([o for o in overrides if not o.startswith(("data.text_pair_field", "output_dir"))]
           + [f"output_dir={single}"], nproc=None)
-    with_pairs, without = final_weights(out, 3), final_weights(single, 3)
+    with_pairs, without = weights(out, 3), weights(single, 3)
     assert any(not torch.equal(with_pairs[k], without[k]) for k in with_pairs)

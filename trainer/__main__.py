@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from trainer import config, perf, rendezvous
-from trainer.config import EXIT_USAGE, ConfigError
+from trainer import config, distributed, errors, metrics
+from trainer.errors import TrainerError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -21,7 +21,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-def setup_logging(dist_env: rendezvous.DistEnv) -> None:
+def setup_logging(dist_env: distributed.DistEnv) -> None:
     """Rank 0 speaks at INFO; the others only warn, so a 16-rank log stays readable."""
     level = logging.INFO if dist_env.is_rank_zero else logging.WARNING
     logging.basicConfig(
@@ -37,7 +37,7 @@ def setup_logging(dist_env: rendezvous.DistEnv) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    startup = perf.StartupClock()
+    startup = metrics.StartupClock()
     args = parse_args(argv)
     # Everything a user can get wrong is checked here, before a process group or a file exists.
     try:
@@ -45,34 +45,29 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check":
             print(config.to_yaml(cfg), end="")
             return 0
-        dist_env = rendezvous.read_env()
-        device, backend = rendezvous.pick_device(dist_env, cfg.dist.backend)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        dist_env = distributed.read_env()
+        device, backend = distributed.pick_device(dist_env, cfg.dist.backend)
+    except TrainerError as e:
+        return errors.report(e)
 
     setup_logging(dist_env)
     if args.command == "doctor":
         from trainer import doctor
 
         return doctor.run(cfg, dist_env, device, backend)
-    from trainer.checkpoint import CheckpointError
     from trainer.faults import EXIT_PREEMPTED, Preempted
     from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here
 
     startup.mark("imports")
     exit_code, trainer = 1, None
     try:
-        rendezvous.init(dist_env, device, backend, cfg.dist.init_timeout_s)
+        distributed.init(dist_env, device, backend, cfg.dist.init_timeout_s)
         startup.mark("rendezvous")
         trainer = Trainer(cfg, dist_env, device, startup)
         trainer.train()
         exit_code = 0
-    except ConfigError as e:  # found in the data or the model, once they are loaded
-        print(f"error: {e}", file=sys.stderr)
-        exit_code = EXIT_USAGE
-    except CheckpointError as e:  # a full or failing disk: every rank stops with rank 0's reason
-        print(f"error: {e}", file=sys.stderr)
+    except TrainerError as e:  # the data, the model, a checkpoint: found once they are loaded
+        exit_code = errors.report(e)
     except Preempted as e:
         logging.getLogger("trainer").warning("%s; exiting with %d, relaunch to resume", e, EXIT_PREEMPTED)
         exit_code = EXIT_PREEMPTED
@@ -83,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.close(exit_code)
-        rendezvous.close()
+        distributed.close()
     return exit_code
 
 

@@ -26,28 +26,23 @@ import logging
 import os
 import random
 import shutil
-import signal
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from trainer.config import ConfigError
-from trainer.rendezvous import DistEnv
+from trainer import distributed, faults
+from trainer.distributed import DistEnv
+from trainer.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json", "config.yaml")
-
-
-class CheckpointError(RuntimeError):
-    """A save failed on rank 0; raised on every rank with rank 0's message."""
 
 
 def _sha256(path: Path) -> str:
@@ -185,6 +180,7 @@ class Checkpointer:
         self.dist_env = dist_env
         self.async_save = async_save
         self._pending: _Write | None = None
+        self._kill_in_save = faults.sigkill_in_save_step()
         self.write_seconds: list[float] = []
         """How long each finished write took (rank 0): in the background, training ran meanwhile."""
 
@@ -208,11 +204,7 @@ class Checkpointer:
         """
         if self.async_save:
             self.finish()  # the previous write, if it is still going: one at a time
-        rngs = [rng_state()]
-        if dist.is_initialized():
-            gathered = [None] * self.dist_env.world_size if self.dist_env.is_rank_zero else None
-            dist.gather_object(rngs[0], gathered, dst=0)
-            rngs = gathered
+        rngs = distributed.gather_to_rank_zero(self.dist_env, rng_state())
         if self.dist_env.is_rank_zero:
             self._pending = self._start_write(step, model, optimizer, scheduler, state, config_yaml, rngs)
         if not self.async_save:
@@ -251,10 +243,7 @@ class Checkpointer:
                          f"({free_mb:.1f} MB free in {self.root})")
             else:
                 self.write_seconds.append(pending.seconds)
-        if dist.is_initialized():
-            errors = [error]
-            dist.broadcast_object_list(errors, src=0)
-            error = errors[0]
+        error = distributed.broadcast_from_rank_zero(self.dist_env, error)
         if error:
             raise CheckpointError(error)
 
@@ -278,8 +267,8 @@ class Checkpointer:
             torch.save(rngs, tmp / "rng.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
             (tmp / "config.yaml").write_text(config_yaml)
-            if os.environ.get("TRAINER_FAULT_SIGKILL_IN_SAVE") == str(step):
-                os.kill(os.getpid(), signal.SIGKILL)  # a fault-injection point: files written, no marker
+            if step == self._kill_in_save:
+                faults.sigkill_now()  # a fault-injection point: files written, no marker
             checksums = {}
             for name in FILES:
                 _fsync(tmp / name)
@@ -319,12 +308,9 @@ class Checkpointer:
 
     def find_resume(self, resume: str) -> Path | None:
         """The checkpoint to resume from, chosen by rank 0 and the same on every rank."""
-        choice: list = [None]
-        if self.dist_env.is_rank_zero:
-            choice[0] = self._choose(resume)
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        return None if choice[0] is None else Path(choice[0])
+        choice = self._choose(resume) if self.dist_env.is_rank_zero else None
+        choice = distributed.broadcast_from_rank_zero(self.dist_env, choice)
+        return None if choice is None else Path(choice)
 
     def _choose(self, resume: str) -> str | None:
         if resume == "never":
@@ -345,7 +331,7 @@ class Checkpointer:
         """Restore everything in place; returns the trainer state. Nothing is unpickled."""
         state = json.loads((path / "state.json").read_text())
         if state["world_size"] != self.dist_env.world_size:
-            raise ConfigError(
+            raise CheckpointError(
                 f"checkpoint.resume: {path} was written by {state['world_size']} ranks and this job has "
                 f"{self.dist_env.world_size}; exact resume needs the same world size "
                 "(or start over with checkpoint.resume=never)"

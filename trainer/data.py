@@ -20,8 +20,8 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from trainer.config import ConfigError
-from trainer.rendezvous import DistEnv, local_rank_zero_first
+from trainer.distributed import DistEnv, local_rank_zero_first
+from trainer.errors import ConfigError, DataError, TrainerError
 
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 _MEGABATCH = 50  # length grouping sorts within windows of 50 global batches, as HF Trainer does
@@ -51,14 +51,14 @@ def _load_split(data_cfg: DictConfig, split: str, key: str):
         if path.is_dir():
             return datasets.load_dataset(str(path), split=split)
         return datasets.load_dataset(data_cfg.path, data_cfg.name, split=split)
-    except ConfigError:
+    except TrainerError:
         raise
     except ValueError as e:
         if "split" in str(e).lower():
             raise ConfigError(f"{key}: {split!r}: {_first_line(e)}") from None
-        raise ConfigError(f"data.path: {data_cfg.path}: {_first_line(e)}") from None
+        raise DataError(f"data.path: {data_cfg.path}: {_first_line(e)}") from None
     except Exception as e:  # datasets raises many types for an unreadable or unknown source
-        raise ConfigError(f"data.path: {data_cfg.path}: {_describe(e)}") from None
+        raise DataError(f"data.path: {data_cfg.path}: {_describe(e)}") from None
 
 
 def _first_line(e: Exception) -> str:
@@ -77,7 +77,7 @@ def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
     for key in ("text_field", "text_pair_field", "label_field"):
         column = data_cfg[key]
         if column is not None and column not in ds.column_names:
-            raise ConfigError(
+            raise DataError(
                 f"data.{key}: column {column!r} not in {split_key} (columns: {', '.join(ds.column_names)})"
             )
     for key in ("text_field", "text_pair_field"):
@@ -85,13 +85,13 @@ def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
         if column is not None:
             row = next((i for i, value in enumerate(ds[column]) if not isinstance(value, str)), None)
             if row is not None:
-                raise ConfigError(f"data.{key}: column {column!r} in {split_key} has a non-text value "
+                raise DataError(f"data.{key}: column {column!r} in {split_key} has a non-text value "
                                   f"in row {row}: {ds[row][column]!r}")
     labels = np.asarray(ds[data_cfg.label_field])
     if labels.size and not np.issubdtype(labels.dtype, np.integer):
-        raise ConfigError(f"data.label_field: column {data_cfg.label_field!r} must hold integer class ids")
+        raise DataError(f"data.label_field: column {data_cfg.label_field!r} must hold integer class ids")
     if labels.size and (labels.min() < 0 or labels.max() >= data_cfg.num_labels):
-        raise ConfigError(
+        raise DataError(
             f"data.num_labels: {split_key} has labels in [{labels.min()}, {labels.max()}], "
             f"outside [0, {data_cfg.num_labels - 1}]"
         )
@@ -101,7 +101,7 @@ def _prepare(data_cfg: DictConfig, split_key: str, limit: int | None, tokenizer,
     """Load, subsample (before tokenization: no wasted work), check, tokenize with caching."""
     ds = _load_split(data_cfg, data_cfg[split_key], f"data.{split_key}")
     if len(ds) == 0:
-        raise ConfigError(f"data.{split_key}: {data_cfg[split_key]!r} is empty")
+        raise DataError(f"data.{split_key}: {data_cfg[split_key]!r} is empty")
     if limit is not None and limit < len(ds):
         ds = ds.shuffle(seed=seed).select(range(limit))
     _check_columns(ds, data_cfg, f"data.{split_key}")
@@ -186,21 +186,6 @@ class EvalShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-class PadToLongest:
-    """Collate: pad each batch to its own longest sample (dynamic padding)."""
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        longest = max(len(s["input_ids"]) for s in samples)
-        batch = {"labels": torch.tensor([s["labels"] for s in samples], dtype=torch.long)}
-        for key, pad in (("input_ids", self.pad_token_id), ("attention_mask", 0), ("token_type_ids", 0)):
-            if key in samples[0]:
-                batch[key] = torch.tensor([s[key] + [pad] * (longest - len(s[key])) for s in samples])
-        return batch
-
-
 def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, pin_memory: bool) -> Data:
     data_cfg = cfg.data
     import datasets  # noqa: F401  (~0.5 s) before the wait below, not after it
@@ -217,7 +202,11 @@ def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, pin_memory: bool) -> Da
             f"train.batch_size: the global batch ({global_batch} = batch_size x grad_accum x world size) "
             f"is larger than the {len(train_ds)} training samples"
         )
-    collate = PadToLongest(tokenizer.pad_token_id or 0)
+    from transformers import DataCollatorWithPadding
+
+    # Each batch padded to its own longest sample, rounded up: fewer distinct shapes for
+    # tensor cores, cuDNN's plan cache and torch.compile (benchmarks/RESULTS.md).
+    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=data_cfg.pad_to_multiple_of)
     train_sampler = GlobalBatchSampler(
         np.asarray(train_ds["length"]), global_batch, dist_env, cfg.seed, data_cfg.group_by_length
     )

@@ -22,15 +22,14 @@ import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer import rendezvous
-from trainer.rendezvous import DistEnv
+from trainer import distributed
+from trainer.distributed import DistEnv
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
                 "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
@@ -152,9 +151,8 @@ def time_all_reduce(numel: int, device: torch.device, iterations: int) -> tuple[
 
 def shared_output_dir(output_dir: Path, dist_env: DistEnv) -> tuple[str, list[int]]:
     """('' or why not writable, the ranks whose probe files this rank can see)."""
-    token = [uuid.uuid4().hex if dist_env.is_rank_zero else None]
-    dist.broadcast_object_list(token, src=0)
-    probe_dir = output_dir / ".doctor" / token[0]
+    token = distributed.broadcast_from_rank_zero(dist_env, uuid.uuid4().hex if dist_env.is_rank_zero else None)
+    probe_dir = output_dir / ".doctor" / token
     error = ""
     try:
         probe_dir.mkdir(parents=True, exist_ok=True)
@@ -225,7 +223,7 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, backend: str) 
             print(f"error: rank {dist_env.rank} on {host}: {problem}", flush=True)
         return 1
     try:
-        rendezvous.init(dist_env, device, backend, timeout_s)
+        distributed.init(dist_env, device, backend, timeout_s)
     except Exception as e:
         print(f"error: rank {dist_env.rank} on {host}: could not form the process group through the store at "
               f"{dist_env.master_addr}:{dist_env.master_port} within {timeout_s:g}s ({type(e).__name__}); "
@@ -234,37 +232,31 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, backend: str) 
     try:
         return _collective_checks(cfg, dist_env, device, backend, host, env, own)
     finally:
-        rendezvous.close()
+        distributed.close()
 
 
 def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings) -> int:
-    world = dist_env.world_size
     device_name, device_id = describe_device(device)
     facts = {"rank": dist_env.rank, "host": host, "local_rank": dist_env.local_rank, "device": device_name,
              "device_id": device_id, "env": env, "rtt": store_round_trip(dist_env)}
-    gathered: list[dict] = [None] * world
-    dist.all_gather_object(gathered, facts)
+    gathered: list[dict] = distributed.all_gather(dist_env, facts)
     hosts = sorted({f["host"] for f in gathered})
-    findings: list[Findings] = [None] * world
-    dist.all_gather_object(findings, own)
+    findings: list[Findings] = distributed.all_gather(dist_env, own)
 
     sizes, results = _sizes(device), []
     for numel in sizes:
         seconds, correct = time_all_reduce(numel, device, iterations=5 if numel >= 2**20 else 20)
-        per_rank: list[tuple[float, bool]] = [None] * world
-        dist.all_gather_object(per_rank, (seconds, correct))
+        per_rank: list[tuple[float, bool]] = distributed.all_gather(dist_env, (seconds, correct))
         results.append(per_rank)
 
     output_dir = Path(cfg.output_dir)
     write_error, seen = shared_output_dir(output_dir, dist_env)
-    shared: list[tuple[str, list[int]]] = [None] * world
-    dist.all_gather_object(shared, (write_error, seen))
+    shared: list[tuple[str, list[int]]] = distributed.all_gather(dist_env, (write_error, seen))
 
-    code = [0]
+    code = 0
     if dist_env.is_rank_zero:
-        code[0] = _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir)
-    dist.broadcast_object_list(code, src=0)
-    return code[0]
+        code = _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir)
+    return distributed.broadcast_from_rank_zero(dist_env, code)
 
 
 def _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir) -> int:

@@ -1,14 +1,17 @@
-"""Faults: preemption signals, stalled steps, and what a rank says when a collective fails.
+"""Faults: preemption signals, stalled steps, what a rank says when a collective fails, and
+the fault-injection points the tests and drills use.
 
 A multi-node job must either make progress or fail fast with a message that says why. The
-collective timeout (`dist.timeout_s`, set in rendezvous) guarantees the "fail"; this module
-makes the failure explain itself, and turns a preemption notice into a saved checkpoint:
+collective timeout (`dist.timeout_s`, set in trainer/distributed.py) guarantees the "fail";
+this module makes the failure explain itself, and turns a preemption notice into a saved
+checkpoint:
 
 - `Preemption`: a signal handler that only sets a flag; the ranks agree on the flag at step
   boundaries, and the loop saves and exits with `EXIT_PREEMPTED`.
 - `Watchdog`: a thread that notices a step far slower than the recent median, before the
   collective timeout fires, and reports which peers have gone quiet along with this rank's
   Python stacks. Every rank runs one, so every local rank of a stalled job dumps its stacks.
+- `sigkill_step`, `sigkill_in_save_step`: real, unannounced deaths at chosen points.
 """
 
 from __future__ import annotations
@@ -31,14 +34,39 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer import rendezvous
-from trainer.rendezvous import DistEnv
+from trainer import distributed
+from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again". The checkpoint is saved, and a
 # relaunch (Slurm requeue, Kubernetes restart) resumes from it.
 EXIT_PREEMPTED = 75
+
+
+def sigkill_step(dist_env: DistEnv) -> int | None:
+    """`TRAINER_FAULT_SIGKILL=RANK:STEP`: the step at which this rank SIGKILLs itself, if any.
+
+    For fault-tolerance tests and drills: a real, unannounced process death at a chosen
+    step, so kill-and-resume runs can be compared with uninterrupted ones point by point.
+    Only in a launch's first attempt: workers that torchrun restarts must get past STEP.
+    """
+    spec = os.environ.get("TRAINER_FAULT_SIGKILL")
+    if not spec or dist_env.restart_count > 0:
+        return None
+    rank, _, step = spec.partition(":")
+    return int(step) if int(rank) == dist_env.rank else None
+
+
+def sigkill_in_save_step() -> int | None:
+    """`TRAINER_FAULT_SIGKILL_IN_SAVE=STEP`: rank 0 SIGKILLs itself inside the write of
+    checkpoint STEP, after its files and before its completion marker."""
+    spec = os.environ.get("TRAINER_FAULT_SIGKILL_IN_SAVE")
+    return int(spec) if spec else None
+
+
+def sigkill_now() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Preempted(Exception):
@@ -58,7 +86,8 @@ class Preemption:
     all ranks see the same answer at the same step, and all of them call save together.
     """
 
-    def __init__(self, signal_names: list[str]):
+    def __init__(self, signal_names: list[str], dist_env: DistEnv):
+        self.dist_env = dist_env
         self.received: str | None = None
         self._pending: tuple[object, torch.Tensor] | None = None
         # Given back in close(): a launcher such as submitit has its own handlers to run
@@ -76,7 +105,7 @@ class Preemption:
         the next step computes, and is read one boundary later. So the check costs no
         device sync and no latency; a signal costs at most one more step before the save.
         """
-        if not dist.is_initialized():
+        if not self.dist_env.is_distributed:
             return self.received
         if self._pending is not None:
             work, flag = self._pending
@@ -84,7 +113,7 @@ class Preemption:
             self._pending = None
             if flag.item():
                 return self.received or "a preemption signal on another rank"
-        self._pending = rendezvous.any_rank_async(self.received is not None)
+        self._pending = distributed.any_rank_async(self.received is not None)
         return None
 
     def close(self, clean_exit: bool) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.rendezvous import DistEnv
+from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 

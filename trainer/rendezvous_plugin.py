@@ -1,12 +1,19 @@
-"""`torchrun --rdzv-backend=trainer-c10d`: torchrun's c10d rendezvous, explained.
+"""The torchrun plugin `--rdzv-backend=trainer-c10d`: torchrun's c10d rendezvous, explained.
 
 Loaded into torchrun (not into the workers) through the `torchrun.handlers` entry point in
-pyproject.toml. It behaves exactly like c10d, except that when a node never arrives, the
-timeout says where the others waited and how many came, instead of a bare
-`RendezvousTimeoutError` after ten silent minutes.
+pyproject.toml. It behaves like c10d, with two differences:
+- when a node never arrives, the timeout says where the others waited and how many came,
+  instead of a bare `RendezvousTimeoutError` after ten silent minutes;
+- each rendezvous round gets a fresh worker store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+  With torchrun's shared one, workers it restarts can read their dead predecessors'
+  addresses and fail again until --max-restarts runs out (README, "Elastic restarts").
+  Every multi-node launcher (Slurm, compose, the tests) goes through this plugin, so this is
+  the one place the switch is set.
 """
 
 from __future__ import annotations
+
+import os
 
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousTimeoutError
 
@@ -17,6 +24,9 @@ def c10d_handler_factory():
 
 
 def _create_explained_c10d_handler(params):
+    # Read by the handler at each round (and inherited by the workers, whose doctor checks
+    # it), so setting it here, before the first round, covers every restart.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 

@@ -1,8 +1,9 @@
-"""Who am I in the job: rank, local rank and world size, read once from torchrun's environment.
+"""The distributed runtime: who this process is in the job, its device and its precision.
 
-This is the only module that reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
-and the only one that creates or destroys the process group. Everything else receives a
-`DistEnv` and asks it.
+The only module that reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, picks
+the device, the precision and the CPU threads, and creates or destroys process groups.
+Everything else receives a `DistEnv` and asks it: `dist_env.is_distributed` is the one answer
+to "is there a process group", and the collective helpers below are the identity without one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError, LaunchError
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -34,7 +35,8 @@ class DistEnv:
 
     @property
     def is_distributed(self) -> bool:
-        """True when launched by torchrun (even a world of one): a process group is formed."""
+        """True when launched by torchrun (even a world of one): the process group is formed
+        before anything else runs, so this is also "may this rank enter a collective"."""
         return bool(self.master_addr)
 
     @property
@@ -52,7 +54,7 @@ def _int_var(environ: Mapping[str, str], name: str, default: int | None = None) 
     try:
         return int(environ[name])
     except ValueError:
-        raise ConfigError(f"environment: {name}={environ[name]!r} is not an integer") from None
+        raise LaunchError(f"environment: {name}={environ[name]!r} is not an integer") from None
 
 
 def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
@@ -65,14 +67,14 @@ def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     if not present:
         slurm_tasks = environ.get("SLURM_NTASKS", "1")
         if slurm_tasks.isdigit() and int(slurm_tasks) > 1 and "SLURM_PROCID" in environ:
-            raise ConfigError(
+            raise LaunchError(
                 f"environment: srun started {slurm_tasks} tasks but RANK/WORLD_SIZE are unset; "
                 "start one torchrun per node (see slurm/ddp.sh) instead of `python -m trainer` per task"
             )
         return DistEnv()
     missing = [name for name in TORCHRUN_VARS if name not in environ]
     if missing:
-        raise ConfigError(
+        raise LaunchError(
             f"environment: {', '.join(present)} set but {', '.join(missing)} missing; "
             "launch with torchrun, or unset them for a single process"
         )
@@ -81,16 +83,16 @@ def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     )
     local_world_size = _int_var(environ, "LOCAL_WORLD_SIZE", default=1)
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigError(f"environment: RANK={rank} is outside WORLD_SIZE={world_size}")
+        raise LaunchError(f"environment: RANK={rank} is outside WORLD_SIZE={world_size}")
     if not 0 <= local_rank < max(local_world_size, 1) or local_rank > rank:
-        raise ConfigError(
+        raise LaunchError(
             f"environment: LOCAL_RANK={local_rank} is inconsistent with RANK={rank}, "
             f"LOCAL_WORLD_SIZE={local_world_size}"
         )
     if not environ["MASTER_ADDR"].strip():
-        raise ConfigError("environment: MASTER_ADDR is empty")
+        raise LaunchError("environment: MASTER_ADDR is empty")
     if not 0 < port < 65536:
-        raise ConfigError(f"environment: MASTER_PORT={port} is not a valid port")
+        raise LaunchError(f"environment: MASTER_PORT={port} is not a valid port")
     restart_count = _int_var(environ, "TORCHELASTIC_RESTART_COUNT", default=0)
     return DistEnv(rank, local_rank, world_size, local_world_size, environ["MASTER_ADDR"], port, restart_count)
 
@@ -112,11 +114,29 @@ def pick_device(dist_env: DistEnv, backend: str) -> tuple[torch.device, str]:
             return torch.device("cuda", dist_env.local_rank % visible), backend
         # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") only at the first
         # collective. Usually torchrun --nproc-per-node exceeds the GPUs per node.
-        raise ConfigError(
+        raise LaunchError(
             f"environment: LOCAL_RANK={dist_env.local_rank} but only {visible} GPU(s) are visible; "
             "--nproc-per-node must not exceed the GPUs per node (or share GPUs with dist.backend=gloo)"
         )
     return torch.device("cuda", dist_env.local_rank), backend
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+    """fp32, or bf16 autocast where the device runs bf16 matmuls natively."""
+    if precision == "fp32":
+        return torch.float32
+    if precision == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        fast = torch.cuda.is_bf16_supported()
+    else:  # AVX512-BF16 / AMX: bf16 matmuls ~2.5x fp32 (see benchmarks/RESULTS.md)
+        fast = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.bfloat16 if fast else torch.float32
+
+
+def cpu_threads(dist_env: DistEnv, threads: int | None) -> int:
+    """Intra-op threads: the CPUs this process may use, shared among the node's ranks."""
+    return threads or max(1, len(os.sched_getaffinity(0)) // dist_env.local_world_size)
 
 
 def use_deterministic_kernels() -> None:
@@ -155,21 +175,27 @@ def init(dist_env: DistEnv, device: torch.device, backend: str, init_timeout_s: 
     _control_group = dist.new_group(backend="gloo", timeout=timeout)
 
 
-def set_timeout(timeout_s: float) -> None:
+def set_timeout(dist_env: DistEnv, timeout_s: float) -> None:
     """Shorten the collective timeout once the slow first step is behind us.
 
     After this, a rank that stops answering (dead node, cut link, deadlock) fails every
     collective within `timeout_s` instead of holding the whole job for the init timeout.
     """
-    if dist.is_initialized():
+    if dist_env.is_distributed:
         # Every rank calls this at the same step; the barrier makes the switch happen together.
         dist.barrier()
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), _control_group)
 
 
+def backend(dist_env: DistEnv) -> str:
+    """The process group's backend, for the logs."""
+    return dist.get_backend() if dist_env.is_distributed else "no process group"
+
+
 def close() -> None:
-    """Destroy the process groups. Called on every exit path, errors included."""
+    """Destroy the process groups. Called on every exit path, errors included, so it asks
+    torch itself whether init got as far as creating them."""
     global _control_group
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -184,24 +210,53 @@ def local_rank_zero_first(dist_env: DistEnv) -> Iterator[None]:
     the ranks waiting for it, which then hit the same error themselves instead of waiting
     until the init timeout.
     """
-    if dist.is_initialized() and not dist_env.is_local_rank_zero:
+    if dist_env.is_distributed and not dist_env.is_local_rank_zero:
         dist.barrier()
     try:
         yield
     finally:
-        if dist.is_initialized() and dist_env.is_local_rank_zero:
+        if dist_env.is_distributed and dist_env.is_local_rank_zero:
             dist.barrier()
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over all ranks, in place; the identity in a single process."""
-    if dist.is_initialized():
+# --- collectives that are the identity in a single process -------------------------------
+
+
+def all_reduce_sum(dist_env: DistEnv, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over all ranks, in place."""
+    if dist_env.is_distributed:
         dist.all_reduce(tensor)
     return tensor
+
+
+def broadcast_from_rank_zero(dist_env: DistEnv, value):
+    """Rank 0's `value` (a picklable object), on every rank."""
+    if not dist_env.is_distributed:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def gather_to_rank_zero(dist_env: DistEnv, value) -> list | None:
+    """Every rank's `value`, by rank, on rank 0; None on the others."""
+    if not dist_env.is_distributed:
+        return [value]
+    gathered = [None] * dist_env.world_size if dist_env.is_rank_zero else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+def all_gather(dist_env: DistEnv, value) -> list:
+    """Every rank's `value`, by rank, on every rank."""
+    if not dist_env.is_distributed:
+        return [value]
+    gathered = [None] * dist_env.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def any_rank_async(flag: bool) -> tuple[dist.Work, torch.Tensor]:
     """Start an all-reduce (max) of `flag` on the control group: (work, result tensor)."""
     tensor = torch.tensor([int(flag)], dtype=torch.int32)
     return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control_group, async_op=True), tensor
-

@@ -1,0 +1,39 @@
+"""Problems a user can fix: one line naming what is wrong, exit code 2, no traceback.
+
+Each kind says where to look: the config (a key), the launch environment (torchrun's
+variables, the GPUs), the data (a file, a column, a label), or a checkpoint (one that cannot
+be resumed from or written). Anything else is a bug or a crash, and keeps its traceback.
+"""
+
+import sys
+
+EXIT_USAGE = 2
+
+
+def report(message: object) -> int:
+    """Print `error: MESSAGE` to stderr as one write, so that the lines of ranks failing at
+    the same moment never interleave in a shared log; returns EXIT_USAGE."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    return EXIT_USAGE
+
+
+class TrainerError(Exception):
+    """Printed as `error: <message>` on every rank that raises it; exit code 2."""
+
+
+class ConfigError(TrainerError):
+    """A config key's value; the message starts with the key."""
+
+
+class LaunchError(TrainerError):
+    """The environment the job was launched into: torchrun's variables, GPUs, the launcher."""
+
+
+class DataError(TrainerError):
+    """The dataset: a file that cannot be read, a missing column, a label out of range."""
+
+
+class CheckpointError(TrainerError):
+    """A checkpoint that cannot be resumed from, or a save that failed (on every rank, with
+    rank 0's reason)."""

@@ -1,0 +1,116 @@
+"""How the training step runs the model across ranks: DDP, nn.DataParallel, torch.compile,
+and the communication techniques wired into them.
+
+`Parallel` is everything the step needs beyond the bare model: the module to call, when
+gradients are synchronized (no_sync on all but the last micro-batch), the comm clock that
+measures exposed communication, and the sparse embedding gradient on CPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import nullcontext
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.distributed import DistEnv
+from trainer.errors import ConfigError
+from trainer.metrics import CommClock
+
+
+class SparseEmbeddingGrad:
+    """The input embedding's gradient as sparse rows through backward and the all-reduce,
+    then scattered into one persistent dense buffer for clipping and the fused AdamW step.
+
+    AdamW needs a dense gradient (its moments decay on every row). A fresh one each step
+    would fault in 47 MB of new pages on MiniLM; in the reused buffer only the rows the
+    previous step wrote are non-zero, so only those are cleared.
+    """
+
+    def __init__(self, embedding: nn.Embedding):
+        embedding.sparse = True  # before DDP is built: DDP reads it to bucket the gradient alone
+        self.weight = embedding.weight
+        self.dense = torch.zeros_like(self.weight)
+        self.written_rows = torch.zeros(0, dtype=torch.long, device=self.weight.device)
+
+    @classmethod
+    def maybe(cls, model: nn.Module, cfg: DictConfig, device: torch.device) -> "SparseEmbeddingGrad | None":
+        embedding = model.get_input_embeddings()
+        if cfg.ddp.sparse_embedding_grad and device.type == "cpu" and isinstance(embedding, nn.Embedding):
+            return cls(embedding)
+        return None
+
+    def densify(self) -> None:
+        grad = self.weight.grad
+        if grad is None or not grad.is_sparse:
+            return
+        grad = grad.coalesce()  # sums repeated tokens in a fixed order: deterministic
+        rows = grad.indices()[0]
+        self.dense.index_fill_(0, self.written_rows, 0)  # every other row is still zero
+        self.dense.index_copy_(0, rows, grad.values())
+        self.weight.grad, self.written_rows = self.dense, rows
+
+
+# torch 2.13 renamed DDP's broadcast_buffers (now deprecated, with a warning) to
+# forward_sync_buffers; images built on an earlier torch know only the old name.
+_FORWARD_SYNC_BUFFERS = next(name for name in ("forward_sync_buffers", "broadcast_buffers")
+                             if name in inspect.signature(DistributedDataParallel).parameters)
+
+
+def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.device) -> nn.Module:
+    """The module the training step calls: DDP, DataParallel, or the model itself."""
+    if cfg.train.strategy == "dp":
+        if dist_env.world_size > 1:
+            raise ConfigError(
+                "train.strategy: dp (nn.DataParallel) runs in one process; launch without torchrun "
+                "or with --nproc-per-node=1, or use ddp"
+            )
+        wrapped: nn.Module = nn.DataParallel(model) if torch.cuda.device_count() > 1 else model
+    elif dist_env.is_distributed:
+        ddp = cfg.ddp
+        wrapped = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=ddp.bucket_cap_mb,
+            gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+            static_graph=ddp.static_graph,
+            # Every parameter of a sequence classifier gets a gradient; searching for unused
+            # ones costs a graph traversal per step.
+            find_unused_parameters=False,
+            # Buffers (position ids) never change: no broadcast before each forward.
+            **{_FORWARD_SYNC_BUFFERS: False},
+        )
+    else:
+        wrapped = model
+    if cfg.train.compile:
+        wrapped = torch.compile(wrapped)
+    return wrapped
+
+
+
+
+class Parallel:
+    """The model as the training step runs it on this rank."""
+
+    def __init__(self, model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.device):
+        # Before DDP is built: DDP reads `sparse` to put the embedding's gradient in its own bucket.
+        self.sparse_embedding = SparseEmbeddingGrad.maybe(model, cfg, device)
+        self.module = _wrap(model, cfg, dist_env, device)
+        """What the step calls: DDP, DataParallel, compiled, or the bare model itself."""
+        ddp = getattr(self.module, "_orig_mod", self.module)  # under torch.compile
+        self._ddp = ddp if isinstance(ddp, DistributedDataParallel) else None
+        self.comm_clock = CommClock.attach(self._ddp) if self._ddp is not None else None
+        """When the last gradient bucket became ready, for the exposed-communication phase."""
+
+    def sync_gradients(self, now: bool):
+        """Context for one micro-batch's forward and backward: gradients are all-reduced only
+        when `now` (the step's last micro-batch), so accumulation costs no extra communication."""
+        return nullcontext() if now or self._ddp is None else self._ddp.no_sync()
+
+    def gradients_ready(self) -> None:
+        """After the last backward, before clipping and the optimizer: dense gradients."""
+        if self.sparse_embedding is not None:
+            self.sparse_embedding.densify()
