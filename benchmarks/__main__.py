@@ -130,8 +130,8 @@ OPTIONAL = {"HF Trainer best bf16 + torch.compile"}
 # A speed feature measured in fp32, for CPUs without native bf16 (AVX2 only), where bf16
 # autocast is emulated and slow.
 FP32_VARIANTS = {
-    "trainer DDP fp32 - padding to a multiple of 8": (
-        lambda a, w: ours(a, w, a.nproc, "fp32", ("data.pad_to_multiple_of=null",)), "ours"),
+    "trainer DDP fp32 + padding to a multiple of 8": (
+        lambda a, w: ours(a, w, a.nproc, "fp32", ("data.pad_to_multiple_of=8",)), "ours"),
 }
 # Not a way to train: nproc unrelated 1-rank runs side by side, with no communication at
 # all. What they reach together is this machine's ceiling for nproc-rank scaling efficiency
@@ -149,7 +149,7 @@ CPU_ABLATIONS = {
     "+ DDP bucket 100 MB": ("ddp.bucket_cap_mb=100",),
     "- gradient_as_bucket_view": ("ddp.gradient_as_bucket_view=false",),
     "+ static_graph": ("ddp.static_graph=true",),
-    "- padding to a multiple of 8": ("data.pad_to_multiple_of=null",),
+    "+ padding to a multiple of 8": ("data.pad_to_multiple_of=8",),
     "+ torch.compile": ("train.compile=true",),
     "+ checkpoint every 5 steps": ("checkpoint.every=5",),  # its cost: checkpoint/save_s
 }
@@ -163,7 +163,7 @@ GPU_ABLATIONS = {
     "- loader worker (0 workers)": ("data.num_workers=0",),
     "+ 4 loader workers": ("data.num_workers=4",),
     "- length grouping": ("data.group_by_length=false",),
-    "- padding to a multiple of 8": ("data.pad_to_multiple_of=null",),
+    "- padding to a multiple of 8": ("data.pad_to_multiple_of=1",),
     "- gradient_as_bucket_view": ("ddp.gradient_as_bucket_view=false",),
     "+ static_graph": ("ddp.static_graph=true",),
     "+ deterministic": ("train.deterministic=true",),

@@ -90,9 +90,10 @@ class DataConfig:
     """The split evaluated during and after training, each sample exactly once."""
     max_length: int = at_least(8, default=128)
     """Truncation length in tokens. Batches are padded only to their longest sample."""
-    pad_to_multiple_of: Optional[int] = at_least_or_null(1, default=8)
-    """Round each batch's padded length up to a multiple of this; null pads to the longest
-    sample exactly."""
+    pad_to_multiple_of: Optional[int] = at_least_or_null(1)
+    """Round each batch's padded length up to a multiple of this. null (auto): 8 on GPU, for
+    tensor-core-aligned shapes and fewer distinct ones for cuDNN's plan cache and
+    torch.compile; 1 on CPU, where the extra padding only costs (3%, benchmarks/RESULTS.md)."""
     max_train_samples: Optional[int] = at_least_or_null(1)
     """Subsample the train split (seeded, before tokenization)."""
     max_eval_samples: Optional[int] = at_least_or_null(1)

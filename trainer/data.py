@@ -186,7 +186,7 @@ class EvalShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, pin_memory: bool) -> Data:
+def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.device) -> Data:
     data_cfg = cfg.data
     import datasets  # noqa: F401  (~0.5 s) before the wait below, not after it
 
@@ -204,15 +204,17 @@ def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, pin_memory: bool) -> Da
         )
     from transformers import DataCollatorWithPadding
 
-    # Each batch padded to its own longest sample, rounded up: fewer distinct shapes for
-    # tensor cores, cuDNN's plan cache and torch.compile (benchmarks/RESULTS.md).
-    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=data_cfg.pad_to_multiple_of)
+    # Each batch padded to its own longest sample (rounded up on GPU: see the config key).
+    on_gpu = device.type == "cuda"
+    multiple = data_cfg.pad_to_multiple_of or (8 if on_gpu else None)
+    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=multiple)
     train_sampler = GlobalBatchSampler(
         np.asarray(train_ds["length"]), global_batch, dist_env, cfg.seed, data_cfg.group_by_length
     )
     workers = data_cfg.num_workers
     loader_options = dict(
-        collate_fn=collate, num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+        collate_fn=collate, num_workers=workers, pin_memory=on_gpu and data_cfg.pin_memory,
+        persistent_workers=workers > 0,
         worker_init_fn=functools.partial(_ignore_signals, tuple(cfg.fault.preempt_signals)),
     )
     train_loader = DataLoader(

@@ -27,13 +27,12 @@ class Trainer:
         if device.type == "cpu":
             torch.set_num_threads(distributed.cpu_threads(dist_env, cfg.train.threads))
         self.amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
-        self.pin_memory = device.type == "cuda" and cfg.data.pin_memory
 
         self.tokenizer = model.load_tokenizer(cfg.model)
         self.model = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device)
         """The bare model: checkpoints, evaluation and the export read it."""
         startup.mark("model")
-        self.data = data.build(cfg, dist_env, self.tokenizer, pin_memory=self.pin_memory)
+        self.data = data.build(cfg, dist_env, self.tokenizer, device)
         startup.mark("data")
         self.parallel = parallel.Parallel(self.model, cfg, dist_env, device)
         """The model as the training step runs it: DDP, DataParallel, compiled."""
@@ -110,7 +109,7 @@ class Trainer:
         grad_accum = len(batches)
         for i, batch in enumerate(batches):
             self.meter.micro_batch(batch["attention_mask"])
-            batch = {k: v.to(self.device, non_blocking=self.pin_memory) for k, v in batch.items()}
+            batch = self._to_device(batch)
             is_last = i == grad_accum - 1
             with self.parallel.sync_gradients(now=is_last):
                 self.meter.phase("forward")
@@ -143,7 +142,7 @@ class Trainer:
         confusion = torch.zeros(num_labels, num_labels, dtype=torch.long, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in self.data.eval_loader:
-            batch = {k: v.to(self.device, non_blocking=self.pin_memory) for k, v in batch.items()}
+            batch = self._to_device(batch)
             labels = batch.pop("labels")
             with self._autocast():
                 logits = self.model(**batch).logits.float()
@@ -153,6 +152,11 @@ class Trainer:
         distributed.all_reduce_sum(self.dist_env, loss_sum)
         self.model.train()
         return {**metrics.confusion_metrics(confusion.cpu()), "loss": (loss_sum / self.data.num_eval).item()}
+
+    def _to_device(self, batch) -> dict[str, torch.Tensor]:
+        # From page-locked memory (data.pin_memory, on GPU) the copies need not block the host.
+        non_blocking = self.data.train_loader.pin_memory
+        return {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch.items()}
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype != torch.float32)
