@@ -44,11 +44,14 @@ RUN mkdir trainer && touch trainer/__init__.py \
 
 COPY trainer/ trainer/
 COPY configs/ configs/
+# runs/ -> /workspace/runs: every shipped config's relative `output_dir: runs/...` lands on
+# the writable volume, never in /app, which the image's user cannot write.
 RUN pip install --no-deps -c requirements.lock . \
  && python -m trainer.demo_data data/reviews \
  && useradd --uid 1000 --create-home --shell /usr/sbin/nologin trainer \
  && mkdir -p /workspace/cache /workspace/runs \
- && chown -R trainer:trainer /workspace
+ && chown -R trainer:trainer /workspace \
+ && ln -s /workspace/runs /app/runs
 
 USER 1000:1000
 

@@ -4,6 +4,11 @@
 #   sbatch slurm/ddp.sh [-c CONFIG] [key=value ...]
 #   sbatch --nodes=4 --gpus-per-node=4 slurm/ddp.sh -c configs/yelp_bert.yaml train.lr=3e-5
 #   sbatch --partition=cpu --gpus-per-node=0 slurm/ddp.sh -c configs/demo.yaml      # CPUs, gloo
+#   sbatch $(slurm/fit.sh PARTITION) slurm/ddp.sh -c CONFIG   # every CPU and GPU of the partition's nodes
+#
+# The #SBATCH defaults below ask for 2 nodes x 8 GPUs x 32 CPUs. On a partition whose nodes are
+# smaller, Slurm queues the job anyway and it pends forever (squeue: PartitionConfig): check
+# first with `sbatch --test-only ...`, or size the request with slurm/fit.sh.
 #
 # Submit from the repository (or any folder holding your configs): relative paths, the
 # default venv and the default log file are all relative to the submit directory.
@@ -36,7 +41,7 @@ die() {
     exit 2
 }
 
-[[ -n ${SLURM_JOB_ID:-} ]] || die "not inside a Slurm job; submit it with: sbatch slurm/ddp.sh [-c CONFIG] [key=value ...]"
+[[ -n ${SLURM_JOB_ID:-} ]] || die "not inside a Slurm job; submit it with: sbatch [\$(slurm/fit.sh PARTITION)] slurm/ddp.sh [-c CONFIG] [key=value ...]"
 cd "$SLURM_SUBMIT_DIR"
 
 # --- Where the code runs: a container image, a venv, or whatever is on PATH -------------
@@ -49,13 +54,20 @@ cd "$SLURM_SUBMIT_DIR"
 srun_flags=()    # extra srun options (pyxis)
 exec_prefix=()   # a command that wraps each process (Apptainer)
 if [[ -n ${TRAINER_CONTAINER_IMAGE:-} ]]; then
-    mounts=${TRAINER_CONTAINER_MOUNTS:-$SLURM_SUBMIT_DIR}
+    # The image keeps its caches and runs under /workspace (HF_HOME, WANDB_*, TRITON_CACHE_DIR,
+    # runs/). An image is read-only (a SIF always), so /workspace is a folder of the submit
+    # directory, on the shared filesystem, created here by the submitting user.
+    workspace=${TRAINER_WORKSPACE:-$SLURM_SUBMIT_DIR/.trainer-workspace}
+    mkdir -p "$workspace/cache" "$workspace/runs" "$workspace/wandb" \
+        || die "TRAINER_WORKSPACE=$workspace cannot be created"
+    mounts="${TRAINER_CONTAINER_MOUNTS:-$SLURM_SUBMIT_DIR},$workspace:/workspace"
     case ${TRAINER_CONTAINER_RUNTIME:-pyxis} in
         pyxis)
             srun_flags=(--container-image="$TRAINER_CONTAINER_IMAGE" --container-mounts="$mounts"
                         --container-workdir="$SLURM_SUBMIT_DIR" --no-container-mount-home) ;;
-        apptainer)
-            exec_prefix=(apptainer exec --nv --bind "$mounts" --pwd "$SLURM_SUBMIT_DIR" "$TRAINER_CONTAINER_IMAGE") ;;
+        apptainer)  # --writable-tmpfs: anything else the processes write stays in memory
+            exec_prefix=(apptainer exec --nv --writable-tmpfs --bind "$mounts" --pwd "$SLURM_SUBMIT_DIR"
+                         "$TRAINER_CONTAINER_IMAGE") ;;
         *) die "TRAINER_CONTAINER_RUNTIME=${TRAINER_CONTAINER_RUNTIME} is not one of: pyxis, apptainer" ;;
     esac
     # The image has the package installed; a `trainer/` folder in the submit directory
@@ -75,6 +87,10 @@ fi
 nproc_per_node=${TRAINER_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 [[ $nproc_per_node =~ ^[1-9][0-9]*$ ]] || die "TRAINER_NPROC_PER_NODE=$nproc_per_node is not a positive integer"
 nnodes=$SLURM_JOB_NUM_NODES
+# Slurm 22.05 to 23.02: srun no longer inherits the job's --cpus-per-task, so each node's one
+# task would be bound to a single CPU, torchrun, every rank and their loader workers on it.
+cpus_per_task=()
+[[ -z ${SLURM_CPUS_PER_TASK:-} ]] || cpus_per_task=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
 # The task's CPUs split between its processes. Without this, every rank starts a thread per
 # core of the node and they all thrash.
 threads=$(( ${SLURM_CPUS_PER_TASK:-1} / nproc_per_node ))
@@ -115,7 +131,7 @@ trap "kill -TERM $child" USR1
 while :; do wait "$child"; status=$?; kill -0 "$child" 2>/dev/null || exit "$status"; done'
 # --kill-on-bad-exit: one node's torchrun failing ends the step on every node at once,
 # instead of leaving the others blocked in a collective until their timeout.
-launch=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${srun_flags[@]}"
+launch=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${cpus_per_task[@]}" "${srun_flags[@]}"
         "${exec_prefix[@]}" bash -c "$node_task" "$rdzv_host" "${torchrun_cmd[@]}")
 
 echo "slurm/ddp.sh: job $SLURM_JOB_ID (attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 ))): $nnodes node(s) $SLURM_JOB_NODELIST" \

@@ -10,11 +10,13 @@ RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from Slurm through submitit's
 TorchDistributedEnvironment instead of from torchrun.
 
 Preemption and time limits: submitit asks Slurm for USR2 `--signal-delay-s` before the
-limit; on preemption Slurm sends TERM. The trainer takes both as a preemption signal: its
-handler only sets a flag, all ranks agree at the next step boundary, save and return 75.
-Then, and only then, the signal is handed to submitit's own handler, which requeues the
-job (this callable is a submitit Checkpointable); the requeued job resumes from that
-checkpoint with the same wandb run. Config errors are caught here, before submitting.
+limit; on preemption and on `scancel` Slurm sends TERM. The trainer takes both as a
+preemption signal: its handler only sets a flag, all ranks agree at the next step boundary,
+save and return 75. Then, and only after USR2, the time-limit signal is handed to submitit's
+own handler, which requeues the job (this callable is a submitit Checkpointable); the
+requeued job resumes from that checkpoint with the same wandb run. After TERM alone nothing
+is requeued: a cancelled job stays cancelled, and Slurm requeues a preempted one itself.
+Config errors are caught here, before submitting.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import submitit
 from trainer import config
 from trainer.__main__ import main as trainer_main
 from trainer.errors import ConfigError, report
-from trainer.faults import EXIT_PREEMPTED
+from trainer.faults import EXIT_PREEMPTED, received_signals
 
 # submitit's time-limit signal, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise. The
 # override goes before the user's, which may still replace it.
@@ -46,13 +48,16 @@ class TrainJob(submitit.helpers.Checkpointable):
         # GPUs, exactly as under torchrun.
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         exit_code = trainer_main(["train", *trainer_args])
-        if exit_code == EXIT_PREEMPTED:
+        if exit_code == EXIT_PREEMPTED and TIME_LIMIT_SIGNAL.name in received_signals():
             # The checkpoint is on disk and the trainer has given the signals back to
             # submitit: replay the time-limit signal so that its handler requeues the job.
             # Global rank 0 requeues and exits; the others return, exiting 0 so that
-            # --kill-on-bad-exit doesn't cut rank 0's requeue short.
+            # --kill-on-bad-exit doesn't cut rank 0's requeue short. A TERM alone is
+            # scancel's (stay cancelled) or a preemption (Slurm requeues those itself).
             signal.raise_signal(TIME_LIMIT_SIGNAL)
             return exit_code
+        if exit_code == EXIT_PREEMPTED:
+            return exit_code  # saved; not requeued by us
         if exit_code != 0:
             raise RuntimeError(f"python -m trainer train exited with {exit_code}; see the job's log")
         return exit_code

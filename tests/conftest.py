@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import pytest
 
 from trainer.launch import torchrun_argv, trainer_program
@@ -139,7 +140,8 @@ def trainer_command(overrides: list[str], nproc: int | None, command: str = "tra
 
 
 def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO) -> Run:
-    """Run to completion in its own process group; the group is killed on timeout or error."""
+    """Run to completion in its own process group; everything it started is killed on
+    timeout or error."""
     proc = subprocess.Popen(
         cmd, cwd=cwd, env={**BASE_ENV, **(env or {})}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -147,19 +149,32 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_group(proc)
+        kill_tree(proc)
         output, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{output[-4000:]}")
     finally:
-        kill_group(proc)
+        kill_tree(proc)
     return Run(proc.returncode, output)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group and every descendant: torchrun starts each worker in a
+    session of its own, and a hung worker would hold the output pipe open forever."""
+    descendants = []
+    if proc.poll() is None:  # once it is reaped, its pid may be another process's
+        try:
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def train(overrides: list[str], nproc: int | None = 2, **kwargs) -> Run:

@@ -84,7 +84,7 @@ def test_pruning_never_deletes_the_last_good_checkpoint(uninterrupted, tiny_mode
     assert names[0] == "abandoned-step-8" or names[0].startswith("abandoned-step-8-"), names
     assert names[1:] == ["step-6"] and verify(out / "checkpoints/step-6") is None
 
-    result = train(settings, nproc=None)
+    train(settings, nproc=None)
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 6
     assert not compare_weights(uninterrupted, out, STEPS).differing
 

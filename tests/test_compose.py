@@ -148,13 +148,15 @@ def test_compose_cpu_variant_runs_a_two_node_job(tmp_path_factory):
         Service(name, [service.get("hostname", name)], service["command"], [service.get("environment", {})],
                 service.get("working_dir", image.workdir),
                 {target: named_volumes[source] for source, target, *_ in
-                 (spec.split(":") for spec in service["volumes"])})
+                 (spec.split(":") for spec in service["volumes"])}, image.uid)
         for name, service in services.items()
     ], image, app_dir, base, timeout=300)
     assert started.codes == [0, 0], started.logs_tail()
 
     output_dir = option(services["node0"]["command"], "output_dir")
-    summary = json.loads(started.containers["node0"].host_path(f"{output_dir}/summary.json").read_text())
+    summary_file = started.containers["node0"].host_path(f"{output_dir}/summary.json")
+    assert summary_file.stat().st_uid == image.uid != 0  # written by the image's user, not root
+    summary = json.loads(summary_file.read_text())
     assert summary["world_size"] == 2
     assert sorted(summary["hosts"]) == ["node0", "node1"]
     assert summary["steps"] == 12

@@ -7,11 +7,14 @@ the layout the Dockerfile creates (tests/container.py).
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 from container import Container, build_app_dir, read_dockerfile
 from conftest import BASE_ENV, REPO
@@ -85,3 +88,17 @@ def test_default_command_resolves_in_the_image_layout(tmp_path):
     data_path = re.search(r"^  path: (.+)$", result.stdout, re.M).group(1)
     assert (app_dir / data_path / "train.jsonl").exists(), shlex.join(image.cmd)
     assert container.host_path(output_dir).is_relative_to(tmp_path / "container/workspace")
+
+
+def test_every_shipped_config_writes_under_the_workspace_in_the_image(tmp_path):
+    """configs/*.yaml run in the image (WORKDIR /app, root's) write their output_dir through
+    the image's runs -> /workspace/runs link, on the volume the image's user owns: as the k8s
+    README's recipe does with configs/yelp_bert.yaml."""
+    image = read_dockerfile()
+    app_dir = build_app_dir(image, tmp_path / "app")
+    configs = sorted((REPO / "configs").glob("*.yaml"))
+    assert configs
+    for config in configs:
+        output_dir = Path(yaml.safe_load(config.read_text())["output_dir"])
+        in_image = os.path.realpath(output_dir if output_dir.is_absolute() else app_dir / output_dir)
+        assert in_image.startswith("/workspace/"), (config.name, in_image)

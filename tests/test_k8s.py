@@ -231,7 +231,8 @@ def run_pods(pods: list[Pod], tmp: Path) -> Started:
         for e in pod.container.get("env", []):  # an absent optional Secret leaves the variable unset
             assert "value" in e or e["valueFrom"]["secretKeyRef"]["optional"], e
         services.append(Service(pod.name, pod.dns_names[1:], pod.container["command"] + pod.container.get("args", []),
-                                [env, pod.injected_env], pod.container.get("workingDir", image.workdir), mounts))
+                                [env, pod.injected_env], pod.container.get("workingDir", image.workdir), mounts,
+                                pod.spec["securityContext"]["runAsUser"]))
     return run_services(services, image, build_app_dir(image, tmp / "app"), tmp, timeout=400)
 
 
@@ -239,7 +240,9 @@ def assert_job_completed(started: Started) -> None:
     assert started.codes == [0] * len(started.codes), started.logs_tail()
     config = yaml.safe_load(k8s_objects()["ConfigMap"]["data"]["config.yaml"])
     first = next(iter(started.containers.values()))
-    summary = json.loads(first.host_path(f"{config['output_dir']}/summary.json").read_text())
+    summary_file = first.host_path(f"{config['output_dir']}/summary.json")
+    assert summary_file.stat().st_uid == read_dockerfile().uid != 0  # the pod's runAsUser wrote it
+    summary = json.loads(summary_file.read_text())
     assert summary["world_size"] == 2 and len(summary["hosts"]) == 2, summary
     assert summary["steps"] == config["train"]["max_steps"]
 

@@ -24,7 +24,7 @@ from netns import Network
 
 STEPS = 40
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "checkpoint.keep": 2,
-           "train.log_every": 5}
+           "train.log_every": 5, "data.num_workers": 1}  # the default: a fault must end the loader's worker too
 TWO_NODES = {"node0": [], "node1": []}
 
 
@@ -132,7 +132,7 @@ def test_frozen_node_is_reported_and_the_job_fails_within_the_timeout(dropout_mo
 
     node0 = (tmp_path / "logs" / "node0.log").read_text()
     # The watchdog, before the collective timeout: both silent peers are named.
-    assert re.search(r"step \d+ has run [\d.]+s .*the job may be hung", node0), node0[-5000:]
+    assert re.search(r"stalled in [a-z -]+ at step \d+: has run [\d.]+s .*the job may be hung", node0), node0[-5000:]
     assert len(set(re.findall(r"rank (\d) on node1: NOT RESPONDING", node0))) == 2, node0[-5000:]
     assert "Timed out" in node0  # the collective that stalled, as gloo reports it
     # Every local rank of node0 dumped its stacks, into the log and into output_dir/stacks.
@@ -146,6 +146,31 @@ def test_frozen_node_is_reported_and_the_job_fails_within_the_timeout(dropout_mo
         codes = run_to_end(net, tmp_path / "logs-resumed", [*overrides, f"train.max_steps={last + 5}"], nproc=2)
     assert codes == [0, 0], logs_of(tmp_path / "logs-resumed")
     assert multinode.summary(out)["resumed_from_step"] == last
+
+
+@pytest.mark.parametrize("phase, name", [("log", "log"), ("save", "checkpoint save")])
+def test_a_node_frozen_outside_the_step_is_reported_by_phase(dropout_model, reviews, tmp_path, phase, name):
+    """node1 freezes itself as it enters a phase outside the train step (a test hook makes it
+    land exactly there): node0 waits in that phase's collective, its watchdog names the phase
+    and the silent peer before the timeout, and it exits within the timeout plus a margin."""
+    timeout_s = 10
+    overrides = tiny_overrides(dropout_model, reviews, tmp_path / "run", **{
+        **OPTIONS, "checkpoint.every": 10, "dist.timeout_s": timeout_s,
+        "fault.slow_step_min_s": 2, "fault.heartbeat_s": 1})
+    with Network(TWO_NODES) as net:
+        procs = {**multinode.launch(net, tmp_path / "logs", overrides, hosts=["node0"]),
+                 **multinode.launch(net, tmp_path / "logs", overrides, hosts=["node1"],
+                                    env={"TRAINER_FAULT_SIGSTOP": f"*:{phase}:20"})}
+        wait_for(lambda: multinode.frozen(net, "node1"), 180, f"node1 to freeze in {phase} at step 20", procs)
+        frozen = time.monotonic()
+        (code,) = net.wait([procs["node0"]], timeout=timeout_s + 60)
+        elapsed = time.monotonic() - frozen
+    node0 = (tmp_path / "logs" / "node0.log").read_text()
+    assert code not in (0, None), node0[-5000:]
+    assert elapsed < timeout_s + 20, f"node0 took {elapsed:.1f}s to give up"
+    report = re.search(rf"stalled in {name} at step 20: has run ([\d.]+)s .*the job may be hung", node0)
+    assert report and float(report.group(1)) < timeout_s, node0[-5000:]
+    assert re.search(r"rank \d on node1: NOT RESPONDING", node0), node0[-5000:]
 
 
 def test_a_node_that_never_arrives_fails_the_rendezvous_in_bounded_time(tiny_model, reviews, tmp_path):

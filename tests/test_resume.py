@@ -18,7 +18,8 @@ STEPS = 40
 # checkpoint, so windows line up with an uninterrupted run's when checkpoint.every is a
 # multiple of train.log_every (as with the defaults).
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "checkpoint.keep": 3,
-           "train.log_every": 5, "wandb.mode": "offline"}
+           "train.log_every": 5, "wandb.mode": "offline",
+           "data.num_workers": 1}  # the default: a fault must end the loader's worker too
 
 
 @pytest.fixture(scope="module")

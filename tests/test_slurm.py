@@ -7,8 +7,13 @@ process per node, which trains on the CPU with gloo because no CUDA driver is be
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
+import shlex
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,9 @@ import pytest
 import wandb_log
 from conftest import BASE_ENV, PYTHON, REPO, compare_weights, tiny_overrides, wait_for
 from multinode import complete_steps, summary
-from slurm_cluster import SlurmCluster
+from container import read_dockerfile
+from slurm_cluster import CPUS_PER_NODE, GPUS_PER_NODE, SlurmCluster
+from users import UID, as_user
 
 STEPS = 120
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 10, "checkpoint.keep": 2,
@@ -135,6 +142,35 @@ def test_submitit_job_is_requeued_on_preemption_and_matches_sbatch(cluster, unin
     one_wandb_run(run, attempts=2)
 
 
+def test_a_request_that_fits_no_node_is_caught_and_fit_sizes_it(cluster):
+    """ddp.sh's #SBATCH defaults (8 GPUs, 32 CPUs a node) fit no node here (2 fake GPUs, 4
+    CPUs): sbatch would queue the job and leave it pending (PartitionConfig); --test-only says
+    so at once, and slurm/fit.sh sizes the request to the partition's nodes, which then fits."""
+    refused = cluster.client(["sbatch", "--test-only", "slurm/ddp.sh"], check=False, env=JOB_ENV, cwd=REPO)
+    assert refused.returncode != 0 and "Requested node configuration is not available" in refused.stderr
+    fit = cluster.client(["slurm/fit.sh"], env=JOB_ENV, cwd=REPO).stdout.split()
+    assert fit == ["--partition=debug", f"--cpus-per-task={CPUS_PER_NODE}", f"--gpus-per-node={GPUS_PER_NODE}"]
+    fits = cluster.client(["sbatch", "--test-only", *fit, "slurm/ddp.sh"], check=False, env=JOB_ENV, cwd=REPO)
+    assert fits.returncode == 0, fits.stderr
+
+
+def test_scancel_of_a_submitit_job_saves_and_stays_cancelled(cluster, dropout_model, reviews, tmp_path):
+    """scancel sends TERM: the ranks save and stop, and nothing requeues the job (only the
+    time-limit signal does, above; Slurm requeues a preempted job by itself)."""
+    run = tmp_path / "run"
+    argv = [PYTHON, "slurm/submit.py", "--nodes", "2", "--gpus-per-node", "1", "--cpus-per-task", "1",
+            "--time", "10", "--folder", str(tmp_path / "submitit"), *tiny_overrides(dropout_model, reviews, run, **OPTIONS)]
+    submitted = cluster.client(argv, env=JOB_ENV, cwd=REPO)
+    job_id = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
+    wait_for(lambda: complete_steps(run), 120, "the first checkpoint")
+    cluster.client(["scancel", job_id])
+    record = cluster.wait_job(job_id, timeout=120)
+    logs = "\n".join(p.read_text() for p in sorted((tmp_path / "submitit").glob(f"{job_id}_*_log.*")))
+    assert (record["JobState"], record["Restarts"]) == ("CANCELLED", "0"), logs[-5000:]
+    assert re.search(r"preempted by SIGTERM: saved the checkpoint of step \d+", logs), logs[-5000:]
+    assert "requeu" not in logs.lower(), logs[-5000:]
+
+
 @pytest.mark.parametrize("args, expected", [
     (["-c", "configs/missing.yaml"], "error: config file configs/missing.yaml: not found"),
     (["train.learning_rate=1e-4"], "error: train.learning_rate: unknown key"),
@@ -176,21 +212,43 @@ def test_a_failing_rank_ends_the_job_without_waiting_for_the_timeout(cluster, ti
 
 
 @pytest.mark.parametrize("runtime, expected", [
-    ("pyxis", "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --container-image=registry#lab/trainer:0.1.0 "
-              f"--container-mounts={REPO} --container-workdir={REPO} --no-container-mount-home bash -c"),
-    ("apptainer", f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 apptainer exec --nv --bind {REPO} "
-                  f"--pwd {REPO} registry#lab/trainer:0.1.0 bash -c"),
+    ("pyxis", "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=1 "
+              "--container-image=registry#lab/trainer:0.1.0 --container-mounts={repo},{workspace}:/workspace "
+              "--container-workdir={repo} --no-container-mount-home bash -c"),
+    ("apptainer", "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=1 apptainer exec --nv "
+                  "--writable-tmpfs --bind {repo},{workspace}:/workspace --pwd {repo} registry#lab/trainer:0.1.0 "
+                  "bash -c"),
 ])
 def test_container_launch_line(cluster, tmp_path, runtime, expected):
     """No pyxis or Apptainer here: check the exact srun line a container job runs (from a
-    real job, TRAINER_DRY_RUN), around the same torchrun command as every other test."""
-    env = {"TRAINER_CONTAINER_IMAGE": "registry#lab/trainer:0.1.0", "TRAINER_CONTAINER_RUNTIME": runtime,
-           "TRAINER_DRY_RUN": "1"}
-    job_id, log = submit(cluster, tmp_path, ["-c", "configs/demo.yaml"], env=env)
-    record = finished(cluster, job_id, log, timeout=60)
-    assert record["JobState"] == "COMPLETED", explain(record, cluster)
-    line = next(line for line in record["log"].splitlines() if line.startswith("slurm/ddp.sh: would run:"))
-    assert expected in line
-    assert line.endswith(f"node1 torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=trainer-c10d "
-                         f"--rdzv-endpoint=node1:{20000 + int(job_id) % 12000} --rdzv-id={job_id} "
-                         "--rdzv-conf=join_timeout=60 --max-restarts=0 -m trainer train -c configs/demo.yaml")
+    real job, TRAINER_DRY_RUN), around the same torchrun command as every other test.
+    Submitted as the image's user (uid 1000), as a user submits: the workspace the script
+    mounts at the image's /workspace, where the image points every cache, is that user's."""
+    public = Path(tempfile.mkdtemp(prefix="slurm-user-"))  # pytest's tmp folders are root's alone
+    try:
+        os.chown(public, UID, UID)
+        workspace = public / "workspace"
+        env = {"TRAINER_CONTAINER_IMAGE": "registry#lab/trainer:0.1.0", "TRAINER_CONTAINER_RUNTIME": runtime,
+               "TRAINER_DRY_RUN": "1", "TRAINER_WORKSPACE": str(workspace)}
+        job_id, log = submit(cluster, public, ["-c", "configs/demo.yaml"], env=env,
+                             sbatch=[f"--uid={UID}", f"--gid={UID}"])
+        record = finished(cluster, job_id, log, timeout=60)
+        assert record["JobState"] == "COMPLETED", explain(record, cluster)
+        line = next(line for line in record["log"].splitlines() if line.startswith("slurm/ddp.sh: would run:"))
+        argv = shlex.split(line.removeprefix("slurm/ddp.sh: would run:"))  # printed with printf %q
+        prefix = expected.format(repo=REPO, workspace=workspace).split()
+        assert argv[:len(prefix)] == prefix, argv
+        assert argv[len(prefix) + 1:] == [
+            "node1", "torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=trainer-c10d",
+            f"--rdzv-endpoint=node1:{20000 + int(job_id) % 12000}", f"--rdzv-id={job_id}", "--rdzv-conf=join_timeout=60",
+            "--max-restarts=0", "-m", "trainer", "train", "-c", "configs/demo.yaml"], argv
+        cache_paths = {key: value for key, value in read_dockerfile().env.items() if value.startswith("/workspace/")}
+        assert {"HF_HOME", "WANDB_DIR", "TRITON_CACHE_DIR"} <= set(cache_paths)
+        for key, path in cache_paths.items():
+            on_host = workspace / Path(path).relative_to("/workspace")
+            existing = next(p for p in [on_host, *on_host.parents] if p.exists())
+            assert existing.is_relative_to(workspace), (key, existing)
+            writable = subprocess.run(as_user(["test", "-w", str(existing)], tmp_path / "python"))
+            assert writable.returncode == 0, f"{key}={path}: {existing} is not writable by uid {UID}"
+    finally:
+        shutil.rmtree(public, ignore_errors=True)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from trainer import config, distributed, errors, metrics
 from trainer.errors import TrainerError
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     startup.mark("imports")
     exit_code, trainer = 1, None
     try:
-        distributed.init(dist_env, device, backend, cfg.dist.init_timeout_s)
+        distributed.init(dist_env, device, backend, cfg.dist.init_timeout_s, Path(cfg.output_dir))
         startup.mark("rendezvous")
         trainer = Trainer(cfg, dist_env, device, startup)
         trainer.train()

@@ -308,7 +308,8 @@ class Checkpointer:
 
     def find_resume(self, resume: str) -> Path | None:
         """The checkpoint to resume from, chosen by rank 0 and the same on every rank."""
-        choice = self._choose(resume) if self.dist_env.is_rank_zero else None
+        choice = distributed.rank_zero_does(self.dist_env, f"checkpoint.resume: {self.root}",
+                                            lambda: self._choose(resume))
         choice = distributed.broadcast_from_rank_zero(self.dist_env, choice)
         return None if choice is None else Path(choice)
 

@@ -37,6 +37,26 @@ class Data:
     num_train: int
     num_eval: int
 
+    def close(self) -> None:
+        """End the loader workers now, on every exit path, errors included.
+
+        They would otherwise outlive a failed run: at interpreter exit, multiprocessing
+        SIGTERMs its daemonic children and joins them, but these ignore SIGTERM (see
+        _ignore_signals), and the traceback still holds their iterator, so the join would
+        wait forever. torch has no public way to stop persistent workers, hence the
+        iterator's own shutdown; a worker stuck in a batch is then SIGKILLed.
+        """
+        for loader in (self.train_loader, self.eval_loader):
+            iterator, loader._iterator = getattr(loader, "_iterator", None), None
+            if iterator is None or not hasattr(iterator, "_workers"):
+                continue
+            workers = list(iterator._workers)
+            iterator._shutdown_workers()  # tells each worker to finish, joins it briefly
+            for worker in workers:
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join()
+
 
 def _load_split(data_cfg: DictConfig, split: str, key: str):
     import datasets  # heavy import; only the training path needs it

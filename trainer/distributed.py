@@ -12,13 +12,16 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Mapping
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError, LaunchError
+from trainer import errors
+from trainer.errors import ConfigError, LaunchError, TrainerError
 
+T = TypeVar("T")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -155,9 +158,29 @@ def use_deterministic_kernels() -> None:
 _control_group: dist.ProcessGroup | None = None
 
 
-def init(dist_env: DistEnv, device: torch.device, backend: str, init_timeout_s: float) -> None:
+def flight_recorder_env(backend: str, output_dir: Path) -> dict[str, str]:
+    """PyTorch's NCCL flight recorder: each rank keeps its last collectives in a ring buffer
+    and, when NCCL's watchdog times one out, dumps them to output_dir/nccl-trace/rank_N,
+    which says which collective each rank was in (README, "Hangs and lost nodes"). NCCL
+    only: under gloo these variables would do nothing, so they are left unset."""
+    if backend != "nccl":
+        return {}
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{output_dir}/nccl-trace/rank_"}
+
+
+def nccl_dump_prefix(dist_env: DistEnv) -> str | None:
+    """Where the flight recorder dumps, `PREFIX<rank>`, if it is on."""
+    if dist_env.is_distributed and dist.get_backend() == "nccl":
+        return os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    return None
+
+
+def init(dist_env: DistEnv, device: torch.device, backend: str, init_timeout_s: float, output_dir: Path) -> None:
     """Join the process group. Long timeout: slow nodes, image pulls and the first step."""
     global _control_group
+    for name, value in flight_recorder_env(backend, output_dir).items():
+        os.environ.setdefault(name, value)  # read when the NCCL process group is created
     if device.type == "cuda":
         # Before any CUDA call: otherwise every rank creates a context on GPU 0.
         torch.cuda.set_device(device)
@@ -254,6 +277,34 @@ def all_gather(dist_env: DistEnv, value) -> list:
     gathered = [None] * dist_env.world_size
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def rank_zero_does(dist_env: DistEnv, what: str, action: Callable[[], T]) -> T | None:
+    """`action()` on rank 0 (its result there; None on the others). If it fails, every rank
+    raises the same one-line error at once.
+
+    For what only rank 0 does (choosing the checkpoint, creating output_dir, starting
+    wandb, the export): otherwise rank 0's failure would leave the others waiting at their
+    next collective until the init timeout, 30 minutes by default. `what` names the thing
+    done, and starts the message of an error that is not already a TrainerError.
+    """
+    result, error = None, None
+    if dist_env.is_rank_zero:
+        try:
+            result = action()
+        except TrainerError as e:
+            error = (type(e).__name__, str(e))
+        except Exception as e:  # a full or read-only disk, a service that refuses: one line
+            error = (LaunchError.__name__, f"{what}: {type(e).__name__}: {_one_line(e)}")
+    error = broadcast_from_rank_zero(dist_env, error)
+    if error is not None:
+        kind, message = error
+        raise getattr(errors, kind)(message)
+    return result
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).strip().split("\n")[0].split())[:500]
 
 
 def any_rank_async(flag: bool) -> tuple[dist.Work, torch.Tensor]:

@@ -223,7 +223,7 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, backend: str) 
             print(f"error: rank {dist_env.rank} on {host}: {problem}", flush=True)
         return 1
     try:
-        distributed.init(dist_env, device, backend, timeout_s)
+        distributed.init(dist_env, device, backend, timeout_s, Path(cfg.output_dir))
     except Exception as e:
         print(f"error: rank {dist_env.rank} on {host}: could not form the process group through the store at "
               f"{dist_env.master_addr}:{dist_env.master_port} within {timeout_s:g}s ({type(e).__name__}); "

@@ -27,8 +27,11 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,18 +47,40 @@ log = logging.getLogger(__name__)
 EXIT_PREEMPTED = 75
 
 
-def sigkill_step(dist_env: DistEnv) -> int | None:
-    """`TRAINER_FAULT_SIGKILL=RANK:STEP`: the step at which this rank SIGKILLs itself, if any.
+# --- fault injection: real faults at chosen points, for the tests and drills ---------------
 
-    For fault-tolerance tests and drills: a real, unannounced process death at a chosen
-    step, so kill-and-resume runs can be compared with uninterrupted ones point by point.
-    Only in a launch's first attempt: workers that torchrun restarts must get past STEP.
-    """
-    spec = os.environ.get("TRAINER_FAULT_SIGKILL")
+
+def _for_this_rank(variable: str, dist_env: DistEnv) -> list[str] | None:
+    """`VARIABLE=RANK:ARGS...` split, if RANK is this rank or `*`; None otherwise. Only in a
+    launch's first attempt: workers that torchrun restarts must get past the fault."""
+    spec = os.environ.get(variable)
     if not spec or dist_env.restart_count > 0:
         return None
-    rank, _, step = spec.partition(":")
-    return int(step) if int(rank) == dist_env.rank else None
+    rank, *args = spec.split(":")
+    return args if rank in ("*", str(dist_env.rank)) else None
+
+
+def sigkill_step(dist_env: DistEnv) -> int | None:
+    """`TRAINER_FAULT_SIGKILL=RANK:STEP`: the step at which this rank SIGKILLs itself, if any:
+    a real, unannounced process death, so kill-and-resume runs can be compared with
+    uninterrupted ones point by point."""
+    args = _for_this_rank("TRAINER_FAULT_SIGKILL", dist_env)
+    return int(args[0]) if args else None
+
+
+def raise_step(dist_env: DistEnv) -> int | None:
+    """`TRAINER_FAULT_RAISE=RANK:STEP` (RANK may be `*`): this rank raises an exception as
+    STEP begins, as a bad batch, an OOM or a NaN check would."""
+    args = _for_this_rank("TRAINER_FAULT_RAISE", dist_env)
+    return int(args[0]) if args else None
+
+
+def sigstop_point(dist_env: DistEnv) -> tuple[str, int] | None:
+    """`TRAINER_FAULT_SIGSTOP=RANK:PHASE:STEP` (RANK may be `*`; PHASE one of `PHASES`): this
+    rank freezes itself (SIGSTOP) as it enters that phase of that step, as a node that stops
+    answering does."""
+    args = _for_this_rank("TRAINER_FAULT_SIGSTOP", dist_env)
+    return (args[0], int(args[1])) if args else None
 
 
 def sigkill_in_save_step() -> int | None:
@@ -67,6 +92,32 @@ def sigkill_in_save_step() -> int | None:
 
 def sigkill_now() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class InjectedFault(RuntimeError):
+    """What TRAINER_FAULT_RAISE raises: any crash of a rank mid-run."""
+
+
+class StepFaults:
+    """The faults injected as a step begins (TRAINER_FAULT_SIGKILL, TRAINER_FAULT_RAISE)."""
+
+    def __init__(self, dist_env: DistEnv):
+        self.kill_at, self.raise_at = sigkill_step(dist_env), raise_step(dist_env)
+
+    def at_step(self, step: int) -> None:
+        if step == self.kill_at:
+            sigkill_now()
+        if step == self.raise_at:
+            raise InjectedFault(f"TRAINER_FAULT_RAISE: injected at step {step}")
+
+
+_received: set[str] = set()
+
+
+def received_signals() -> frozenset[str]:
+    """Every preemption signal this process has received: what a launcher needs to tell a
+    time limit (requeue) from a cancellation (don't) after a preemption exit."""
+    return frozenset(_received)
 
 
 class Preempted(Exception):
@@ -96,6 +147,7 @@ class Preemption:
 
     def _on_signal(self, signum: int, frame) -> None:
         self.received = signal.Signals(signum).name
+        _received.add(self.received)
 
     def agreed(self) -> str | None:
         """Called by every rank at every step boundary: the signal's name once any rank has
@@ -177,13 +229,38 @@ class Heartbeats:
         return lines
 
 
-class Watchdog:
-    """Reports a step far slower than the recent median, with stacks, before the timeout.
+PHASES = {
+    # id (for TRAINER_FAULT_SIGSTOP): what the report calls it
+    "step": "train step",
+    "first-step": "the first step's timeout switch",
+    "log": "log",
+    "eval": "eval",
+    "save": "checkpoint save",
+    "preemption": "preemption agreement",
+    "final-eval": "final eval",
+    "export": "final export",
+    "gather": "end-of-run gather",
+}
 
-    The limit for a step is `slow_step_factor` x the median of recent steps, at least
-    `slow_step_min_s`, and always under the collective timeout then in force: the report
-    must come while the job is still alive to explain itself. Until a first step has been
-    timed, the limit follows the long init timeout (data loading, compilation).
+
+@dataclass(frozen=True)
+class _Watch:
+    phase: str
+    step: int
+    started: float
+    limit: float
+
+
+class Watchdog:
+    """Reports a rank stuck anywhere a collective can wait, with stacks, before the timeout.
+
+    It watches the train step and every phase outside it that enters a collective (the log
+    all-reduce, eval, checkpoint save, the preemption agreement, the final eval and export,
+    the end-of-run gather). The limit for a step is `slow_step_factor` x the median of recent
+    steps, at least `slow_step_min_s`; for the other phases, whose length is not a pattern,
+    it is the point a collective would be near its timeout. Every limit stays under the
+    collective timeout then in force: the report must come while the job is still alive to
+    explain itself. Until a first step has been timed, it follows the long init timeout.
     """
 
     POLL_S = 0.5
@@ -194,19 +271,23 @@ class Watchdog:
         self.heartbeat_s = cfg.fault.heartbeat_s
         self.timeout_s = cfg.dist.init_timeout_s
         self.stacks_file = output_dir / "stacks" / f"rank-{dist_env.rank}.txt"
+        self.nccl_dump = distributed.nccl_dump_prefix(dist_env)
         self.heartbeats = Heartbeats(dist_env) if dist_env.is_distributed else None
         self.durations: deque[float] = deque(maxlen=50)
-        # (step, started, limit) while a step runs, else None. One tuple, swapped whole, so
-        # the thread reads a consistent view without a lock.
-        self._watching: tuple[int, float, float] | None = None
+        # What runs now, else None: one object, swapped whole, so the thread reads a
+        # consistent view without a lock.
+        self._watching: _Watch | None = None
         self.step = 0  # the step in progress, or the last one done
-        self._reported_step = 0
+        self._reported: _Watch | None = None
+        self._sigstop_at = sigstop_point(dist_env)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainer-watchdog", daemon=True)
         # Python stacks on SIGABRT/SIGSEGV too: the NCCL watchdog aborts a timed-out rank.
         faulthandler.enable(file=sys.stderr, all_threads=True)
 
     def start(self) -> None:
+        if self.heartbeats is not None:  # a first heartbeat now: a peer that freezes early still left one
+            self.heartbeats.beat(self.step)
         self._thread.start()
 
     def set_timeout(self, timeout_s: float) -> None:
@@ -218,12 +299,25 @@ class Watchdog:
         else:
             limit = self.timeout_s
         self.step = step
-        self._watching = (step, time.monotonic(), min(limit, 0.75 * self.timeout_s))
+        self._enter("step", step, limit)
 
     def step_done(self) -> None:
-        _, started, _ = self._watching
-        self.durations.append(time.monotonic() - started)
+        self.durations.append(time.monotonic() - self._watching.started)
         self._watching = None
+
+    @contextmanager
+    def phase(self, phase: str, step: int) -> Iterator[None]:
+        """Watch a phase outside the train step (`phase`: a key of PHASES)."""
+        self._enter(phase, step, self.timeout_s)
+        try:
+            yield
+        finally:
+            self._watching = None
+
+    def _enter(self, phase: str, step: int, limit: float) -> None:
+        self._watching = _Watch(phase, step, time.monotonic(), min(limit, 0.75 * self.timeout_s))
+        if self._sigstop_at == (phase, step):
+            os.kill(os.getpid(), signal.SIGSTOP)  # a fault-injection point: this rank stops answering
 
     def close(self) -> None:
         self._stop.set()
@@ -237,13 +331,12 @@ class Watchdog:
         while not self._stop.wait(self.POLL_S):
             now = time.monotonic()
             watching = self._watching
-            if watching is not None:
-                step, started, limit = watching
-                if now - started > limit and step != self._reported_step:
-                    self._reported_step = step
-                    median = f"{statistics.median(self.durations):.2f}s" if self.durations else "n/a"
-                    self.report(f"step {step} has run {now - started:.1f}s (recent median {median}, "
-                                f"limit {limit:.1f}s); the job may be hung")
+            if watching is not None and now - watching.started > watching.limit and watching is not self._reported:
+                self._reported = watching
+                median = f"recent step median {statistics.median(self.durations):.2f}s, " if self.durations else ""
+                self.report(f"stalled in {PHASES[watching.phase]} at step {watching.step}: has run "
+                            f"{now - watching.started:.1f}s ({median}limit {watching.limit:.1f}s); "
+                            "the job may be hung")
             if self.heartbeats is not None and now - last_beat >= self.heartbeat_s:
                 last_beat = now
                 try:
@@ -262,6 +355,9 @@ class Watchdog:
             except Exception as e:
                 lines.append(f"  rendezvous store {self.dist_env.master_addr}:{self.dist_env.master_port} "
                              f"unreachable ({type(e).__name__}: {e}); this node may be the one cut off")
+        if self.nccl_dump is not None:
+            lines.append(f"  NCCL's flight recorder dumps this rank's collectives to {self.nccl_dump}{self.dist_env.rank} "
+                         "when NCCL's own watchdog times out (README, \"Hangs and lost nodes\")")
         lines.append(f"  Python stacks of rank {self.dist_env.rank} follow, and are kept in {self.stacks_file}")
         message = "\n".join(lines)
         log.error("%s", message)

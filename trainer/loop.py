@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -28,8 +29,11 @@ class Trainer:
             torch.set_num_threads(distributed.cpu_threads(dist_env, cfg.train.threads))
         self.amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
 
-        self.tokenizer = model.load_tokenizer(cfg.model)
-        self.model = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device)
+        # One download per node: local rank 0 fetches a hub model into the HF cache (shared
+        # by the node's ranks, or by every node on a PVC), the others then read it from there.
+        with distributed.local_rank_zero_first(dist_env) if model.from_hub(cfg.model) else nullcontext():
+            self.tokenizer = model.load_tokenizer(cfg.model)
+            self.model = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device)
         """The bare model: checkpoints, evaluation and the export read it."""
         startup.mark("model")
         self.data = data.build(cfg, dist_env, self.tokenizer, device)
@@ -59,7 +63,7 @@ class Trainer:
         self.tracker: tracking.Tracker | None = None
         self.run_id = ""
         self.first_step_end_unix: float | None = None
-        self.kill_at_step = faults.sigkill_step(dist_env)
+        self.injected = faults.StepFaults(dist_env)
         self.preemption = faults.Preemption(cfg.fault.preempt_signals, dist_env)
         self.watchdog = faults.Watchdog(cfg, dist_env, self.output_dir)
         startup.mark("setup")
@@ -74,35 +78,54 @@ class Trainer:
         self.meter.begin(start_step)
         self.watchdog.start()
         for step in range(start_step + 1, self.policy.max_steps + 1):
-            if step == self.kill_at_step:
-                faults.sigkill_now()
             self.watchdog.step_started(step)
+            self.injected.at_step(step)
             self.meter.phase("data")
             epoch, batches = next(steps)
             self.train_step(batches)
             self.watchdog.step_done()
             if step == start_step + 1:
-                self._first_step_done()
-            if self.policy.log(step):
+                with self.watchdog.phase("first-step", step):
+                    self._first_step_done()
+            self._between_steps(step, epoch)
+        return self._end_of_run(start_step)
+
+    def _between_steps(self, step: int, epoch: int) -> None:
+        """Log, evaluate, save and stop as the policy says. Each phase enters collectives,
+        so each is watched: a rank stuck in one is reported like a stuck step."""
+        watch = self.watchdog.phase
+        if self.policy.log(step):
+            with watch("log", step):
                 self._log(step, epoch)
-            with self.meter.paused():  # eval and checkpoints count in no rate
-                if self.policy.evaluate(step):
+        with self.meter.paused():  # eval and checkpoints count in no rate
+            if self.policy.evaluate(step):
+                with watch("eval", step):
                     self.tracker.log(_prefixed("eval", self.evaluate()), step)
-                saved = self.policy.save(step)
-                if saved:
+            saved = self.policy.save(step)
+            if saved:
+                with watch("save", step):
                     self.save(step, epoch)
+            with watch("preemption", step):
                 preempted_by = self.preemption.agreed()
-                if self.policy.stop_early(step, preempted_by):
+            if self.policy.stop_early(step, preempted_by):
+                with watch("save", step):
                     if not saved:
                         self.save(step, epoch)
                     self.checkpointer.finish()  # on disk, or every rank fails with why
-                    raise faults.Preempted(step, preempted_by)
+                raise faults.Preempted(step, preempted_by)
+
+    def _end_of_run(self, start_step: int) -> dict:
+        watch, last = self.watchdog.phase, self.policy.max_steps
         totals = self.meter.run_totals()
-        self.checkpointer.finish()  # the last checkpoint is on disk before anything reports done
-        final_eval = self.evaluate()
-        self.tracker.log(_prefixed("eval", final_eval), self.policy.max_steps)
-        self.export_final()
-        return self._summarize(start_step, final_eval, totals)
+        with watch("save", last):
+            self.checkpointer.finish()  # the last checkpoint is on disk before anything reports done
+        with watch("final-eval", last):
+            final_eval = self.evaluate()
+        self.tracker.log(_prefixed("eval", final_eval), last)
+        with watch("export", last):
+            self.export_final()
+        with watch("gather", last):
+            return self._summarize(start_step, final_eval, totals)
 
     def train_step(self, batches: list[dict]) -> None:
         """One optimizer step over grad_accum micro-batches; the result equals one big batch."""
@@ -168,15 +191,19 @@ class Trainer:
         run id: the checkpoint's, so a resumed job continues the same wandb run."""
         path = self.checkpointer.find_resume(self.cfg.checkpoint.resume)
         if path is None:
-            if self.dist_env.is_rank_zero:
-                self.output_dir.mkdir(parents=True, exist_ok=True)
-                (self.output_dir / "config.yaml").write_text(config.to_yaml(self.cfg))
-            self.run_id = tracking.new_run_id()
-            return 0
-        state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)
-        log.info("resumed from %s (step %d, epoch %d)", path, state["step"], state["epoch"])
-        self.run_id = state["wandb_run_id"]
-        return state["step"]
+            distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir}", self._start_output_dir)
+            self.run_id, start_step = tracking.new_run_id(), 0
+        else:
+            state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)
+            log.info("resumed from %s (step %d, epoch %d)", path, state["step"], state["epoch"])
+            self.run_id, start_step = state["wandb_run_id"], state["step"]
+        if self.watchdog.nccl_dump is not None:  # torch writes its dump into this folder blindly
+            Path(self.watchdog.nccl_dump).parent.mkdir(parents=True, exist_ok=True)
+        return start_step
+
+    def _start_output_dir(self) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(config.to_yaml(self.cfg))
 
     def save(self, step: int, epoch: int) -> None:
         state = {
@@ -195,15 +222,18 @@ class Trainer:
         self.tracker.log({"checkpoint/save_s": time.perf_counter() - started}, step)
 
     def export_final(self) -> None:
-        """output_dir/final: save_pretrained model and tokenizer, loadable by plain transformers."""
-        if not self.dist_env.is_rank_zero:
-            return
+        """output_dir/final: save_pretrained model and tokenizer, loadable by plain transformers.
+        Written by rank 0; a failure stops every rank with rank 0's reason."""
         final, tmp = self.output_dir / "final", self.output_dir / ".final.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+
+        def export() -> None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+
+        distributed.rank_zero_does(self.dist_env, f"output_dir: {final}", export)
 
     # --- ending ---------------------------------------------------------------------------
 
@@ -215,7 +245,9 @@ class Trainer:
         self.watchdog.report(f"step {self.watchdog.step} failed: {type(error).__name__}: {first_line}")
 
     def close(self, exit_code: int) -> None:
+        """On every exit path: nothing this rank started may outlive it, or hold its exit."""
         self.checkpointer.close()
+        self.data.close()
         self.watchdog.close()
         self.preemption.close(clean_exit=exit_code == 0)
         if self.tracker is not None:

@@ -7,6 +7,8 @@ This is the bare model: checkpoints, evaluation and the final export use it, so 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from omegaconf import DictConfig
 from torch import nn
@@ -17,6 +19,11 @@ from trainer.errors import ConfigError
 def _load_error(name: str, e: Exception) -> ConfigError:
     message = " ".join(str(e).strip().split("\n")[0].split())[:300]
     return ConfigError(f"model.name: {name}: {type(e).__name__}: {message}")
+
+
+def from_hub(model_cfg: DictConfig) -> bool:
+    """Whether the model comes from the hub (a download), not from a local folder."""
+    return not Path(model_cfg.name).expanduser().exists()
 
 
 def load_tokenizer(model_cfg: DictConfig):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer import distributed
 from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,14 @@ class Tracker:
         self.output_dir = Path(cfg.output_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self._wandb_run = None
-        if not self.enabled:
-            return
-        self._truncate_metrics(resume_step)
-        if cfg.wandb.mode != "disabled":
-            self._wandb_run = self._start_wandb(cfg, run_id)
+
+        def start() -> None:
+            self._truncate_metrics(resume_step)
+            if cfg.wandb.mode != "disabled":
+                self._wandb_run = self._start_wandb(cfg, run_id)
+
+        # Rank 0's disk or wandb failing stops every rank now, not at the next collective.
+        distributed.rank_zero_does(dist_env, f"wandb ({cfg.wandb.mode}) in {self.output_dir}", start)
 
     def _truncate_metrics(self, resume_step: int) -> None:
         """On resume, forget lines logged after the checkpoint: those steps are redone."""

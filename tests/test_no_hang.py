@@ -1,0 +1,101 @@
+"""No silent hang: whatever fails, on whichever rank, every process exits in bounded time.
+
+With the default loader workers on: they ignore preemption signals, and once made an
+interpreter exit wait forever for them. Faults are injected at exact points
+(TRAINER_FAULT_RAISE), never by timing. A peer's collective timeout, with workers on too, is
+test_multinode_faults.py's frozen node.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run, tiny_overrides, train, trainer_command
+from fake_hub import FakeHub
+from trainer.distributed import flight_recorder_env
+from users import UID, as_user
+
+WORKERS = {"data.num_workers": 1, "train.max_steps": 30}  # 1 is the default: on purpose
+
+
+def failed_at(output: str, pattern: str) -> float:
+    """Unix time of the first log line matching `pattern` (the logs' asctime, local time)."""
+    match = re.search(rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) .*{pattern}", output, re.M)
+    assert match, output[-4000:]
+    return datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@pytest.mark.parametrize("nproc, fault", [
+    pytest.param(None, "0:3", id="one-process"),
+    pytest.param(2, "1:3", id="one-rank-of-two"),
+    pytest.param(2, "*:3", id="every-rank"),
+])
+def test_an_exception_mid_run_ends_every_process_in_seconds(tiny_model, reviews, tmp_path, nproc, fault):
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **WORKERS), nproc),
+                 env={"TRAINER_FAULT_RAISE": fault}, timeout=180)
+    exited = time.time()
+    assert result.returncode != 0
+    assert "InjectedFault: TRAINER_FAULT_RAISE: injected at step 3" in result.output, result.output[-4000:]
+    # From the first rank's failure report to the last process gone (torchrun included).
+    assert exited - failed_at(result.output, "step 3 failed: InjectedFault") < 30, result.output[-4000:]
+
+
+def test_rank_zero_unable_to_write_output_dir_stops_every_rank_with_its_error(tiny_model, reviews, tmp_path):
+    """Run as the image's user: root would ignore the read-only folder. Rank 0 creates
+    output_dir; rank 1 must not wait for it at the next collective (30 minutes, by default)."""
+    public = Path(tempfile.mkdtemp(prefix="unprivileged-"))  # pytest's tmp folders are root's alone
+    try:
+        public.chmod(0o755)
+        shutil.copytree(tiny_model, public / "model")
+        shutil.copytree(reviews, public / "data")
+        subprocess.run(["chmod", "-R", "a+rX", public], check=True)  # copies keep pytest's 0700
+        home = public / "home"
+        home.mkdir()
+        os.chown(home, UID, UID)
+        (public / "read-only").mkdir()  # root's, 0755: the user cannot create anything in it
+        output_dir = public / "read-only" / "run"
+        overrides = tiny_overrides(public / "model", public / "data", output_dir)
+        started = time.monotonic()
+        result = run(as_user(trainer_command(overrides, nproc=2), tmp_path / "python"),
+                     env={"HOME": str(home)}, timeout=180)
+        elapsed = time.monotonic() - started
+    finally:
+        shutil.rmtree(public, ignore_errors=True)
+    assert result.returncode != 0
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and errors[0] == errors[1], result.output[-4000:]  # both ranks, one line each
+    assert errors[0].startswith(f"error: output_dir: {output_dir}: PermissionError"), errors
+    assert not re.search(r"\[rank\d\]: Traceback", result.output)  # torchrun's own report aside
+    assert elapsed < 60, f"took {elapsed:.1f}s"  # launch, imports and the failure: no waiting
+
+
+def test_nccl_flight_recorder_dumps_into_output_dir_and_is_off_for_gloo(tmp_path):
+    assert flight_recorder_env("gloo", tmp_path) == {}
+    env = flight_recorder_env("nccl", tmp_path)
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{tmp_path}/nccl-trace/rank_"
+
+
+def test_a_hub_model_is_downloaded_once_per_node(tiny_model, reviews, tmp_path):
+    """Two ranks of one node share one HF cache (as on a shared PVC): local rank 0 fetches
+    the model while the other waits, then reads the cache. The hub is a loopback server that
+    counts every download of a file's bytes, each slowed to a second, as a real network is."""
+    repo = "lab/tiny-bert"
+    with FakeHub({repo: tiny_model}, delay_s=1.0) as hub:
+        overrides = tiny_overrides(repo, reviews, tmp_path / "run")
+        env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf-home")}
+        train(overrides, nproc=2, env=env)
+    assert hub.downloads[f"{repo}/model.safetensors"] == 1, hub.downloads
+    assert hub.downloads[f"{repo}/config.json"] == 1, hub.downloads
+    # One process at a time: the second rank asks only once the first has everything.
+    (first, second) = hub.sessions()
+    assert first[1] <= second[0], (first, second)
