@@ -7,6 +7,7 @@ the layout the Dockerfile creates (tests/container.py).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from container import Container, build_app_dir, read_dockerfile
+from container import Container, Service, build_app_dir, read_dockerfile, run_services
 from conftest import BASE_ENV, REPO
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
@@ -102,3 +103,19 @@ def test_every_shipped_config_writes_under_the_workspace_in_the_image(tmp_path):
         output_dir = Path(yaml.safe_load(config.read_text())["output_dir"])
         in_image = os.path.realpath(output_dir if output_dir.is_absolute() else app_dir / output_dir)
         assert in_image.startswith("/workspace/"), (config.name, in_image)
+
+
+def test_a_shipped_config_runs_on_a_fresh_workspace_volume(tmp_path):
+    """A fresh volume over /workspace (a new PVC, as k8s/ mounts one) is empty, so the image's
+    runs -> /workspace/runs link points nowhere yet. A shipped config's `output_dir: runs/...`
+    must still work there, run as the image's user: the k8s README's recipe."""
+    image = read_dockerfile()
+    pvc = tmp_path / "pvc"
+    pvc.mkdir()
+    argv = ["python", "-m", "trainer", "train", "-c", "configs/demo.yaml", "train.max_steps=2",
+            "data.max_train_samples=64", "data.max_eval_samples=32", "wandb.mode=disabled"]
+    node = Service("node0", [], argv, [], image.workdir, {"/workspace": pvc}, image.uid)
+    started = run_services([node], image, build_app_dir(image, tmp_path / "app"), tmp_path, timeout=240)
+    assert started.codes == [0], started.logs_tail()
+    summary = pvc / "runs" / "demo" / "summary.json"
+    assert summary.stat().st_uid == image.uid and json.loads(summary.read_text())["steps"] == 2

@@ -152,7 +152,7 @@ def time_all_reduce(numel: int, device: torch.device, iterations: int) -> tuple[
 def shared_output_dir(output_dir: Path, dist_env: DistEnv) -> tuple[str, list[int]]:
     """('' or why not writable, the ranks whose probe files this rank can see)."""
     token = distributed.broadcast_from_rank_zero(dist_env, uuid.uuid4().hex if dist_env.is_rank_zero else None)
-    probe_dir = output_dir / ".doctor" / token
+    probe_dir = Path(os.path.realpath(output_dir)) / ".doctor" / token  # through a dangling runs/ link too
     error = ""
     try:
         probe_dir.mkdir(parents=True, exist_ok=True)

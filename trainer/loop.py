@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -202,7 +203,9 @@ class Trainer:
         return start_step
 
     def _start_output_dir(self) -> None:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        # Through any link first: in the image, runs/ links to /workspace/runs, which a fresh
+        # volume over /workspace (a new PVC) does not have yet, and mkdir stops at a dangling link.
+        Path(os.path.realpath(self.output_dir)).mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(config.to_yaml(self.cfg))
 
     def save(self, step: int, epoch: int) -> None:
