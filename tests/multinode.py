@@ -42,11 +42,11 @@ def summary(output_dir: Path) -> dict:
     return json.loads((output_dir / "summary.json").read_text())
 
 
-def frozen(net: Network, host: str) -> bool:
-    """Whether a process on `host` is stopped (SIGSTOP): what the freeze hook leaves."""
+def frozen(net: Network, host: str) -> int:
+    """How many processes on `host` are stopped (SIGSTOP): what the freeze hook leaves."""
     def state(pid: str) -> str:
         try:
             return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             return ""
-    return any(state(pid) == "T" for pid in net.pids(host))
+    return sum(state(pid) == "T" for pid in net.pids(host))

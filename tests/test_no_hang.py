@@ -17,9 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from conftest import run, tiny_overrides, train, trainer_command
+from conftest import BASE_ENV, kill_tree, run, tiny_overrides, train, trainer_command, wait_for
 from fake_hub import FakeHub
 from trainer.distributed import flight_recorder_env
 from users import UID, as_user
@@ -47,6 +48,33 @@ def test_an_exception_mid_run_ends_every_process_in_seconds(tiny_model, reviews,
     assert "InjectedFault: TRAINER_FAULT_RAISE: injected at step 3" in result.output, result.output[-4000:]
     # From the first rank's failure report to the last process gone (torchrun included).
     assert exited - failed_at(result.output, "step 3 failed: InjectedFault") < 30, result.output[-4000:]
+
+
+def test_loader_workers_hold_none_of_their_ranks_sockets(tiny_model, reviews, tmp_path):
+    """A loader worker is forked with a copy of its rank's sockets (gloo's connections to the
+    other ranks, the store's). Holding them, it would keep a SIGKILLed rank's connections
+    open until it noticed its parent gone (5 s, or never while stuck in a batch), and the
+    peers would fail only then. Both ranks freeze as step 4's save begins: their workers hold
+    no inet socket, while the ranks hold several."""
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path, **WORKERS, **{"checkpoint.every": 2})
+    torchrun = subprocess.Popen(trainer_command(overrides, nproc=2), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**BASE_ENV, "TRAINER_FAULT_SIGSTOP": "*:save:4"})
+    try:
+        def frozen_ranks() -> list[psutil.Process] | None:
+            ranks = psutil.Process(torchrun.pid).children()
+            stopped = [rank for rank in ranks if rank.status() == psutil.STATUS_STOPPED]
+            return stopped if len(stopped) == 2 else None
+
+        ranks = wait_for(frozen_ranks, 180, "both ranks frozen at step 4's save", {"torchrun": torchrun})
+        for rank in ranks:
+            assert rank.net_connections("inet"), rank  # what the check looks for is there
+            workers = rank.children()
+            assert workers, rank
+            for worker in workers:
+                assert worker.net_connections("inet") == [], (rank, worker)
+    finally:
+        kill_tree(torchrun)
 
 
 def test_rank_zero_unable_to_write_output_dir_stops_every_rank_with_its_error(tiny_model, reviews, tmp_path):

@@ -9,7 +9,9 @@ Two properties matter and are tested:
 from __future__ import annotations
 
 import functools
+import os
 import signal
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -42,7 +44,7 @@ class Data:
 
         They would otherwise outlive a failed run: at interpreter exit, multiprocessing
         SIGTERMs its daemonic children and joins them, but these ignore SIGTERM (see
-        _ignore_signals), and the traceback still holds their iterator, so the join would
+        _init_worker), and the traceback still holds their iterator, so the join would
         wait forever. torch has no public way to stop persistent workers, hence the
         iterator's own shutdown; a worker stuck in a batch is then SIGKILLed.
         """
@@ -235,7 +237,7 @@ def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.device) -
     loader_options = dict(
         collate_fn=collate, num_workers=workers, pin_memory=on_gpu and data_cfg.pin_memory,
         persistent_workers=workers > 0,
-        worker_init_fn=functools.partial(_ignore_signals, tuple(cfg.fault.preempt_signals)),
+        worker_init_fn=functools.partial(_init_worker, tuple(cfg.fault.preempt_signals)),
     )
     train_loader = DataLoader(
         train_ds.remove_columns("length"), batch_size=batch_size, sampler=train_sampler,
@@ -249,13 +251,36 @@ def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.device) -
     return Data(train_loader, eval_loader, train_sampler, steps_per_epoch, len(train_ds), len(eval_ds))
 
 
-def _ignore_signals(names: tuple[str, ...], worker_id: int) -> None:
+def _init_worker(signal_names: tuple[str, ...], worker_id: int) -> None:
     """DataLoader workers ignore the preemption signals, which launchers send to whole
     process groups (torchrun) or to every process of a job step (Slurm). A worker killed by
     one would fail the main process ("DataLoader worker exited unexpectedly") before it
-    saves; ignoring it, the worker still exits with the main process, as it always does."""
-    for name in names:
+    saves; ignoring it, the worker still exits with the main process, as it always does.
+    And they let go of the sockets they were forked with."""
+    for name in signal_names:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+    _release_inherited_sockets()
+
+
+def _release_inherited_sockets() -> None:
+    """A forked worker holds a copy of each of its rank's sockets: gloo's connections to the
+    other ranks, the rendezvous store's. When the rank dies (SIGKILL, the OOM killer), its
+    peers would see those connections close only with the last copy, when the orphaned
+    worker notices and exits: 5 s later, or never while it is stuck in a batch. The peers
+    must fail at once instead. Each socket becomes /dev/null here, not closed: its fd number
+    stays valid for whatever object of the parent's still holds it in this process."""
+    if not os.path.isdir("/proc/self/fd"):
+        return
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                    os.dup2(devnull, int(name))
+            except OSError:
+                pass  # the listing's own fd, gone by now
+    finally:
+        os.close(devnull)
 
 
 def micro_batches(data: Data, grad_accum: int, start_step: int) -> Iterator[tuple[int, list[dict]]]:
