@@ -104,7 +104,7 @@ def read_ours(run: Path) -> dict:
     phases = {k: k.removeprefix("time/").removesuffix("_s") for k in windows[0] if k.startswith("time/")}
     result = {"samples_per_s": statistics.harmonic_mean([w["samples_per_s"] for w in windows]),
               "tokens_per_s": statistics.harmonic_mean([w["tokens_per_s"] for w in windows]),
-              "mfu": statistics.median(w["mfu"] for w in windows),
+              "mfu": None if None in (mfus := [w["mfu"] for w in windows]) else statistics.median(mfus),
               "step_ms": {phase: 1000 * statistics.median(w[k] for w in windows) for k, phase in phases.items()},
               "startup_s": summary["startup_s"],
               "checkpoint_save_s": saves,
@@ -383,7 +383,7 @@ def main() -> None:
                     continue
                 runs[name].append(result)
                 print(f"rep {rep + 1}/{args.reps}  {name:50s} {result['samples_per_s']:7.2f} samples/s  "
-                      f"MFU {result.get('mfu', float('nan')):.3f}  "
+                      f"MFU {result.get('mfu') or float('nan'):.3f}  "
                       f"launch->first step {result['launch_to_first_step_s']:5.1f}s", flush=True)
                 # What is done so far survives a killed session.
                 write_results(report(args, label, runs, failures), out_dir, args.name, chart_too=False)

@@ -68,7 +68,7 @@ def main() -> None:
             *args.overrides,
         ])
         dist_env = DistEnv()
-        device, _ = pick_device(dist_env, cfg.dist.backend)
+        device, _ = pick_device(dist_env, cfg.dist.backend, cfg.train.device)
         trainer = Trainer(cfg, dist_env, device, metrics.StartupClock())
         steps = micro_batches(trainer.data, cfg.train.grad_accum, 0)
         for _ in range(args.warmup):

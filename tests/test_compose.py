@@ -120,8 +120,12 @@ def test_compose_files_are_valid_and_describe_two_one_gpu_nodes():
     cpu = compose("docker-compose.yml", "docker-compose.cpu.yml")
     assert set(cpu["services"]) == {"node0", "node1"}
     assert all(not gpu_devices(service) for service in cpu["services"].values())
-    for name in ("node0", "node1"):  # the CPU variant changes nothing but the reservation
-        assert {**gpu["services"][name], "deploy": None} == {**cpu["services"][name], "deploy": None}
+    for name in ("node0", "node1"):  # the CPU variant changes nothing but the GPU request
+        gpu_service, cpu_service = gpu["services"][name], cpu["services"][name]
+        # The CUDA base image asks the NVIDIA runtime for every GPU (NVIDIA_VISIBLE_DEVICES=all).
+        assert cpu_service["environment"] == {**gpu_service["environment"], "NVIDIA_VISIBLE_DEVICES": "void"}
+        assert {**gpu_service, "deploy": None, "environment": None} == \
+            {**cpu_service, "deploy": None, "environment": None}
 
 
 def test_compose_rejects_what_compose_rejects():

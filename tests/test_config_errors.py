@@ -18,7 +18,14 @@ BAD_OVERRIDES = [
     ("zero-batch", ["train.batch_size=0"], "train.batch_size: must be >= 1"),
     ("unknown-key", ["train.bogus=1"], "train.bogus: unknown key"),
     ("wrong-type", ["train.lr=fast"], "train.lr:"),
-    ("bad-choice", ["train.precision=fp16"], "train.precision:"),
+    ("bad-choice", ["train.precision=fp8"], "train.precision:"),
+    ("bad-device", ["train.device=tpu"], "train.device:"),
+    ("cuda-without-cuda", ["train.device=cuda"], "train.device: cuda, but torch.cuda.is_available() is False"),
+    ("nccl-on-cpu", ["train.device=cpu", "dist.backend=nccl"], "dist.backend: nccl needs GPUs, and train.device is cpu"),
+    ("peak-tflops", ["train.peak_tflops=0"], "train.peak_tflops: must be > 0 or null"),
+    # The tiny model has 128 positions: a longer sample would fail mid-epoch, at the lookup.
+    ("max-length-beyond-positions", ["data.max_length=512"],
+     "data.max_length: 512 is more than the 128 positions of model.name"),
     ("not-key-value", ["train.lr"], "override 'train.lr'"),
     ("missing-data-file", ["data.path=./no/such.jsonl"], "data.path: ./no/such.jsonl"),
     ("missing-model-dir", ["model.name=/no/such/model"], "model.name: /no/such/model"),
@@ -136,6 +143,44 @@ def test_inconsistent_launcher_environment(tiny_model, reviews, tmp_path, env, e
     result = run(trainer_command(tiny_overrides(tiny_model, reviews, out), nproc=None), env=env)
     assert_usage_error(result, "environment: " + expected)
     assert not out.exists()
+
+
+GRANTED_GPUS = [{"SLURM_GPUS_ON_NODE": "1"}, {"CUDA_VISIBLE_DEVICES": "0"}, {"NVIDIA_VISIBLE_DEVICES": "all"}]
+
+
+@pytest.mark.parametrize("granted", GRANTED_GPUS, ids=lambda env: next(iter(env)))
+def test_granted_gpus_that_cuda_cannot_use_are_an_error_not_a_cpu_run(tiny_model, reviews, tmp_path, granted):
+    """A GPU job on a node whose driver is too old, or in a container without --gpus, would
+    train on CPU hundreds of times slower: refused before the rendezvous, naming the variable
+    that shows GPUs, what torch.cuda says and the torch build (a CPU build on this machine)."""
+    out = tmp_path / "run"
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, out), nproc=None), env=granted)
+    name, value = next(iter(granted.items()))
+    assert_usage_error(result, f"train.device: {name}={value} grants this job GPUs, but "
+                               "torch.cuda.is_available() is False: torch ")
+    assert "CPU-only build (torch.version.cuda is None)" in result.output
+    assert "set train.device=cpu dist.backend=gloo" in result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_every_rank_refuses_granted_gpus_before_the_rendezvous(tiny_model, reviews, tmp_path, rank):
+    """Each rank of a torchrun job decides alone, before it would wait for its peers: here
+    with nobody at MASTER_ADDR, a rank that went on to the rendezvous would hang there."""
+    env = {**TORCHRUN_ENV, "RANK": rank, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "9",
+           "CUDA_VISIBLE_DEVICES": "0,1"}
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path / "run"), nproc=None), env=env,
+                 timeout=60)
+    assert_usage_error(result, "train.device: CUDA_VISIBLE_DEVICES=0,1 grants this job GPUs")
+    assert not (tmp_path / "run").exists()
+
+
+def test_cpu_on_purpose_trains_where_gpus_are_granted(tiny_model, reviews, tmp_path):
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{
+        "train.device": "cpu", "dist.backend": "gloo", "train.max_steps": 2}), nproc=None),
+        env={"SLURM_GPUS_ON_NODE": "1", "CUDA_VISIBLE_DEVICES": "0"})
+    assert result.returncode == 0, result.output[-3000:]
+    assert "on cpu (no process group)" in result.output
 
 
 def test_dp_refuses_several_ranks(tiny_model, reviews, tmp_path):

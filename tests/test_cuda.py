@@ -68,3 +68,15 @@ def test_kill_and_resume_on_the_gpu_is_bitwise_with_deterministic_kernels(refere
     result = train(overrides)
     assert f"resumed from {resumed / 'checkpoints' / 'step-20'}" in result.output
     assert not compare_weights(uninterrupted, resumed, STEPS).differing
+
+
+def test_fp16_with_its_loss_scaler_trains_on_the_gpu(tiny_model, reviews, tmp_path):
+    """What `precision: auto` picks on a V100 or T4, forced here: fp16 autocast and a
+    GradScaler on CUDA; an injected overflow at step 3 is skipped and halves the scale."""
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path, **{
+        "train.precision": "fp16", "train.max_steps": 8, "train.log_every": 1})
+    result = train(overrides, nproc=1, env={"TRAINER_FAULT_OVERFLOW": "*:3"})
+    assert "on cuda:0 (nccl)" in result.output and "precision float16" in result.output
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    scales = {r["step"]: r["loss_scale"] for r in records if "loss_scale" in r}
+    assert scales == {step: 65536.0 if step < 3 else 32768.0 for step in range(1, 9)}

@@ -6,7 +6,7 @@ shuffling and length-grouped batches on, so sampler epochs and grouping are cove
 
 import pytest
 
-from conftest import compare_weights, tiny_overrides, train, weights
+from conftest import compare_weights, kill_then_resume, tiny_overrides, train, weights
 
 STEPS = 40
 
@@ -49,3 +49,48 @@ def test_accumulation_in_one_process(single_process_weights, tiny_model, reviews
     accumulated = weights(tmp_path, STEPS)
     assert accumulated.keys() == single_process_weights.keys()
     assert compare_weights(single_process_weights, accumulated).max_abs <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_decoder_only_classifiers_match_one_process_and_resume_bitwise(decoder_models, reviews, tmp_path, family):
+    """GPT-2 and Llama-shaped classifiers, which read each row's logits at its last real
+    token and ship no pad token; Llama's tokenizer pads on the left, so each rank's batches
+    pad differently from the single process's. As BERT's above and in test_resume.py:
+    2 ranks x 8 == 1 process x 16, and rank 1 SIGKILLed mid-epoch (step 13 of 20 per
+    epoch) then relaunched ends bitwise equal to the uninterrupted 2 ranks, across the
+    epoch boundary. (Restoring every rank's dropout RNG is BERT's test, with dropout on.)"""
+    model = decoder_models(family, dropout=0.0)
+    steps = 24
+    options = {"data.max_train_samples": 320, "train.max_steps": steps, "checkpoint.every": 5}
+    single, ranks, resumed = tmp_path / "single", tmp_path / "ranks", tmp_path / "resumed"
+    train(tiny_overrides(model, reviews, single, **options, **{"train.batch_size": 16,
+                                                              "ddp.sparse_embedding_grad": False}), nproc=None)
+    train(tiny_overrides(model, reviews, ranks, **options, **{"train.batch_size": 8}), nproc=2)
+    assert compare_weights(weights(model), weights(ranks, steps)).max_abs > 1e-2
+    assert compare_weights(single, ranks, steps).max_abs <= 1e-5
+
+    kill_then_resume(tiny_overrides(model, reviews, resumed, **options, **{"train.batch_size": 8}), resumed,
+                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
+    assert not compare_weights(ranks, resumed, steps).differing
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_left_padding_leaves_each_samples_logits_alone(decoder_models, family):
+    """What a sample's logits are must not depend on how far its batch pads it: under left
+    padding, positions count from each row's first real token (trainer.data.Collate).
+    GPT-2's learned absolute positions show it most; Llama's rotary ones up to rounding."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from trainer.data import Collate
+
+    folder = decoder_models(family, dropout=0.0)
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForSequenceClassification.from_pretrained(folder, pad_token_id=tokenizer.pad_token_id).eval()
+    texts = ["The food was good.", "The staff was rude and the room was a complete waste of money. Never again."]
+    collate = Collate(tokenizer, pad_to_multiple_of=None)
+    with torch.no_grad():
+        batched = model(**collate([tokenizer(text) for text in texts])).logits
+        alone = model(**collate([tokenizer(texts[0])])).logits
+    assert torch.allclose(batched[0], alone[0], atol=1e-5), (batched[0], alone[0])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import wandb_log
-from conftest import compare_weights, locally, run, tiny_overrides, train, trainer_command
+from conftest import compare_weights, kill_then_resume, locally, run, tiny_overrides, train, trainer_command
 
 STEPS = 40
 # Logged values are means over a logging window; a window after a resume starts at the
@@ -92,3 +92,25 @@ def test_wandb_history_matches_metrics_file(uninterrupted):
     assert {"loss", "lr", "samples_per_s", "tokens_per_s", "mfu", "eval/accuracy", "eval/f1_macro"} <= set(
         history[STEPS]
     )
+
+
+FP16 = {"train.precision": "fp16", "train.batch_size": 8, "train.max_steps": 10, "checkpoint.every": 5,
+        "train.log_every": 1, "wandb.mode": "disabled"}
+OVERFLOW_AT_STEP_3 = {"TRAINER_FAULT_OVERFLOW": "*:3"}
+
+
+def test_fp16_loss_scale_is_part_of_the_exact_resume(reference_run, dropout_model, reviews, tmp_path):
+    """fp16 with torch.amp.GradScaler, for real on CPU ranks. Step 3's gradients overflow
+    (injected into every rank, as an all-reduced overflow reaches all): the step is skipped
+    and the scale halved. Killed at step 8 and resumed from step 5, the run must go on with
+    the halved scale, as the uninterrupted one does, and end bitwise equal to it."""
+    uninterrupted = reference_run(lambda overrides, _: train(overrides, env=OVERFLOW_AT_STEP_3), dropout_model,
+                                  **FP16).run
+    scales = lambda out: {s: r["loss_scale"] for s, r in metrics_by_step(out).items() if "loss_scale" in r}  # noqa: E731
+    assert scales(uninterrupted) == {s: 65536.0 if s < 3 else 32768.0 for s in range(1, 11)}
+
+    # The relaunch overflows nowhere: its scale can only come from the checkpoint.
+    kill_then_resume(tiny_overrides(dropout_model, reviews, tmp_path, **FP16), tmp_path,
+                     {**OVERFLOW_AT_STEP_3, "TRAINER_FAULT_SIGKILL": "1:8"}, resumed_from=5)
+    assert scales(tmp_path) == scales(uninterrupted)
+    assert not compare_weights(uninterrupted, tmp_path, 10).differing

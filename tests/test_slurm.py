@@ -26,8 +26,12 @@ from slurm_cluster import CPUS_PER_NODE, GPUS_PER_NODE, SlurmCluster
 from users import UID, as_user
 
 STEPS = 120
+CPU_ON_PURPOSE = {"train.device": "cpu", "dist.backend": "gloo"}
+"""No driver is behind the fake GPUs: the trainer would refuse them as a GPU job that CUDA
+cannot use (test_a_gpu_job_that_cuda_cannot_use_fails_at_once), so the jobs opt in to CPU."""
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 10, "checkpoint.keep": 2,
-           "train.log_every": 10, "wandb.mode": "offline", "dist.timeout_s": 60, "data.num_workers": 1}
+           "train.log_every": 10, "wandb.mode": "offline", "dist.timeout_s": 60, "data.num_workers": 1,
+           **CPU_ON_PURPOSE}
 # One process per node, on one fake GPU each; a short wait for the nodes, a short log.
 SBATCH = ["--nodes=2", "--gpus-per-node=1", "--cpus-per-task=1", "--time=10"]
 JOB_ENV = {**BASE_ENV, "TRAINER_JOIN_TIMEOUT": "60"}
@@ -209,6 +213,21 @@ def test_a_failing_rank_ends_the_job_without_waiting_for_the_timeout(cluster, ti
     assert "_step_signal: Terminating StepId" in record["log"], record["log"][-4000:]
     assert "2 node(s) node[1-2] x 1 process(es)" in record["log"]
     assert "training " in record["log"] and "world size 2" in record["log"]
+
+
+def test_a_gpu_job_that_cuda_cannot_use_fails_at_once(cluster, tiny_model, reviews, tmp_path):
+    """--gpus-per-node=1 on nodes whose GPUs no driver serves (a driver too old for the
+    image's CUDA looks the same to torch): every rank says why before the rendezvous, and
+    the job fails, instead of training on CPU hundreds of times slower."""
+    options = {key: value for key, value in OPTIONS.items() if key not in CPU_ON_PURPOSE}
+    job_id, log = submit(cluster, tmp_path, tiny_overrides(tiny_model, reviews, tmp_path / "run", **options),
+                         env={"TRAINER_MAX_RESTARTS": "0"})
+    record = finished(cluster, job_id, log, timeout=90)
+    assert record["JobState"] == "FAILED", explain(record, cluster)
+    refusals = re.findall(r"error: train\.device: (\w+=\S+) grants this job GPUs, but torch\.cuda\.is_available\(\) "
+                          r"is False", record["log"])
+    assert len(refusals) == 2, record["log"][-4000:]  # one rank on each node
+    assert "training " not in record["log"] and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("runtime, expected", [

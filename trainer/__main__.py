@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             print(config.to_yaml(cfg), end="")
             return 0
         dist_env = distributed.read_env()
-        device, backend = distributed.pick_device(dist_env, cfg.dist.backend)
+        device, backend = distributed.pick_device(dist_env, cfg.dist.backend, cfg.train.device)
     except TrainerError as e:
         return errors.report(e)
 

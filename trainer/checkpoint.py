@@ -2,7 +2,7 @@
 
 Layout: `output_dir/checkpoints/step-N/` holding
 - model.safetensors   the bare model's weights (no `module.` prefix)
-- optimizer.pt        optimizer and LR scheduler state (loaded with weights_only=True)
+- optimizer.pt        optimizer, LR scheduler and fp16 loss-scaler state (loaded with weights_only=True)
 - rng.pt              RNG states of every rank (torch, CUDA, Python, NumPy)
 - state.json          step, epoch, position in the epoch, world size, wandb run id
 - config.yaml         the resolved config of the run
@@ -193,10 +193,11 @@ class Checkpointer:
 
     # --- save -------------------------------------------------------------------------
 
-    def save(self, step: int, model: nn.Module, optimizer, scheduler, state: dict, config_yaml: str) -> None:
+    def save(self, step: int, model: nn.Module, training: dict, state: dict, config_yaml: str) -> None:
         """Collective: every rank must call it at the same step.
 
-        Each rank hands its RNG state to rank 0, rank 0 copies the state to host memory
+        `training` names the objects with a state_dict beside the model: the optimizer,
+        the LR scheduler, the loss scaler. Each rank hands its RNG state to rank 0, rank 0 copies the state to host memory
         and writes it, and all ranks agree on whether the write succeeded: at once, or
         with `async_save` at the next save or `finish()`. A rank never waits alone at a
         barrier that another rank skipped, and if rank 0's disk is full, every rank fails
@@ -206,20 +207,20 @@ class Checkpointer:
             self.finish()  # the previous write, if it is still going: one at a time
         rngs = distributed.gather_to_rank_zero(self.dist_env, rng_state())
         if self.dist_env.is_rank_zero:
-            self._pending = self._start_write(step, model, optimizer, scheduler, state, config_yaml, rngs)
+            self._pending = self._start_write(step, model, training, state, config_yaml, rngs)
         if not self.async_save:
             self.finish()
 
-    def _start_write(self, step, model, optimizer, scheduler, state, config_yaml, rngs) -> _Write:
+    def _start_write(self, step, model, training, state, config_yaml, rngs) -> _Write:
         write = _Write(step)
-        model_tensors, optimizer_state = model.state_dict(), optimizer.state_dict()
+        model_tensors = model.state_dict()
+        trainer_state = {name: stateful.state_dict() for name, stateful in training.items()}
         if self.async_save:
             try:  # training changes the live tensors from the next step on
-                model_tensors, optimizer_state = host_copy((model_tensors, optimizer_state))
+                model_tensors, trainer_state = host_copy((model_tensors, trainer_state))
             except Exception as e:  # e.g. out of host memory: reported like a failed write
                 write.error = f"{type(e).__name__}: {e}"
                 return write
-        trainer_state = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}
 
         def write_and_prune() -> None:
             started = time.perf_counter()
@@ -328,8 +329,9 @@ class Checkpointer:
             log.warning("skipping checkpoint %s: %s", path, problem)
         return None
 
-    def load(self, path: Path, model: nn.Module, optimizer, scheduler) -> dict:
-        """Restore everything in place; returns the trainer state. Nothing is unpickled."""
+    def load(self, path: Path, model: nn.Module, training: dict) -> dict:
+        """Restore the model and `training` (as for save) in place; returns the trainer state.
+        Nothing is unpickled."""
         state = json.loads((path / "state.json").read_text())
         if state["world_size"] != self.dist_env.world_size:
             raise CheckpointError(
@@ -339,8 +341,11 @@ class Checkpointer:
             )
         load_model(model, str(path / "model.safetensors"))
         saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
+        for name, stateful in training.items():
+            # A disabled loss scaler (fp32, bf16) saves an empty state, which an enabled one
+            # refuses; checkpoints from before fp16 have none at all. Both start from the default.
+            if saved.get(name):
+                stateful.load_state_dict(saved[name])
         rngs = torch.load(path / "rng.pt", weights_only=True)
         set_rng_state(rngs[self.dist_env.rank])
         return state

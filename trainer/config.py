@@ -44,6 +44,10 @@ def above(low: float, default: Any) -> Any:
     return _checked(default, lambda v: v > low, f"must be > {low:g}")
 
 
+def above_or_null(low: float, default: Any = None) -> Any:
+    return _checked(default, lambda v: v is None or v > low, f"must be > {low:g} or null")
+
+
 def fraction(default: Any, closed_at_zero: bool) -> Any:
     """In (0, 1), or [0, 1) with `closed_at_zero`."""
     if closed_at_zero:
@@ -128,8 +132,17 @@ class TrainConfig:
     fused_adamw: bool = True
     """AdamW as one fused kernel over all parameters (CPU and GPU); on the CPU benchmark the
     optimizer phase drops from 120 to 33 ms per step."""
-    precision: Literal["fp32", "bf16", "auto"] = "auto"
-    """auto: bf16 autocast where the device has fast bf16, else fp32."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto: the GPU of this rank's LOCAL_RANK when CUDA works, else the CPU; but a job that
+    was granted GPUs (SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES) that
+    CUDA cannot use is an error, not a silent run on CPU hundreds of times slower. cpu: the
+    CPU even when GPUs work (with dist.backend gloo or auto). cuda: a GPU, or an error."""
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "auto"
+    """Autocast precision of the forward and backward; weights and optimizer stay fp32.
+    auto: bf16 on GPUs with native bf16 (Ampere and newer: A100, H100, L4, L40S), fp16 with
+    a loss scaler (torch.amp.GradScaler, saved in checkpoints) on older GPUs (V100, T4),
+    bf16 on CPUs with native bf16 matmuls (AVX512-BF16, AMX), fp32 on other CPUs. bf16 on a
+    GPU without native bf16 is emulated, and slow."""
     strategy: Literal["ddp", "dp"] = "ddp"
     """ddp: DistributedDataParallel, one process per device. dp: nn.DataParallel, one process."""
     compile: bool = False
@@ -141,6 +154,11 @@ class TrainConfig:
     """Log global loss, rates and step-time phases every N steps (one all-reduce each)."""
     threads: Optional[int] = at_least_or_null(1)
     """torch intra-op threads per rank; None: the CPUs this process may use / local ranks."""
+    peak_tflops: Optional[float] = above_or_null(0)
+    """The peak dense TFLOP/s of one device in the run's precision, the denominator of MFU.
+    null: the data sheet's, for GPUs the trainer knows by exact name (H100, H200, A100, L4,
+    L40, L40S, A10, A10G, V100, T4); a 1024^3 matmul measured at start-up on a CPU; and
+    MFU is reported as unknown (null) on any other GPU."""
     deterministic: bool = False
     """Bitwise-reproducible kernels: torch.use_deterministic_algorithms with
     CUBLAS_WORKSPACE_CONFIG, which also makes scaled_dot_product_attention use only its

@@ -224,12 +224,9 @@ def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.device) -
             f"train.batch_size: the global batch ({global_batch} = batch_size x grad_accum x world size) "
             f"is larger than the {len(train_ds)} training samples"
         )
-    from transformers import DataCollatorWithPadding
-
     # Each batch padded to its own longest sample (rounded up on GPU: see the config key).
     on_gpu = device.type == "cuda"
-    multiple = data_cfg.pad_to_multiple_of or (8 if on_gpu else None)
-    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=multiple)
+    collate = Collate(tokenizer, data_cfg.pad_to_multiple_of or (8 if on_gpu else None))
     train_sampler = GlobalBatchSampler(
         np.asarray(train_ds["length"]), global_batch, dist_env, cfg.seed, data_cfg.group_by_length
     )
@@ -249,6 +246,29 @@ def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.device) -
     )
     steps_per_epoch = (train_sampler.num_samples // batch_size) // grad_accum
     return Data(train_loader, eval_loader, train_sampler, steps_per_epoch, len(train_ds), len(eval_ds))
+
+
+class Collate:
+    """transformers' DataCollatorWithPadding, on the tokenizer's own padding side, plus
+    position ids where that side is the left (Llama's tokenizers).
+
+    Left padding shifts each row's real tokens right by however much its batch pads, and
+    decoder-only models count positions from column 0: a sample's logits would depend on
+    its batch-mates (and on the world size, which sets who they are). Counted from each
+    row's first real token instead, they don't.
+    """
+
+    def __init__(self, tokenizer, pad_to_multiple_of: int | None):
+        from transformers import DataCollatorWithPadding
+
+        self.pad = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+        self.left = tokenizer.padding_side == "left"
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        batch = self.pad(features)
+        if self.left:
+            batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        return batch
 
 
 def _init_worker(signal_names: tuple[str, ...], worker_id: int) -> None:

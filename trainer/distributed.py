@@ -8,6 +8,7 @@ to "is there a process group", and the collective helpers below are the identity
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from trainer import errors
 from trainer.errors import ConfigError, LaunchError, TrainerError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -100,9 +102,50 @@ def read_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     return DistEnv(rank, local_rank, world_size, local_world_size, environ["MASTER_ADDR"], port, restart_count)
 
 
-def pick_device(dist_env: DistEnv, backend: str) -> tuple[torch.device, str]:
-    """The device for this rank and the collective backend, checked before the process group."""
+def granted_gpus(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The variable that shows the scheduler or container runtime granted this job GPUs,
+    as `NAME=value`, or None. Slurm sets SLURM_GPUS_ON_NODE and CUDA_VISIBLE_DEVICES for
+    a GPU allocation; the NVIDIA container runtime reads NVIDIA_VISIBLE_DEVICES (CUDA
+    images set it to `all`); `void`, `none`, empty or -1 mean none."""
+    slurm = environ.get("SLURM_GPUS_ON_NODE", "").strip()
+    if slurm.isdigit() and int(slurm) > 0:
+        return f"SLURM_GPUS_ON_NODE={slurm}"
+    for name, none in (("CUDA_VISIBLE_DEVICES", {"", "-1", "nodevfiles"}),
+                       ("NVIDIA_VISIBLE_DEVICES", {"", "void", "none"})):
+        value = environ.get(name)
+        if value is not None and value.strip().lower() not in none:
+            return f"{name}={value}"
+    return None
+
+
+def _no_usable_cuda(why_gpus: str) -> LaunchError:
+    build = (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} (is the driver older, or "
+             "was the container started without --gpus / --nv?)" if torch.version.cuda
+             else f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)")
+    return LaunchError(
+        f"train.device: {why_gpus}, but torch.cuda.is_available() is False: {build}; "
+        "to train on CPU on purpose, set train.device=cpu dist.backend=gloo"
+    )
+
+
+def pick_device(dist_env: DistEnv, backend: str, device_choice: str = "auto",
+                environ: Mapping[str, str] = os.environ) -> tuple[torch.device, str]:
+    """The device for this rank and the collective backend, checked before the process group.
+
+    Never a silent fall back to the CPU: a job granted GPUs that CUDA cannot use would train
+    hundreds of times slower on gloo. Training on CPU there takes train.device=cpu.
+    """
+    if device_choice == "cpu":
+        if backend == "nccl":
+            raise ConfigError("dist.backend: nccl needs GPUs, and train.device is cpu; use gloo or auto")
+        return torch.device("cpu"), "gloo"
     has_cuda = torch.cuda.is_available()
+    if not has_cuda:
+        granted = granted_gpus(environ)
+        if granted:
+            raise _no_usable_cuda(f"{granted} grants this job GPUs")
+        if device_choice == "cuda":
+            raise _no_usable_cuda("cuda")
     if backend == "auto":
         backend = "nccl" if has_cuda else "gloo"
     if backend == "nccl" and not has_cuda:
@@ -124,17 +167,29 @@ def pick_device(dist_env: DistEnv, backend: str) -> tuple[torch.device, str]:
     return torch.device("cuda", dist_env.local_rank), backend
 
 
-def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
-    """fp32, or bf16 autocast where the device runs bf16 matmuls natively."""
-    if precision == "fp32":
-        return torch.float32
-    if precision == "bf16":
-        return torch.bfloat16
+def has_native_bf16(device: torch.device) -> bool:
+    """Whether the device runs bf16 matmuls in hardware."""
     if device.type == "cuda":
-        fast = torch.cuda.is_bf16_supported()
-    else:  # AVX512-BF16 / AMX: bf16 matmuls ~2.5x fp32 (see benchmarks/RESULTS.md)
-        fast = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.bfloat16 if fast else torch.float32
+        # Not torch.cuda.is_bf16_supported() as called by default: it also answers True where
+        # bf16 is only emulated (V100, T4), far slower than fp16 there.
+        return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
+    # AVX512-BF16 / AMX: bf16 matmuls ~2.5x fp32 (see benchmarks/RESULTS.md)
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype (float32: no autocast). auto: bf16 where the device has it in
+    hardware; else fp16 (with a loss scaler) on a GPU, where it has tensor cores since
+    Volta, and fp32 on a CPU, where fp16 has no fast kernels."""
+    explicit = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if precision in explicit:
+        if precision == "bf16" and device.type == "cuda" and not has_native_bf16(device):
+            log.warning("train.precision: bf16 is emulated on %s, and slow; fp16 (or auto) is fast there",
+                        torch.cuda.get_device_name(device))
+        return explicit[precision]
+    if has_native_bf16(device):
+        return torch.bfloat16
+    return torch.float16 if device.type == "cuda" else torch.float32
 
 
 def cpu_threads(dist_env: DistEnv, threads: int | None) -> int:

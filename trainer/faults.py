@@ -75,6 +75,14 @@ def raise_step(dist_env: DistEnv) -> int | None:
     return int(args[0]) if args else None
 
 
+def overflow_step(dist_env: DistEnv) -> int | None:
+    """`TRAINER_FAULT_OVERFLOW=RANK:STEP` (RANK may be `*`): this rank's gradients hold an
+    inf at STEP, after their all-reduce, as an fp16 loss scale too high for them makes (give
+    every rank, `*`: a real overflow reaches all of them through the all-reduce)."""
+    args = _for_this_rank("TRAINER_FAULT_OVERFLOW", dist_env)
+    return int(args[0]) if args else None
+
+
 def sigstop_point(dist_env: DistEnv) -> tuple[str, int] | None:
     """`TRAINER_FAULT_SIGSTOP=RANK:PHASE:STEP` (RANK may be `*`; PHASE one of `PHASES`): this
     rank freezes itself (SIGSTOP) as it enters that phase of that step, as a node that stops
@@ -99,16 +107,25 @@ class InjectedFault(RuntimeError):
 
 
 class StepFaults:
-    """The faults injected as a step begins (TRAINER_FAULT_SIGKILL, TRAINER_FAULT_RAISE)."""
+    """The faults injected into a step (TRAINER_FAULT_SIGKILL, TRAINER_FAULT_RAISE as it
+    begins; TRAINER_FAULT_OVERFLOW once its gradients are ready)."""
 
     def __init__(self, dist_env: DistEnv):
         self.kill_at, self.raise_at = sigkill_step(dist_env), raise_step(dist_env)
+        self.overflow_at, self.step = overflow_step(dist_env), 0
 
     def at_step(self, step: int) -> None:
+        self.step = step
         if step == self.kill_at:
             sigkill_now()
         if step == self.raise_at:
             raise InjectedFault(f"TRAINER_FAULT_RAISE: injected at step {step}")
+
+    def gradients_ready(self, model: torch.nn.Module) -> None:
+        if self.step == self.overflow_at:
+            # The classifier's: the word embedding's gradient may live in a buffer that outlives
+            # the step (parallel.SparseEmbeddingGrad clears only the rows a step wrote).
+            [p for p in model.parameters() if p.grad is not None][-1].grad.view(-1)[0] = float("inf")
 
 
 _received: set[str] = set()

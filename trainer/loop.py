@@ -34,12 +34,14 @@ class Trainer:
         # by the node's ranks, or by every node on a PVC), the others then read it from there.
         with distributed.local_rank_zero_first(dist_env) if model.from_hub(cfg.model) else nullcontext():
             self.tokenizer = model.load_tokenizer(cfg.model)
-            self.model = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device)
+            self.model = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device,
+                                          self.tokenizer.pad_token_id)
         """The bare model: checkpoints, evaluation and the export read it."""
+        model.check_max_length(cfg.model, cfg.data.max_length, self.model, self.tokenizer)
         startup.mark("model")
         self.data = data.build(cfg, dist_env, self.tokenizer, device)
         startup.mark("data")
-        self.parallel = parallel.Parallel(self.model, cfg, dist_env, device)
+        self.parallel = parallel.Parallel(self.model, cfg, dist_env, device, self.amp_dtype)
         """The model as the training step runs it: DDP, DataParallel, compiled."""
 
         self.optimizer = torch.optim.AdamW(
@@ -51,6 +53,9 @@ class Trainer:
         self.scheduler = get_linear_schedule_with_warmup(
             self.optimizer, round(cfg.train.warmup_ratio * cfg.train.max_steps), cfg.train.max_steps
         )
+        # fp16 only: gradients too small for fp16 would flush to zero unless the loss is scaled
+        # up first. A no-op (scale 1, an empty state) for fp32 and bf16.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
         async_save = cfg.checkpoint.async_save
         self.checkpointer = checkpoint.Checkpointer(
             cfg.output_dir, cfg.checkpoint.keep, dist_env,
@@ -58,7 +63,7 @@ class Trainer:
         )
         self.policy = Policy.from_config(cfg)
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * dist_env.world_size
-        self.peak_flops, self.peak_source = metrics.peak_flops(device, self.amp_dtype)
+        self.peak_flops, self.peak_source = metrics.peak_flops(device, self.amp_dtype, cfg.train.peak_tflops)
         self.meter = metrics.Meter(dist_env, device, self.global_batch, metrics.FlopModel.of(self.model),
                                    self.peak_flops, cfg.train.max_steps)
         self.tracker: tracking.Tracker | None = None
@@ -137,19 +142,23 @@ class Trainer:
             is_last = i == grad_accum - 1
             with self.parallel.sync_gradients(now=is_last):
                 self.meter.phase("forward")
-                with self._autocast():
-                    loss = self.parallel.module(**batch).loss.mean() / grad_accum  # mean: DataParallel
+                loss = self.parallel.loss(batch) / grad_accum
                 self.meter.phase("backward")
-                loss.backward()
+                self.scaler.scale(loss).backward()
             if is_last and self.parallel.comm_clock is not None:
                 self.meter.phase("comm", at=self.parallel.comm_clock.take())  # from the last bucket on
             self.meter.loss(loss)
         self.meter.phase("optimizer")
         self.parallel.gradients_ready()
+        self.injected.gradients_ready(self.model)
+        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         grad_norm = None
         if self.cfg.train.max_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
-        self.optimizer.step()
+        # With fp16, a step whose gradients overflowed is skipped and the scale halved; every
+        # rank skips the same steps, because the all-reduced gradients are the same everywhere.
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.meter.step_done(grad_norm)
@@ -195,12 +204,16 @@ class Trainer:
             distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir}", self._start_output_dir)
             self.run_id, start_step = tracking.new_run_id(), 0
         else:
-            state = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)
+            state = self.checkpointer.load(path, self.model, self._training_state())
             log.info("resumed from %s (step %d, epoch %d)", path, state["step"], state["epoch"])
             self.run_id, start_step = state["wandb_run_id"], state["step"]
         if self.watchdog.nccl_dump is not None:  # torch writes its dump into this folder blindly
             Path(self.watchdog.nccl_dump).parent.mkdir(parents=True, exist_ok=True)
         return start_step
+
+    def _training_state(self) -> dict:
+        """What a checkpoint holds beside the model, for an exact resume."""
+        return {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
 
     def _start_output_dir(self) -> None:
         # Through any link first: in the image, runs/ links to /workspace/runs, which a fresh
@@ -219,7 +232,7 @@ class Trainer:
             "wandb_run_id": self.run_id,
         }
         started = time.perf_counter()
-        self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, state, config.to_yaml(self.cfg))
+        self.checkpointer.save(step, self.model, self._training_state(), state, config.to_yaml(self.cfg))
         # What training paused for (every rank waits for rank 0's snapshot or write);
         # benchmarks/RESULTS.md puts it against the default checkpoint interval.
         self.tracker.log({"checkpoint/save_s": time.perf_counter() - started}, step)
@@ -260,12 +273,13 @@ class Trainer:
 
     def _log_plan(self) -> None:
         cfg = self.cfg
+        peak = "unknown" if self.peak_flops is None else f"{self.peak_flops:.3g} FLOP/s"
         log.info(
             "training %s on %s (%s): world size %d, global batch %d, %d steps (%d per epoch), precision %s, "
-            "attention %s, peak %.3g FLOP/s (%s)",
+            "attention %s, peak %s (%s)",
             cfg.model.name, self.device, distributed.backend(self.dist_env), self.dist_env.world_size,
             self.global_batch, cfg.train.max_steps, self.data.steps_per_epoch,
-            str(self.amp_dtype).removeprefix("torch."), self.model.config._attn_implementation, self.peak_flops,
+            str(self.amp_dtype).removeprefix("torch."), self.model.config._attn_implementation, peak,
             self.peak_source,
         )
 
@@ -281,6 +295,8 @@ class Trainer:
 
     def _log(self, step: int, epoch: int) -> None:
         window = self.meter.take_window(epoch, self.scheduler.get_last_lr()[0])
+        if self.scaler.is_enabled():  # fp16: a falling scale means overflowing gradients, skipped steps
+            window["loss_scale"] = self.scaler.get_scale()
         self.tracker.log(window, step)
         log.info("%s", self.meter.log_line(step, window))
 

@@ -26,27 +26,52 @@ from torch import nn
 from trainer import distributed
 from trainer.distributed import DistEnv
 
-# Dense (non-sparse) peak FLOP/s from the vendors' data sheets, by precision.
-_GPU_PEAKS = {  # name fragment: (bf16, fp32 / tf32 off)
-    "H200": (989e12, 67e12),
-    "H100 PCIe": (756e12, 51e12),
-    "H100": (989e12, 67e12),
-    "A100": (312e12, 19.5e12),
-    "L40S": (362e12, 91.6e12),
-    "A10G": (70e12, 31.2e12),
-    "L4": (121e12, 30.3e12),
+# Dense (non-sparse) peak FLOP/s from the vendors' data sheets, by the exact name that
+# torch.cuda.get_device_name() reports: matching by fragment would take an "NVIDIA L40" for
+# an "L4". None: the GPU has no fast kernels in that precision (bf16 before Ampere).
+_GPU_PEAKS: dict[str, tuple[float | None, float, float]] = {  # name: (bf16, fp16, fp32 without TF32)
+    "NVIDIA H200": (989e12, 989e12, 67e12),
+    "NVIDIA H100 80GB HBM3": (989e12, 989e12, 67e12),
+    "NVIDIA H100 NVL": (835e12, 835e12, 60e12),
+    "NVIDIA H100 PCIe": (756e12, 756e12, 51e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 312e12, 19.5e12),
+    "NVIDIA A100-SXM4-40GB": (312e12, 312e12, 19.5e12),
+    "NVIDIA A100 80GB PCIe": (312e12, 312e12, 19.5e12),
+    "NVIDIA A100-PCIE-40GB": (312e12, 312e12, 19.5e12),
+    "NVIDIA L40S": (362e12, 362e12, 91.6e12),
+    "NVIDIA L40": (181e12, 181e12, 90.5e12),
+    "NVIDIA L4": (121e12, 121e12, 30.3e12),
+    "NVIDIA A10": (125e12, 125e12, 31.2e12),
+    "NVIDIA A10G": (70e12, 70e12, 31.2e12),
+    "Tesla V100-SXM2-16GB": (None, 125e12, 15.7e12),
+    "Tesla V100-SXM2-32GB": (None, 125e12, 15.7e12),
+    "Tesla V100-PCIE-16GB": (None, 112e12, 14e12),
+    "Tesla V100-PCIE-32GB": (None, 112e12, 14e12),
+    "Tesla T4": (None, 65e12, 8.1e12),
 }
+_PRECISION_COLUMN = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the figure comes from)."""
-    bf16 = dtype == torch.bfloat16
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for fragment, (bf16_peak, fp32_peak) in _GPU_PEAKS.items():
-            if fragment in name:
-                return (bf16_peak if bf16 else fp32_peak), f"data sheet for {name}"
-    return _measured_matmul_peak(device, dtype), f"measured: {1024}^3 matmul on {device.type}"
+def peak_flops(device: torch.device, dtype: torch.dtype, given_tflops: float | None = None
+               ) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device in `dtype`, where the figure comes from). None: unknown,
+    and MFU with it; a guessed denominator would make MFU a number nobody can compare.
+
+    A GPU's comes from its data sheet; a CPU's from a 1024^3 matmul measured at start-up
+    (CPUs have no agreed peak; fp16, which has no fast CPU kernels, is measured in fp32).
+    """
+    if given_tflops is not None:
+        return given_tflops * 1e12, "train.peak_tflops"
+    if device.type != "cuda":
+        measured = torch.float32 if dtype == torch.float16 else dtype
+        return _measured_matmul_peak(device, measured), f"measured: {1024}^3 matmul on {device.type}"
+    name = torch.cuda.get_device_name(device)
+    peaks = _GPU_PEAKS.get(name)
+    peak = peaks[_PRECISION_COLUMN[dtype]] if peaks else None
+    if peak is None:
+        precision = str(dtype).removeprefix("torch.")
+        return None, f"unknown for {name} in {precision}: set train.peak_tflops from its data sheet"
+    return peak, f"data sheet for {name}"
 
 
 def _measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 3) -> float:
@@ -82,7 +107,9 @@ class FlopModel:
 
     @classmethod
     def of(cls, model: nn.Module) -> "FlopModel":
-        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers (transposed weights)
+
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Conv1D)))
         config = model.config
         return cls(linear, config.num_hidden_layers, config.hidden_size)
 
@@ -167,7 +194,7 @@ class Meter:
     """
 
     def __init__(self, dist_env: DistEnv, device: torch.device, global_batch: int, flop_model: FlopModel,
-                 peak: float, max_steps: int):
+                 peak: float | None, max_steps: int):
         self.dist_env, self.device, self.global_batch = dist_env, device, global_batch
         self.flop_model, self.peak, self.max_steps = flop_model, peak, max_steps
         self.timer = PhaseTimer()
@@ -236,7 +263,8 @@ class Meter:
             "epoch": epoch,
             "samples_per_s": steps * self.global_batch / seconds,
             "tokens_per_s": tokens / seconds,
-            "mfu": self.flop_model.train_flops(tokens, sum_sq_len) / seconds / (self.peak * world),
+            "mfu": self.flop_model.train_flops(tokens, sum_sq_len) / seconds / (self.peak * world)
+                   if self.peak else None,
             **{f"time/{phase}_s": total / steps for phase, total in self.timer.take().items()},
         }
         if window.grad_norm is not None:
@@ -250,7 +278,7 @@ class Meter:
                             for k, v in metrics.items() if k.startswith("time/"))
         return (f"step {step}/{self.max_steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.3g} | "
                 f"{metrics['samples_per_s']:.1f} samples/s, {metrics['tokens_per_s']:.0f} tokens/s, "
-                f"MFU {100 * metrics['mfu']:.1f}% | ms/step: {step_ms}")
+                f"MFU {_percent(metrics['mfu'])} | ms/step: {step_ms}")
 
     def run_totals(self) -> dict[str, float | None]:
         """The whole run's training time and rate, pauses excluded."""
@@ -259,6 +287,10 @@ class Meter:
         seconds = time.perf_counter() - self._run_started - self._paused_s
         rate = self.trained_samples / seconds if self.trained_samples else None
         return {"samples_per_s": rate, "train_seconds": seconds}
+
+
+def _percent(fraction: float | None) -> str:
+    return "unknown" if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def _progress_bar(dist_env: DistEnv, max_steps: int, start_step: int):

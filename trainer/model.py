@@ -27,12 +27,33 @@ def from_hub(model_cfg: DictConfig) -> bool:
 
 
 def load_tokenizer(model_cfg: DictConfig):
+    """The model's tokenizer, with a pad token. Its padding side is its own: right for
+    BERT and GPT-2, left for Llama's (data.py keeps positions right under left padding)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_cfg.name)
+        tokenizer = AutoTokenizer.from_pretrained(model_cfg.name)
     except (OSError, ValueError) as e:
         raise _load_error(model_cfg.name, e) from None
+    if tokenizer.pad_token is None:
+        # Decoder-only tokenizers (GPT-2, Llama) ship without one; batches need it, and so does
+        # the classifier, to find each row's last real token. eos is the usual stand-in: pads
+        # are masked out of attention, so which id they carry changes nothing else.
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"model.name: {model_cfg.name}: the tokenizer has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_max_length(model_cfg: DictConfig, max_length: int, model: nn.Module, tokenizer) -> None:
+    """data.max_length within the model's positions: beyond them the position embedding
+    lookup fails on the first sample that long, mid-epoch. The tokenizer's model_max_length
+    can be tighter (RoBERTa: 514 embeddings, 512 usable); tokenizers without a limit report 1e30."""
+    limits = [getattr(model.config, "max_position_embeddings", None), tokenizer.model_max_length]
+    limits = [limit for limit in limits if isinstance(limit, int) and limit < 10**9]
+    if limits and max_length > min(limits):
+        raise ConfigError(f"data.max_length: {max_length} is more than the {min(limits)} positions of "
+                          f"model.name {model_cfg.name}")
 
 
 def attention_for(model_cfg: DictConfig, device: torch.device) -> str:
@@ -41,14 +62,19 @@ def attention_for(model_cfg: DictConfig, device: torch.device) -> str:
     return "sdpa" if device.type == "cuda" else "eager"
 
 
-def load_model(model_cfg: DictConfig, num_labels: int, seed: int, device: torch.device) -> nn.Module:
-    """The bare classifier on `device`. Seeded, so the new head is the same in every process and run."""
+def load_model(model_cfg: DictConfig, num_labels: int, seed: int, device: torch.device,
+               pad_token_id: int) -> nn.Module:
+    """The bare classifier on `device`. Seeded, so the new head is the same in every process
+    and run. `pad_token_id` is the tokenizer's: a decoder-only classifier (GPT-2, Llama)
+    reads each row's logits at its last token that is not a pad, and without the id it
+    refuses every batch of more than one row."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     torch.manual_seed(seed)
     try:
         config = AutoConfig.from_pretrained(
-            model_cfg.name, num_labels=num_labels, attn_implementation=attention_for(model_cfg, device)
+            model_cfg.name, num_labels=num_labels, attn_implementation=attention_for(model_cfg, device),
+            pad_token_id=pad_token_id,
         )
         if not model_cfg.pretrained:
             return AutoModelForSequenceClassification.from_config(config).to(device)

@@ -12,6 +12,7 @@ import inspect
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -60,6 +61,33 @@ _FORWARD_SYNC_BUFFERS = next(name for name in ("forward_sync_buffers", "broadcas
                              if name in inspect.signature(DistributedDataParallel).parameters)
 
 
+class LogitsUnderAutocast(nn.Module):
+    """The classifier's logits, computed under autocast with the configured dtype in
+    whichever thread runs the forward.
+
+    Autocast is thread-local, and nn.DataParallel runs each replica in a thread of its
+    own, where it re-enters autocast without a dtype: the device's default, fp16 on CUDA.
+    A bf16 run would silently compute in fp16, with no loss scaler. Entered here, inside
+    each replica's forward, it is the configured dtype. Logits rather than transformers'
+    loss: DataParallel gathers them, and the loss is then taken over the whole batch.
+    """
+
+    def __init__(self, model: nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.model, self.device_type, self.dtype = model, device_type, dtype
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            return self.model(**inputs).logits
+
+
+def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged over every sample of the batch, in fp32. Over the gathered
+    logits, not as a mean of DataParallel's per-replica means, which would weigh the samples
+    of an uneven split (5 samples on 2 GPUs: 3 and 2) unequally."""
+    return F.cross_entropy(logits.float(), labels)
+
+
 def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.device) -> nn.Module:
     """The module the training step calls: DDP, DataParallel, or the model itself."""
     if cfg.train.strategy == "dp":
@@ -95,15 +123,22 @@ def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.de
 class Parallel:
     """The model as the training step runs it on this rank."""
 
-    def __init__(self, model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.device):
+    def __init__(self, model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.device,
+                 amp_dtype: torch.dtype):
         # Before DDP is built: DDP reads `sparse` to put the embedding's gradient in its own bucket.
         self.sparse_embedding = SparseEmbeddingGrad.maybe(model, cfg, device)
-        self.module = _wrap(model, cfg, dist_env, device)
-        """What the step calls: DDP, DataParallel, compiled, or the bare model itself."""
+        self.module = _wrap(LogitsUnderAutocast(model, device.type, amp_dtype), cfg, dist_env, device)
+        """What the step calls for logits: DDP, DataParallel, compiled, or the model itself."""
         ddp = getattr(self.module, "_orig_mod", self.module)  # under torch.compile
         self._ddp = ddp if isinstance(ddp, DistributedDataParallel) else None
         self.comm_clock = CommClock.attach(self._ddp) if self._ddp is not None else None
         """When the last gradient bucket became ready, for the exposed-communication phase."""
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's mean loss, through whatever runs the model on this rank."""
+        inputs = dict(batch)
+        labels = inputs.pop("labels")
+        return mean_loss(self.module(**inputs), labels)
 
     def sync_gradients(self, now: bool):
         """Context for one micro-batch's forward and backward: gradients are all-reduced only
