@@ -197,9 +197,9 @@ class Checkpointer:
         """Collective: every rank must call it at the same step.
 
         `training` names the objects with a state_dict beside the model: the optimizer,
-        the LR scheduler, the loss scaler. Each rank hands its RNG state to rank 0, rank 0 copies the state to host memory
-        and writes it, and all ranks agree on whether the write succeeded: at once, or
-        with `async_save` at the next save or `finish()`. A rank never waits alone at a
+        the LR scheduler, the loss scaler. Each rank hands its RNG state to rank 0, rank 0
+        copies the state to host memory and writes it, and all ranks agree on whether the
+        write succeeded: at once, or with `async_save` at the next save or `finish()`. A rank never waits alone at a
         barrier that another rank skipped, and if rank 0's disk is full, every rank fails
         together with the same error instead of the others timing out.
         """
