@@ -177,8 +177,7 @@ class Trainer:
         for batch in self.data.eval_loader:
             batch = self._to_device(batch)
             labels = batch.pop("labels")
-            with self._autocast():
-                logits = self.model(**batch).logits.float()
+            logits = self.parallel.logits(**batch).float()
             loss_sum += F.cross_entropy(logits, labels, reduction="sum")
             confusion.index_put_((labels, logits.argmax(-1)), torch.ones_like(labels), accumulate=True)
         distributed.all_reduce_sum(self.dist_env, confusion)
@@ -190,9 +189,6 @@ class Trainer:
         # From page-locked memory (data.pin_memory, on GPU) the copies need not block the host.
         non_blocking = self.data.train_loader.pin_memory
         return {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch.items()}
-
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype != torch.float32)
 
     # --- checkpoints ------------------------------------------------------------------
 

@@ -127,7 +127,9 @@ class Parallel:
                  amp_dtype: torch.dtype):
         # Before DDP is built: DDP reads `sparse` to put the embedding's gradient in its own bucket.
         self.sparse_embedding = SparseEmbeddingGrad.maybe(model, cfg, device)
-        self.module = _wrap(LogitsUnderAutocast(model, device.type, amp_dtype), cfg, dist_env, device)
+        self.logits = LogitsUnderAutocast(model, device.type, amp_dtype)
+        """The bare model's logits in the run's precision, with no wrapper: what evaluation calls."""
+        self.module = _wrap(self.logits, cfg, dist_env, device)
         """What the step calls for logits: DDP, DataParallel, compiled, or the model itself."""
         ddp = getattr(self.module, "_orig_mod", self.module)  # under torch.compile
         self._ddp = ddp if isinstance(ddp, DistributedDataParallel) else None
