@@ -47,6 +47,15 @@ BAD_OVERRIDES = [
     ("bad-wandb-mode", ["wandb.mode=sometimes"], "wandb.mode:"),
     ("unknown-section", ["optimizer.lr=1"], "optimizer"),
     ("label-column", ["data.label_field=stars"], "data.label_field: column 'stars'"),
+    ("epochs-and-max-steps", ["train.epochs=2"], "train.max_steps, train.epochs: set exactly one of them (both are set)"),
+    ("neither-steps-nor-epochs", ["train.max_steps=null"], "train.max_steps, train.epochs: set exactly one of them (neither"),
+    ("eval-every-word", ["train.eval_every=daily"], "train.eval_every: must be a step count >= 0 or `epoch`"),
+    ("unknown-best-metric", ["checkpoint.best_metric=f1"], "checkpoint.best_metric: Invalid value 'f1'"),
+    ("negative-patience", ["train.early_stopping_patience=-1"], "train.early_stopping_patience: must be >= 0"),
+    ("patience-without-metric", ["train.early_stopping_patience=2"],
+     "train.early_stopping_patience: needs checkpoint.best_metric"),
+    ("best-at-end-without-metric", ["checkpoint.load_best_at_end=true"], "checkpoint.load_best_at_end: needs"),
+    ("label-names-count", ["data.label_names=[bad,good]"], "data.label_names: expected 5 distinct names"),
 ]
 
 

@@ -1,4 +1,9 @@
-"""`python -m trainer {train,check,doctor} -c CONFIG [key=value ...]`, plain or under torchrun."""
+"""`python -m trainer {train,check,doctor,evaluate,predict} -c CONFIG [key=value ...]`, plain or
+under torchrun.
+
+    evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
+    predict checkpoint=PATH|final input=FILE output=FILE   probabilities for each row of a file
+"""
 
 from __future__ import annotations
 
@@ -9,17 +14,40 @@ import sys
 from pathlib import Path
 
 from trainer import config, distributed, errors, metrics
-from trainer.errors import TrainerError
+from trainer.errors import ConfigError, TrainerError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
-    parser.add_argument("command", choices=["train", "check", "doctor"],
+    parser.add_argument("command", choices=["train", "check", "doctor", "evaluate", "predict"],
                         help="train: run the job. check: validate and print the resolved config. "
-                             "doctor: preflight the cluster under the same launcher as training.")
+                             "doctor: preflight the cluster under the same launcher as training. "
+                             "evaluate, predict: use a trained model (see above).")
     parser.add_argument("-c", "--config", help="YAML config file (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-4")
     return parser.parse_intermixed_args(argv)
+
+
+# The arguments of evaluate and predict: `name=value` like the overrides, which no config key
+# can be taken for (checkpoint is a group of keys, the others are not keys).
+COMMAND_ARGS = {"evaluate": {"checkpoint": "final", "split": None},
+                "predict": {"checkpoint": None, "input": None, "output": None}}
+
+
+def command_args(command: str, overrides: list[str]) -> tuple[dict[str, str | None], list[str]]:
+    """(the command's arguments, the config overrides left)."""
+    args = dict(COMMAND_ARGS.get(command, {}))
+    rest = []
+    for item in overrides:
+        name, eq, value = item.partition("=")
+        if eq and name in args:
+            args[name] = value
+        else:
+            rest.append(item)
+    missing = [name for name, value in args.items() if value is None and name != "split"]
+    if missing:
+        raise ConfigError(f"{command}: missing {', '.join(f'{name}=...' for name in missing)}")
+    return args, rest
 
 
 def setup_logging(dist_env: distributed.DistEnv) -> None:
@@ -42,12 +70,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Everything a user can get wrong is checked here, before a process group or a file exists.
     try:
-        cfg = config.load(args.config, args.overrides)
+        command, overrides = command_args(args.command, args.overrides)
+        if command.get("split"):
+            overrides.append(f"data.eval_split={command['split']}")
+        cfg = config.load(args.config, overrides)
         if args.command == "check":
             print(config.to_yaml(cfg), end="")
             return 0
         dist_env = distributed.read_env()
         device, backend = distributed.pick_device(dist_env, cfg.dist.backend, cfg.train.device)
+        if args.command in COMMAND_ARGS:
+            from trainer import model, predict
+
+            model.trained_folder(cfg, command["checkpoint"])
+            if args.command == "predict":
+                predict.file_format("output", Path(command["output"]))
+                rows = predict.read_rows(Path(command["input"]), cfg.data)
     except TrainerError as e:
         return errors.report(e)
 
@@ -56,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         from trainer import doctor
 
         return doctor.run(cfg, dist_env, device, backend)
+    if args.command in COMMAND_ARGS:
+        return use_trained_model(args.command, command, cfg, dist_env, device, backend,
+                                 rows if args.command == "predict" else None)
     from trainer.faults import EXIT_PREEMPTED, Preempted
     from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here
 
@@ -81,6 +122,23 @@ def main(argv: list[str] | None = None) -> int:
             trainer.close(exit_code)
         distributed.close()
     return exit_code
+
+
+def use_trained_model(name: str, command: dict, cfg, dist_env, device, backend, rows) -> int:
+    """evaluate or predict: one pass over the data under any launcher, then exit."""
+    from trainer import evaluation, predict
+
+    try:
+        distributed.init(dist_env, device, backend, cfg.dist.init_timeout_s, Path(cfg.output_dir))
+        if name == "evaluate":
+            evaluation.run(cfg, dist_env, device, command["checkpoint"])
+        else:
+            predict.run(cfg, dist_env, device, command["checkpoint"], rows, Path(command["output"]))
+        return 0
+    except TrainerError as e:
+        return errors.report(e)
+    finally:
+        distributed.close()
 
 
 if __name__ == "__main__":

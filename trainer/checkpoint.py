@@ -4,14 +4,16 @@ Layout: `output_dir/checkpoints/step-N/` holding
 - model.safetensors   the bare model's weights (no `module.` prefix)
 - optimizer.pt        optimizer, LR scheduler and fp16 loss-scaler state (loaded with weights_only=True)
 - rng.pt              RNG states of every rank (torch, CUDA, Python, NumPy)
-- state.json          step, epoch, position in the epoch, world size, wandb run id
+- state.json          step, epoch, position in the epoch, world size, wandb run id, the
+                      best step so far and early stopping's count (policy.Selection)
 - config.yaml         the resolved config of the run
 - COMPLETE            written last: the sha256 of every file above
 
 A checkpoint is written under a temporary name and renamed into place, so a crash or a full
 disk mid-save leaves the previous checkpoints untouched. On resume, a folder without a marker,
 or whose files don't match the marker's checksums, is skipped with a warning and the previous
-one is used. Pruning never removes the checkpoint just written.
+one is used. Pruning never removes the checkpoint just written, nor the best one
+(checkpoint.best_metric).
 
 With `checkpoint.async_save`, training pauses only while the state is copied to host memory;
 a background thread on rank 0 writes it, and every rank learns the write's outcome at the
@@ -173,6 +175,14 @@ class _Write:
         return self.error
 
 
+def load_weights(path: Path, model: nn.Module) -> None:
+    """A verified checkpoint's weights into `model` (the bare one), in place."""
+    problem = verify(path)
+    if problem:
+        raise CheckpointError(f"checkpoint: {path}: {problem}")
+    load_model(model, str(path / "model.safetensors"))
+
+
 class Checkpointer:
     def __init__(self, output_dir: str, keep: int, dist_env: DistEnv, async_save: bool = False):
         self.root = Path(output_dir) / "checkpoints"
@@ -193,11 +203,13 @@ class Checkpointer:
 
     # --- save -------------------------------------------------------------------------
 
-    def save(self, step: int, model: nn.Module, training: dict, state: dict, config_yaml: str) -> None:
+    def save(self, step: int, model: nn.Module, training: dict, state: dict, config_yaml: str,
+             keep_also: int | None = None) -> None:
         """Collective: every rank must call it at the same step.
 
         `training` names the objects with a state_dict beside the model: the optimizer,
-        the LR scheduler, the loss scaler. Each rank hands its RNG state to rank 0, rank 0
+        the LR scheduler, the loss scaler. `keep_also`: a step whose checkpoint pruning
+        keeps beside the newest `keep` (the best one). Each rank hands its RNG state to rank 0, rank 0
         copies the state to host memory and writes it, and all ranks agree on whether the
         write succeeded: at once, or with `async_save` at the next save or `finish()`. A rank never waits alone at a
         barrier that another rank skipped, and if rank 0's disk is full, every rank fails
@@ -207,11 +219,11 @@ class Checkpointer:
             self.finish()  # the previous write, if it is still going: one at a time
         rngs = distributed.gather_to_rank_zero(self.dist_env, rng_state())
         if self.dist_env.is_rank_zero:
-            self._pending = self._start_write(step, model, training, state, config_yaml, rngs)
+            self._pending = self._start_write(step, model, training, state, config_yaml, rngs, keep_also)
         if not self.async_save:
             self.finish()
 
-    def _start_write(self, step, model, training, state, config_yaml, rngs) -> _Write:
+    def _start_write(self, step, model, training, state, config_yaml, rngs, keep_also) -> _Write:
         write = _Write(step)
         model_tensors = model.state_dict()
         trainer_state = {name: stateful.state_dict() for name, stateful in training.items()}
@@ -225,7 +237,7 @@ class Checkpointer:
         def write_and_prune() -> None:
             started = time.perf_counter()
             path = self._write(step, model_tensors, trainer_state, state, config_yaml, rngs)
-            self._prune(step)
+            self._prune(step, keep_also)
             log.info("saved %s in %.2fs%s", path, time.perf_counter() - started,
                      " (in the background)" if self.async_save else "")
 
@@ -287,8 +299,9 @@ class Checkpointer:
             raise
         return final
 
-    def _prune(self, step: int) -> None:
-        """Keep the checkpoint just written and the newest `keep - 1` complete ones before it.
+    def _prune(self, step: int, keep_also: int | None) -> None:
+        """Keep the checkpoint just written and the newest `keep - 1` complete ones before it,
+        and `keep_also`'s.
 
         Folders from later steps belong to a timeline this run left behind: corrupt ones that
         resume skipped, or ones past a checkpoint the user chose to resume from. Counting them
@@ -301,7 +314,8 @@ class Checkpointer:
             log.warning("moved %s aside to %s: this run resumed from an earlier step", later, aside.name)
         complete = [p for p in self._step_dirs() if (p / MARKER).is_file()]
         for old in complete[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
+            if _step_of(old) != keep_also:
+                shutil.rmtree(old, ignore_errors=True)
         for leftover in self.root.glob(".tmp-step-*"):
             shutil.rmtree(leftover, ignore_errors=True)
 
@@ -328,6 +342,10 @@ class Checkpointer:
                 return str(path)
             log.warning("skipping checkpoint %s: %s", path, problem)
         return None
+
+    def load_weights(self, step: int, model: nn.Module) -> None:
+        """The model's weights from this run's checkpoint at `step` (the best one, say)."""
+        load_weights(self.root / f"step-{step}", model)
 
     def load(self, path: Path, model: nn.Module, training: dict) -> dict:
         """Restore the model and `training` (as for save) in place; returns the trainer state.

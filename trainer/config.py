@@ -15,7 +15,7 @@ import signal
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -59,6 +59,12 @@ def not_empty(default: Any = MISSING) -> Any:
     return _checked(default, bool, "must not be empty")
 
 
+def steps_or_epoch(default: Any) -> Any:
+    """An interval: a step count (0: only at the end) or `epoch`, at the end of each epoch."""
+    return _checked(default, lambda v: v == "epoch" or (type(v) is int and v >= 0),
+                    "must be a step count >= 0 or `epoch`")
+
+
 # --- the schema --------------------------------------------------------------------------
 
 
@@ -91,7 +97,15 @@ class DataConfig:
     train_split: str = "train"
     """A split name; `datasets` slicing such as `train[:90%]` works too."""
     eval_split: str = "test"
-    """The split evaluated during and after training, each sample exactly once."""
+    """The validation split: evaluated during and after training, each sample exactly once,
+    and what checkpoint.best_metric selects the model on."""
+    test_split: Optional[str] = None
+    """A held-out split evaluated once, at the end, on the final (best) model, and reported
+    apart from the validation split (summary.json `test_eval`, wandb `test/`). null: none."""
+    label_names: Optional[list[str]] = None
+    """The class names, in id order: they go into the exported model's id2label/label2id, so
+    a `transformers` pipeline on final/ answers with names. null: the label column's
+    ClassLabel names if the dataset has them, else LABEL_0, LABEL_1, ..."""
     max_length: int = at_least(8, default=128)
     """Truncation length in tokens. Batches are padded only to their longest sample."""
     pad_to_multiple_of: Optional[int] = at_least_or_null(1)
@@ -101,7 +115,7 @@ class DataConfig:
     max_train_samples: Optional[int] = at_least_or_null(1)
     """Subsample the train split (seeded, before tokenization)."""
     max_eval_samples: Optional[int] = at_least_or_null(1)
-    """Subsample the eval split (seeded, before tokenization)."""
+    """Subsample the eval split and the test split (seeded, before tokenization)."""
     group_by_length: bool = True
     """Group samples of similar length into the same global batch (less padding)."""
     num_workers: int = at_least(0, default=1)
@@ -119,8 +133,12 @@ class TrainConfig:
     """Per rank, for evaluation (no gradients: larger than batch_size fits)."""
     grad_accum: int = at_least(1, default=1)
     """Micro-batches per optimizer step; gradients are all-reduced on the last one only."""
-    max_steps: int = at_least(1)
-    """Optimizer steps. Epochs follow from the data size."""
+    max_steps: Optional[int] = at_least_or_null(1)
+    """Optimizer steps. Set exactly one of max_steps and epochs."""
+    epochs: Optional[int] = at_least_or_null(1)
+    """Passes over the training data; the steps follow from the data size and the global
+    batch (a last partial global batch of each epoch is dropped). The LR schedule and the
+    progress bar count the derived steps."""
     lr: float = fraction(2e-5, closed_at_zero=False)
     """Peak learning rate of AdamW, after linear warmup, then decaying linearly to 0."""
     weight_decay: float = at_least(0, default=0.01)
@@ -148,8 +166,15 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model: 1.33x on an H100 for bert-base, but ~30 s more before the
     first step, and recompiles as batch shapes change (benchmarks/RESULTS.md)."""
-    eval_every: int = at_least(0, default=0)
-    """Evaluate every N steps; 0 evaluates only at the end."""
+    eval_every: Union[int, str] = steps_or_epoch(0)
+    """Evaluate every N steps, or at each epoch's end (`epoch`); 0 evaluates only at the
+    end. The end of the run is always evaluated."""
+    early_stopping_patience: int = at_least(0, default=0)
+    """Stop after this many evaluations in a row without an improvement of
+    checkpoint.best_metric (every rank at the same step; the run then ends as usual: saves,
+    selects the best, exports, exit 0). 0: off."""
+    early_stopping_threshold: float = at_least(0, default=0.0)
+    """The smallest change of checkpoint.best_metric that counts as an improvement."""
     log_every: int = at_least(1, default=10)
     """Log global loss, rates and step-time phases every N steps (one all-reduce each)."""
     threads: Optional[int] = at_least_or_null(1)
@@ -209,10 +234,19 @@ class FaultConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = at_least(0, default=500)
-    """Save every N optimizer steps (and always at the end); 0 saves only at the end."""
+    every: Union[int, str] = steps_or_epoch(500)
+    """Save every N optimizer steps, or at each epoch's end (`epoch`), and always at the
+    end; 0 saves only at the end."""
     keep: int = at_least(1, default=3)
-    """Keep the newest k complete checkpoints."""
+    """Keep the newest k complete checkpoints, and the best one besides (best_metric)."""
+    best_metric: Optional[Literal["accuracy", "f1_macro", "loss"]] = None
+    """The validation metric that picks the best checkpoint, which pruning keeps beside the
+    newest `keep`. Every evaluation then also saves a checkpoint, so the best one exists.
+    Ties go to the earlier step. null: no selection."""
+    best_mode: Optional[Literal["max", "min"]] = None
+    """Whether higher or lower is better; null: min for loss, max otherwise."""
+    load_best_at_end: bool = False
+    """final/ exports the best checkpoint's weights instead of the last step's."""
     resume: str = "auto"
     """auto: latest valid checkpoint in output_dir, if any. never: start fresh. Or a step-N path."""
     async_save: Optional[bool] = None
@@ -348,6 +382,22 @@ def load(path: str | None, overrides: list[str] = ()) -> DictConfig:
 
 
 def _check_cross_field(cfg: DictConfig) -> None:
+    train, ckpt = cfg.train, cfg.checkpoint
+    if (train.max_steps is None) == (train.epochs is None):
+        given = "both are set" if train.max_steps is not None else "neither is set"
+        raise ConfigError(f"train.max_steps, train.epochs: set exactly one of them ({given})")
+    if ckpt.best_metric is None:
+        for key in ("checkpoint.load_best_at_end", "train.early_stopping_patience"):
+            if OmegaConf.select(cfg, key):
+                raise ConfigError(f"{key}: needs checkpoint.best_metric (accuracy, f1_macro or loss)")
+    elif ckpt.best_mode is None:
+        ckpt.best_mode = "min" if ckpt.best_metric == "loss" else "max"
+    if train.early_stopping_patience and not train.eval_every:
+        raise ConfigError("train.early_stopping_patience: needs train.eval_every (a step count or epoch)")
+    names = cfg.data.label_names
+    if names is not None and (len(names) != cfg.data.num_labels or len(set(names)) != len(names)):
+        raise ConfigError(f"data.label_names: expected {cfg.data.num_labels} distinct names "
+                          f"(data.num_labels), got {list(names)}")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not Path(resume).is_dir():
         raise ConfigError(f"checkpoint.resume: {resume}: expected auto, never or a checkpoint folder")

@@ -38,6 +38,11 @@ class Data:
     """Optimizer steps per epoch: micro-batches that don't fill a whole step are dropped."""
     num_train: int
     num_eval: int
+    test_loader: DataLoader | None = None
+    """data.test_split's, evaluated once at the end; None without one."""
+    num_test: int = 0
+    label_names: list[str] | None = None
+    """data.label_names, or the label column's ClassLabel names; None: neither."""
 
     def close(self) -> None:
         """End the loader workers now, on every exit path, errors included.
@@ -48,9 +53,12 @@ class Data:
         wait forever. torch has no public way to stop persistent workers, hence the
         iterator's own shutdown; a worker stuck in a batch is then SIGKILLed.
         """
-        for loader in (self.train_loader, self.eval_loader):
-            iterator, loader._iterator = getattr(loader, "_iterator", None), None
-            if iterator is None or not hasattr(iterator, "_workers"):
+        for loader in (self.train_loader, self.eval_loader, self.test_loader):
+            iterator = getattr(loader, "_iterator", None)  # None: no loader, or never iterated
+            if iterator is None:
+                continue
+            loader._iterator = None
+            if not hasattr(iterator, "_workers"):
                 continue
             workers = list(iterator._workers)
             iterator._shutdown_workers()  # tells each worker to finish, joins it briefly
@@ -119,8 +127,18 @@ def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
         )
 
 
+def label_names(ds, data_cfg: DictConfig) -> list[str] | None:
+    """data.label_names, else the names of a ClassLabel label column (hub datasets, parquet
+    written by `datasets`), if they fit num_labels."""
+    if data_cfg.label_names is not None:
+        return list(data_cfg.label_names)
+    names = getattr(ds.features.get(data_cfg.label_field), "names", None)
+    return list(names) if names and len(names) == data_cfg.num_labels else None
+
+
 def _prepare(data_cfg: DictConfig, split_key: str, limit: int | None, tokenizer, seed: int):
-    """Load, subsample (before tokenization: no wasted work), check, tokenize with caching."""
+    """Load, subsample (before tokenization: no wasted work), check, tokenize with caching.
+    Returns the tokenized split and its label names."""
     ds = _load_split(data_cfg, data_cfg[split_key], f"data.{split_key}")
     if len(ds) == 0:
         raise DataError(f"data.{split_key}: {data_cfg[split_key]!r} is empty")
@@ -140,7 +158,8 @@ def _prepare(data_cfg: DictConfig, split_key: str, limit: int | None, tokenizer,
 
     # batched map writes an Arrow cache keyed by the data and the tokenizer's fingerprint:
     # a rerun (or the other ranks of this node) reads it instead of tokenizing again.
-    return ds.map(encode, batched=True, remove_columns=ds.column_names, desc=f"tokenize {split_key}")
+    encoded = ds.map(encode, batched=True, remove_columns=ds.column_names, desc=f"tokenize {split_key}")
+    return encoded, label_names(ds, data_cfg)
 
 
 class GlobalBatchSampler(DistributedSampler):
@@ -214,8 +233,11 @@ def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.device) -
 
     # One tokenization per node: local rank 0 fills the datasets cache, the others read it.
     with local_rank_zero_first(dist_env):
-        train_ds = _prepare(data_cfg, "train_split", data_cfg.max_train_samples, tokenizer, cfg.seed)
-        eval_ds = _prepare(data_cfg, "eval_split", data_cfg.max_eval_samples, tokenizer, cfg.seed)
+        train_ds, names = _prepare(data_cfg, "train_split", data_cfg.max_train_samples, tokenizer, cfg.seed)
+        eval_ds, _ = _prepare(data_cfg, "eval_split", data_cfg.max_eval_samples, tokenizer, cfg.seed)
+        test_ds = None
+        if data_cfg.test_split is not None:
+            test_ds, _ = _prepare(data_cfg, "test_split", data_cfg.max_eval_samples, tokenizer, cfg.seed)
 
     batch_size, grad_accum = cfg.train.batch_size, cfg.train.grad_accum
     global_batch = batch_size * grad_accum * dist_env.world_size
@@ -224,28 +246,49 @@ def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.device) -
             f"train.batch_size: the global batch ({global_batch} = batch_size x grad_accum x world size) "
             f"is larger than the {len(train_ds)} training samples"
         )
-    # Each batch padded to its own longest sample (rounded up on GPU: see the config key).
-    on_gpu = device.type == "cuda"
-    collate = Collate(tokenizer, data_cfg.pad_to_multiple_of or (8 if on_gpu else None))
+    loader_options = _loader_options(cfg, tokenizer, device)
     train_sampler = GlobalBatchSampler(
         np.asarray(train_ds["length"]), global_batch, dist_env, cfg.seed, data_cfg.group_by_length
-    )
-    workers = data_cfg.num_workers
-    loader_options = dict(
-        collate_fn=collate, num_workers=workers, pin_memory=on_gpu and data_cfg.pin_memory,
-        persistent_workers=workers > 0,
-        worker_init_fn=functools.partial(_init_worker, tuple(cfg.fault.preempt_signals)),
     )
     train_loader = DataLoader(
         train_ds.remove_columns("length"), batch_size=batch_size, sampler=train_sampler,
         drop_last=True, **loader_options,
     )
-    eval_loader = DataLoader(
-        eval_ds.remove_columns("length"), batch_size=cfg.train.eval_batch_size,
-        sampler=EvalShardSampler(np.asarray(eval_ds["length"]), dist_env), **loader_options,
-    )
     steps_per_epoch = (train_sampler.num_samples // batch_size) // grad_accum
-    return Data(train_loader, eval_loader, train_sampler, steps_per_epoch, len(train_ds), len(eval_ds))
+    return Data(
+        train_loader, _eval_loader(eval_ds, cfg, dist_env, loader_options), train_sampler, steps_per_epoch,
+        len(train_ds), len(eval_ds),
+        test_loader=None if test_ds is None else _eval_loader(test_ds, cfg, dist_env, loader_options),
+        num_test=0 if test_ds is None else len(test_ds), label_names=names,
+    )
+
+
+def build_eval(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.device
+               ) -> tuple[DataLoader, int, list[str] | None]:
+    """data.eval_split alone, for `python -m trainer evaluate`: (loader, samples, label names)."""
+    with local_rank_zero_first(dist_env):
+        eval_ds, names = _prepare(cfg.data, "eval_split", cfg.data.max_eval_samples, tokenizer, cfg.seed)
+    loader_options = _loader_options(cfg, tokenizer, device) | {"num_workers": 0, "persistent_workers": False}
+    return _eval_loader(eval_ds, cfg, dist_env, loader_options), len(eval_ds), names
+
+
+def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
+    data_cfg = cfg.data
+    # Each batch padded to its own longest sample (rounded up on GPU: see the config key).
+    on_gpu = device.type == "cuda"
+    workers = data_cfg.num_workers
+    return dict(
+        collate_fn=Collate(tokenizer, data_cfg.pad_to_multiple_of or (8 if on_gpu else None)),
+        num_workers=workers, pin_memory=on_gpu and data_cfg.pin_memory, persistent_workers=workers > 0,
+        worker_init_fn=functools.partial(_init_worker, tuple(cfg.fault.preempt_signals)),
+    )
+
+
+def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -> DataLoader:
+    return DataLoader(
+        ds.remove_columns("length"), batch_size=cfg.train.eval_batch_size,
+        sampler=EvalShardSampler(np.asarray(ds["length"]), dist_env), **loader_options,
+    )
 
 
 class Collate:

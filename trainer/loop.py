@@ -10,12 +10,11 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from trainer import checkpoint, config, data, distributed, faults, metrics, model, parallel, tracking
+from trainer import checkpoint, config, data, distributed, evaluation, faults, metrics, model, parallel, tracking
 from trainer.distributed import DistEnv
-from trainer.policy import Policy
+from trainer.policy import Policy, Selection
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,11 @@ class Trainer:
         model.check_max_length(cfg.model, cfg.data.max_length, self.model, self.tokenizer)
         startup.mark("model")
         self.data = data.build(cfg, dist_env, self.tokenizer, device)
+        model.set_label_names(self.model, self.data.label_names)
         startup.mark("data")
+        self.policy = Policy.from_config(cfg, self.data.steps_per_epoch)
+        self.selection = Selection.from_config(cfg)
+        """The best checkpoint so far, and early stopping."""
         self.parallel = parallel.Parallel(self.model, cfg, dist_env, device, self.amp_dtype)
         """The model as the training step runs it: DDP, DataParallel, compiled."""
 
@@ -50,8 +53,9 @@ class Trainer:
         )
         from transformers import get_linear_schedule_with_warmup
 
+        max_steps = self.policy.max_steps  # given, or train.epochs' worth
         self.scheduler = get_linear_schedule_with_warmup(
-            self.optimizer, round(cfg.train.warmup_ratio * cfg.train.max_steps), cfg.train.max_steps
+            self.optimizer, round(cfg.train.warmup_ratio * max_steps), max_steps
         )
         # fp16 only: gradients too small for fp16 would flush to zero unless the loss is scaled
         # up first. A no-op (scale 1, an empty state) for fp32 and bf16.
@@ -61,14 +65,15 @@ class Trainer:
             cfg.output_dir, cfg.checkpoint.keep, dist_env,
             async_save=device.type == "cuda" if async_save is None else async_save,
         )
-        self.policy = Policy.from_config(cfg)
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * dist_env.world_size
         self.peak_flops, self.peak_source = metrics.peak_flops(device, self.amp_dtype, cfg.train.peak_tflops)
         self.meter = metrics.Meter(dist_env, device, self.global_batch, metrics.FlopModel.of(self.model),
-                                   self.peak_flops, cfg.train.max_steps)
+                                   self.peak_flops, max_steps)
         self.tracker: tracking.Tracker | None = None
         self.run_id = ""
         self.first_step_end_unix: float | None = None
+        self.last_eval: tuple[int, dict] | None = None
+        """The latest validation (step, metrics): the end of an early-stopped run reuses it."""
         self.injected = faults.StepFaults(dist_env)
         self.preemption = faults.Preemption(cfg.fault.preempt_signals, dist_env)
         self.watchdog = faults.Watchdog(cfg, dist_env, self.output_dir)
@@ -83,7 +88,9 @@ class Trainer:
         steps = data.micro_batches(self.data, self.cfg.train.grad_accum, start_step)
         self.meter.begin(start_step)
         self.watchdog.start()
-        for step in range(start_step + 1, self.policy.max_steps + 1):
+        step = start_step
+        while step < self.policy.max_steps and not self.selection.stop:
+            step += 1
             self.watchdog.step_started(step)
             self.injected.at_step(step)
             self.meter.phase("data")
@@ -94,7 +101,7 @@ class Trainer:
                 with self.watchdog.phase("first-step", step):
                     self._first_step_done()
             self._between_steps(step, epoch)
-        return self._end_of_run(start_step)
+        return self._end_of_run(start_step, step)
 
     def _between_steps(self, step: int, epoch: int) -> None:
         """Log, evaluate, save and stop as the policy says. Each phase enters collectives,
@@ -106,7 +113,7 @@ class Trainer:
         with self.meter.paused():  # eval and checkpoints count in no rate
             if self.policy.evaluate(step):
                 with watch("eval", step):
-                    self.tracker.log(_prefixed("eval", self.evaluate()), step)
+                    self._validate(step)
             saved = self.policy.save(step)
             if saved:
                 with watch("save", step):
@@ -120,25 +127,36 @@ class Trainer:
                     self.checkpointer.finish()  # on disk, or every rank fails with why
                 raise faults.Preempted(step, preempted_by)
 
-    def _end_of_run(self, start_step: int) -> dict:
-        watch, last = self.watchdog.phase, self.policy.max_steps
+    def _end_of_run(self, start_step: int, last: int) -> dict:
+        """The last step (max_steps, or where early stopping stopped) is saved already;
+        evaluate it, select the best, report the test split, export final/."""
+        watch = self.watchdog.phase
         totals = self.meter.run_totals()
         with watch("save", last):
             self.checkpointer.finish()  # the last checkpoint is on disk before anything reports done
         with watch("final-eval", last):
-            final_eval = self.evaluate()
-        self.tracker.log(_prefixed("eval", final_eval), last)
+            last_eval = self.last_eval[1] if self.last_eval and self.last_eval[0] == last else self._validate(last)
+        if self.cfg.checkpoint.load_best_at_end and self.selection.step not in (None, last):
+            with watch("load-best", last):
+                self.checkpointer.load_weights(self.selection.step, self.model)
+            log.info("final/ holds the best step, %d (%s %.6g)", self.selection.step, self.selection.metric,
+                     self.selection.value)
+        test_eval = None
+        if self.data.test_loader is not None:
+            with watch("test-eval", last):
+                test_eval = self.evaluate(self.data.test_loader, self.data.num_test)
+            self.tracker.log(_prefixed("test", test_eval), last)
         with watch("export", last):
             self.export_final()
         with watch("gather", last):
-            return self._summarize(start_step, final_eval, totals)
+            return self._summarize(start_step, last, last_eval, test_eval, totals)
 
     def train_step(self, batches: list[dict]) -> None:
         """One optimizer step over grad_accum micro-batches; the result equals one big batch."""
         grad_accum = len(batches)
         for i, batch in enumerate(batches):
             self.meter.micro_batch(batch["attention_mask"])
-            batch = self._to_device(batch)
+            batch = evaluation.to_device(batch, self.device, self.data.train_loader)
             is_last = i == grad_accum - 1
             with self.parallel.sync_gradients(now=is_last):
                 self.meter.phase("forward")
@@ -163,32 +181,22 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.meter.step_done(grad_norm)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Exact global metrics: each sample once, counts summed over ranks.
+    def evaluate(self, loader, num_samples: int) -> dict[str, float]:
+        """Exact global metrics of the model as it is now, the same on every rank."""
+        return evaluation.evaluate(self.parallel.logits, loader, num_samples, self.cfg.data.num_labels,
+                                   self.device, self.dist_env).metrics
 
-        Runs the bare model, not the DDP wrapper, so no rank enters a collective per batch
-        (ranks may hold one eval batch more or less than others).
-        """
-        self.model.eval()
-        num_labels = self.cfg.data.num_labels
-        confusion = torch.zeros(num_labels, num_labels, dtype=torch.long, device=self.device)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for batch in self.data.eval_loader:
-            batch = self._to_device(batch)
-            labels = batch.pop("labels")
-            logits = self.parallel.logits(**batch).float()
-            loss_sum += F.cross_entropy(logits, labels, reduction="sum")
-            confusion.index_put_((labels, logits.argmax(-1)), torch.ones_like(labels), accumulate=True)
-        distributed.all_reduce_sum(self.dist_env, confusion)
-        distributed.all_reduce_sum(self.dist_env, loss_sum)
-        self.model.train()
-        return {**metrics.confusion_metrics(confusion.cpu()), "loss": (loss_sum / self.data.num_eval).item()}
-
-    def _to_device(self, batch) -> dict[str, torch.Tensor]:
-        # From page-locked memory (data.pin_memory, on GPU) the copies need not block the host.
-        non_blocking = self.data.train_loader.pin_memory
-        return {k: v.to(self.device, non_blocking=non_blocking) for k, v in batch.items()}
+    def _validate(self, step: int) -> dict[str, float]:
+        """Evaluate the validation split, log it, and let the selection see it."""
+        results = self.evaluate(self.data.eval_loader, self.data.num_eval)
+        self.tracker.log(_prefixed("eval", results), step)
+        self.selection.observe(step, results)
+        self.last_eval = (step, results)
+        if self.selection.stop:  # every rank says so: they stop together, or hang
+            log.warning("early stopping at step %d: %d evaluations without an improvement of %s by more than %g; "
+                     "best step %d", step, self.selection.patience, self.selection.metric,
+                     self.selection.threshold, self.selection.step)
+        return results
 
     # --- checkpoints ------------------------------------------------------------------
 
@@ -203,6 +211,7 @@ class Trainer:
             state = self.checkpointer.load(path, self.model, self._training_state())
             log.info("resumed from %s (step %d, epoch %d)", path, state["step"], state["epoch"])
             self.run_id, start_step = state["wandb_run_id"], state["step"]
+            self.selection.load_state_dict(state.get("selection", {}))
         if self.watchdog.nccl_dump is not None:  # torch writes its dump into this folder blindly
             Path(self.watchdog.nccl_dump).parent.mkdir(parents=True, exist_ok=True)
         return start_step
@@ -226,9 +235,11 @@ class Trainer:
             "world_size": self.dist_env.world_size,
             "global_batch": self.global_batch,
             "wandb_run_id": self.run_id,
+            "selection": self.selection.state_dict(),
         }
         started = time.perf_counter()
-        self.checkpointer.save(step, self.model, self._training_state(), state, config.to_yaml(self.cfg))
+        self.checkpointer.save(step, self.model, self._training_state(), state, config.to_yaml(self.cfg),
+                               keep_also=self.selection.step)
         # What training paused for (every rank waits for rank 0's snapshot or write);
         # benchmarks/RESULTS.md puts it against the default checkpoint interval.
         self.tracker.log({"checkpoint/save_s": time.perf_counter() - started}, step)
@@ -274,7 +285,7 @@ class Trainer:
             "training %s on %s (%s): world size %d, global batch %d, %d steps (%d per epoch), precision %s, "
             "attention %s, peak %s (%s)",
             cfg.model.name, self.device, distributed.backend(self.dist_env), self.dist_env.world_size,
-            self.global_batch, cfg.train.max_steps, self.data.steps_per_epoch,
+            self.global_batch, self.policy.max_steps, self.data.steps_per_epoch,
             str(self.amp_dtype).removeprefix("torch."), self.model.config._attn_implementation, peak,
             self.peak_source,
         )
@@ -296,12 +307,17 @@ class Trainer:
         self.tracker.log(window, step)
         log.info("%s", self.meter.log_line(step, window))
 
-    def _summarize(self, start_step: int, final_eval: dict, totals: dict) -> dict:
+    def _summarize(self, start_step: int, last: int, last_eval: dict, test_eval: dict | None, totals: dict) -> dict:
         summary = {
-            "final_eval": final_eval,
-            "steps": self.policy.max_steps,
+            "final_eval": last_eval,
+            "best": self.selection.summary(),
+            "test_eval": test_eval,
+            "final_model_step": self.selection.step if self.cfg.checkpoint.load_best_at_end else last,
+            "steps": last,
+            "max_steps": self.policy.max_steps,
+            "stopped_early": last < self.policy.max_steps,
             "resumed_from_step": start_step,
-            "epochs": round(self.policy.max_steps / self.data.steps_per_epoch, 3),
+            "epochs": round(last / self.data.steps_per_epoch, 3),
             "world_size": self.dist_env.world_size,
             "global_batch": self.global_batch,
             **totals,
@@ -313,7 +329,7 @@ class Trainer:
             "hosts": sorted(set(distributed.all_gather(self.dist_env, _hostname()))),
         }
         self.tracker.summary(summary)
-        log.info("done: accuracy %.4f, macro F1 %.4f", final_eval["accuracy"], final_eval["f1_macro"])
+        log.info("done: accuracy %.4f, macro F1 %.4f", last_eval["accuracy"], last_eval["f1_macro"])
         return summary
 
 

@@ -6,7 +6,8 @@
   communication, optimizer).
 - `FlopModel` and `peak_flops`: model FLOPs of the real tokens over the device's peak (MFU).
 - `StartupClock`: launch to first optimizer step, phase by phase.
-- `confusion_metrics`: accuracy and macro F1 from a confusion matrix.
+- `confusion_metrics`, `per_class_metrics`: accuracy, macro F1 and each class's precision,
+  recall, F1 and support from a confusion matrix.
 """
 
 from __future__ import annotations
@@ -317,6 +318,22 @@ def confusion_metrics(confusion: torch.Tensor) -> dict[str, float]:
         "accuracy": (true_pos.sum() / confusion.sum().clamp(min=1)).item(),
         "f1_macro": f1[present].mean().item(),
     }
+
+
+def per_class_metrics(confusion: torch.Tensor, names: list[str]) -> list[dict]:
+    """Precision, recall, F1 and support of each class, as scikit-learn's
+    classification_report(zero_division=0) gives them: 0 where a ratio is undefined."""
+    confusion = confusion.double()
+    true_pos = confusion.diag()
+    support, predicted = confusion.sum(1), confusion.sum(0)
+    precision = torch.where(predicted > 0, true_pos / predicted.clamp(min=1), 0.0)
+    recall = torch.where(support > 0, true_pos / support.clamp(min=1), 0.0)
+    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300), 0.0)
+    return [
+        {"label": i, "name": name, "precision": precision[i].item(), "recall": recall[i].item(),
+         "f1": f1[i].item(), "support": int(support[i])}
+        for i, name in enumerate(names)
+    ]
 
 
 class StartupClock:

@@ -85,3 +85,44 @@ def load_model(model_cfg: DictConfig, num_labels: int, seed: int, device: torch.
         ).to(device)
     except (OSError, ValueError) as e:
         raise _load_error(model_cfg.name, e) from None
+
+
+def set_label_names(model: nn.Module, names: list[str] | None) -> None:
+    """id2label/label2id in the model's config, and so in the exported final/: a
+    `transformers` pipeline on it then answers with names, not LABEL_3."""
+    if names is not None:
+        model.config.id2label = dict(enumerate(names))
+        model.config.label2id = {name: i for i, name in enumerate(names)}
+
+
+def trained_folder(cfg: DictConfig, source: str) -> Path:
+    """The folder that `checkpoint=SOURCE` of evaluate and predict names: `final`
+    (output_dir/final), a model folder written by save_pretrained, or a checkpoint (step-N).
+    Checked before any process group exists."""
+    from trainer import checkpoint
+
+    path = Path(cfg.output_dir) / "final" if source == "final" else Path(source)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint: {path}: no such folder")
+    if (path / "config.json").is_file():
+        return path
+    problem = checkpoint.verify(path)
+    if problem:
+        raise ConfigError(f"checkpoint: {path}: neither a model folder (final/, with config.json) nor a "
+                          f"complete checkpoint (step-N): {problem}")
+    return path
+
+
+def load_trained(cfg: DictConfig, folder: Path, device: torch.device) -> tuple[nn.Module, object]:
+    """(model, tokenizer) from a `trained_folder`, in eval mode. A model folder has its own
+    tokenizer and config; a checkpoint's weights go into the architecture and tokenizer that
+    model.name gives, as in training."""
+    from trainer import checkpoint
+
+    is_model_folder = (folder / "config.json").is_file()
+    model_cfg = DictConfig({**cfg.model, "name": str(folder), "pretrained": True}) if is_model_folder else cfg.model
+    tokenizer = load_tokenizer(model_cfg)
+    model = load_model(model_cfg, cfg.data.num_labels, cfg.seed, device, tokenizer.pad_token_id)
+    if not is_model_folder:
+        checkpoint.load_weights(folder, model)
+    return model.eval(), tokenizer

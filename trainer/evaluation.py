@@ -1,0 +1,136 @@
+"""Evaluation: exact metrics, every sample counted once whatever the world size.
+
+The training loop evaluates its validation and test splits with `evaluate`; the
+`python -m trainer evaluate` command (`run`) does the same on a trained model and writes the
+full report: per-class precision, recall, F1 and support, and the confusion matrix, as a
+table on stdout, JSON and a PNG next to the model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils.data import DataLoader
+
+from trainer import data, distributed, metrics, model
+from trainer.distributed import DistEnv
+from trainer.parallel import LogitsUnderAutocast
+
+log = logging.getLogger(__name__)
+
+
+def to_device(batch: dict, device: torch.device, loader: DataLoader) -> dict[str, torch.Tensor]:
+    # From page-locked memory (data.pin_memory, on GPU) the copies need not block the host.
+    return {k: v.to(device, non_blocking=loader.pin_memory) for k, v in batch.items()}
+
+
+@dataclass
+class Evaluation:
+    metrics: dict[str, float]
+    """accuracy, f1_macro, loss: rank 0's, on every rank bit for bit."""
+    confusion: torch.Tensor
+    """[true, predicted] counts over every rank's shard."""
+
+
+@torch.no_grad()
+def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, num_labels: int,
+             device: torch.device, dist_env: DistEnv) -> Evaluation:
+    """Exact global metrics: each rank's shard once (data.EvalShardSampler), counts summed.
+
+    `logits_of` is the bare model's (no DDP wrapper), so no rank enters a collective per
+    batch: ranks may hold one eval batch more or less than others.
+    """
+    was_training = logits_of.training
+    logits_of.eval()
+    confusion = torch.zeros(num_labels, num_labels, dtype=torch.long, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for batch in loader:
+        batch = to_device(batch, device, loader)
+        labels = batch.pop("labels")
+        logits = logits_of(**batch).float()
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum")
+        confusion.index_put_((labels, logits.argmax(-1)), torch.ones_like(labels), accumulate=True)
+    distributed.all_reduce_sum(dist_env, confusion)
+    distributed.all_reduce_sum(dist_env, loss_sum)
+    logits_of.train(was_training)
+    confusion = confusion.cpu()
+    results = {**metrics.confusion_metrics(confusion), "loss": (loss_sum / num_samples).item()}
+    # Model selection and early stopping decide on these: every rank must hold the same bits.
+    return Evaluation(distributed.broadcast_from_rank_zero(dist_env, results), confusion)
+
+
+# --- `python -m trainer evaluate` ----------------------------------------------------------
+
+
+def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, source: str) -> dict | None:
+    """Evaluate `source` (see model.load_trained) on data.eval_split; rank 0 prints the
+    table and writes eval-SPLIT.json and eval-SPLIT.png into the model's folder. Returns the
+    report on rank 0."""
+    folder = model.trained_folder(cfg, source)
+    trained, tokenizer = model.load_trained(cfg, folder, device)
+    loader, num_samples, names = data.build_eval(cfg, dist_env, tokenizer, device)
+    names = names or [trained.config.id2label.get(i, f"LABEL_{i}") for i in range(cfg.data.num_labels)]
+    logits_of = LogitsUnderAutocast(trained, device.type, distributed.resolve_precision(cfg.train.precision, device))
+    result = evaluate(logits_of, loader, num_samples, cfg.data.num_labels, device, dist_env)
+    split = cfg.data.eval_split
+    report = {
+        "model": str(folder), "split": split, "samples": num_samples, **result.metrics,
+        "per_class": metrics.per_class_metrics(result.confusion, names),
+        "confusion_matrix": result.confusion.tolist(), "labels": names,
+    }
+
+    def write() -> None:
+        stem = folder / f"eval-{re.sub(r'[^A-Za-z0-9_.-]+', '_', split).strip('_')}"
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        plot_confusion(result.confusion, names, f"{folder.name}, {split}", stem.with_suffix(".png"))
+        print(format_report(report), flush=True)
+        log.info("wrote %s.json and %s.png", stem, stem)
+
+    distributed.rank_zero_does(dist_env, f"evaluate: writing into {folder}", write)
+    return report if dist_env.is_rank_zero else None
+
+
+def format_report(report: dict) -> str:
+    width = max(12, *(len(name) for name in report["labels"]))
+    lines = [f"{report['model']} on {report['split']} ({report['samples']} samples): "
+             f"accuracy {report['accuracy']:.4f}, macro F1 {report['f1_macro']:.4f}, loss {report['loss']:.4f}",
+             "",
+             f"{'':<{width}}  precision  recall      f1  support"]
+    for row in report["per_class"]:
+        lines.append(f"{row['name']:<{width}}  {row['precision']:9.4f}  {row['recall']:6.4f}  "
+                     f"{row['f1']:6.4f}  {row['support']:7d}")
+    lines += ["", "confusion matrix (rows: true, columns: predicted)"]
+    lines += [f"{name:<{width}}  " + " ".join(f"{count:6d}" for count in counts)
+              for name, counts in zip(report["labels"], report["confusion_matrix"])]
+    return "\n".join(lines)
+
+
+def plot_confusion(confusion: torch.Tensor, names: list[str], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a cluster node
+    import matplotlib.pyplot as plt
+
+    size = 1.5 + 0.6 * len(names)
+    fig, ax = plt.subplots(figsize=(size + 1, size))
+    image = ax.imshow(confusion.numpy(), cmap="Blues")
+    fig.colorbar(image, ax=ax)
+    ax.set(xticks=range(len(names)), yticks=range(len(names)), xlabel="predicted", ylabel="true", title=title)
+    ax.set_xticklabels(names, rotation=45, ha="right")
+    ax.set_yticklabels(names)
+    half = confusion.max().item() / 2
+    for (true, predicted), count in zip(torch.cartesian_prod(*[torch.arange(len(names))] * 2).tolist(),
+                                        confusion.flatten().tolist()):
+        ax.text(predicted, true, str(count), ha="center", va="center",
+                color="white" if count > half else "black")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

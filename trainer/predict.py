@@ -1,0 +1,125 @@
+"""`python -m trainer predict`: class probabilities for every row of a jsonl or csv file.
+
+Each rank predicts a contiguous shard of the rows, and rank 0 writes them in input order, so
+under any world size every row is predicted exactly once. Output rows: `row` (the input's
+index, from 0), `label` (the class id), `label_name`, and the probabilities in id order
+(jsonl: `probs`, a list; csv: columns prob_0, prob_1, ...).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from trainer import data, distributed, model
+from trainer.distributed import DistEnv
+from trainer.errors import ConfigError, DataError
+from trainer.parallel import LogitsUnderAutocast
+
+FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
+
+
+def file_format(key: str, path: Path) -> str:
+    if path.suffix not in FORMATS:
+        raise ConfigError(f"{key}: {path}: expected a .jsonl or .csv file")
+    return FORMATS[path.suffix]
+
+
+def read_rows(path: Path, data_cfg: DictConfig) -> list[dict[str, str]]:
+    """The text fields of every row (data.text_field, and data.text_pair_field if set). A
+    row that is not valid, or lacks a text, is an error naming the file and the row (its
+    line, from 1; a csv's header is line 1)."""
+    fields = [f for f in (data_cfg.text_field, data_cfg.text_pair_field) if f is not None]
+    kind = file_format("input", path)
+    if not path.is_file():
+        raise ConfigError(f"input: {path}: no such file")
+    rows = []
+    try:
+        with path.open(newline="" if kind == "csv" else None, encoding="utf-8") as f:
+            if kind == "jsonl":
+                for line_no, line in enumerate(f, 1):
+                    if line.strip():
+                        rows.append(_fields(path, line_no, _json_object(path, line_no, line), fields))
+            else:
+                reader = csv.DictReader(f)
+                for record in reader:
+                    rows.append(_fields(path, reader.line_num, record, fields))
+    except UnicodeDecodeError as e:
+        raise DataError(f"input: {path}: not UTF-8 text: {e.reason} at byte {e.start}") from None
+    except csv.Error as e:
+        raise DataError(f"input: {path}: invalid csv: {e}") from None
+    if not rows:
+        raise DataError(f"input: {path}: no rows")
+    return rows
+
+
+def _json_object(path: Path, line_no: int, line: str) -> dict:
+    try:
+        record = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"input: {path}: row {line_no}: invalid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"input: {path}: row {line_no}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _fields(path: Path, line_no: int, record: dict, fields: list[str]) -> dict[str, str]:
+    for name in fields:
+        if not isinstance(record.get(name), str):
+            what = "is missing" if record.get(name) is None else f"is not text: {record[name]!r}"
+            raise DataError(f"input: {path}: row {line_no}: field {name!r} {what}")
+    return {name: record[name] for name in fields}
+
+
+@torch.no_grad()
+def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, source: str, rows: list[dict[str, str]],
+        output: Path) -> None:
+    folder = model.trained_folder(cfg, source)
+    trained, tokenizer = model.load_trained(cfg, folder, device)
+    logits_of = LogitsUnderAutocast(trained, device.type, distributed.resolve_precision(cfg.train.precision, device))
+    start = len(rows) * dist_env.rank // dist_env.world_size
+    end = len(rows) * (dist_env.rank + 1) // dist_env.world_size
+    probs = _probabilities(cfg, tokenizer, logits_of, rows[start:end], device)
+    shards = distributed.gather_to_rank_zero(dist_env, probs)
+    names = [trained.config.id2label.get(i, f"LABEL_{i}") for i in range(cfg.data.num_labels)]
+    distributed.rank_zero_does(dist_env, f"output: {output}",
+                               lambda: write(output, [p for shard in shards for p in shard], names))
+
+
+def _probabilities(cfg: DictConfig, tokenizer, logits_of, rows: list[dict[str, str]], device) -> list[list[float]]:
+    """Each row's probabilities, in the rows' order; batched longest first (little padding)."""
+    text, pair = cfg.data.text_field, cfg.data.text_pair_field
+    encoded = tokenizer([r[text] for r in rows], [r[pair] for r in rows] if pair else None,
+                        truncation=True, max_length=cfg.data.max_length)
+    features = [{k: encoded[k][i] for k in encoded} for i in range(len(rows))]
+    order = sorted(range(len(rows)), key=lambda i: -len(features[i]["input_ids"]))
+    collate = data.Collate(tokenizer, cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None))
+    probs: list[list[float] | None] = [None] * len(rows)
+    size = cfg.train.eval_batch_size
+    for begin in range(0, len(order), size):
+        indices = order[begin:begin + size]
+        batch = {k: v.to(device) for k, v in collate([features[i] for i in indices]).items()}
+        for i, p in zip(indices, torch.softmax(logits_of(**batch).float(), dim=-1).cpu().tolist()):
+            probs[i] = p
+    return probs
+
+
+def write(path: Path, probs: list[list[float]], names: list[str]) -> None:
+    """Written under a temporary name, then renamed: a reader never sees half a file."""
+    labels = [max(range(len(p)), key=p.__getitem__) for p in probs]  # argmax, the first on ties
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="", encoding="utf-8") as f:
+        if file_format("output", path) == "jsonl":
+            for row, (label, p) in enumerate(zip(labels, probs)):
+                f.write(json.dumps({"row": row, "label": label, "label_name": names[label], "probs": p}) + "\n")
+        else:
+            writer = csv.writer(f)
+            writer.writerow(["row", "label", "label_name", *(f"prob_{i}" for i in range(len(names)))])
+            writer.writerows([row, label, names[label], *map(repr, p)]
+                             for row, (label, p) in enumerate(zip(labels, probs)))
+    tmp.replace(path)
