@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     startup = metrics.StartupClock()
     args = parse_args(argv)
     # Everything a user can get wrong is checked here, before a process group or a file exists.
+    rows = None  # predict's input
     try:
         command, overrides = command_args(args.command, args.overrides)
         if command.get("split"):
@@ -95,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor.run(cfg, dist_env, device, backend)
     if args.command in COMMAND_ARGS:
-        return use_trained_model(args.command, command, cfg, dist_env, device, backend,
-                                 rows if args.command == "predict" else None)
+        return use_trained_model(args.command, command, cfg, dist_env, device, backend, rows)
     from trainer.faults import EXIT_PREEMPTED, Preempted
     from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here
 

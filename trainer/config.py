@@ -247,6 +247,10 @@ class CheckpointConfig:
     """Whether higher or lower is better; null: min for loss, max otherwise."""
     load_best_at_end: bool = False
     """final/ exports the best checkpoint's weights instead of the last step's."""
+    allow_changes: list[str] = field(default_factory=list)
+    """Keys (or sections, `data`) whose change from the resumed checkpoint's config the
+    user accepts; they are logged and take effect. Any other change that alters the run is
+    refused on resume (see `FREE_ON_RESUME` for those that don't)."""
     resume: str = "auto"
     """auto: latest valid checkpoint in output_dir, if any. never: start fresh. Or a step-N path."""
     async_save: Optional[bool] = None
@@ -381,6 +385,9 @@ def load(path: str | None, overrides: list[str] = ()) -> DictConfig:
     return cfg
 
 
+_UNKNOWN = object()
+
+
 def _check_cross_field(cfg: DictConfig) -> None:
     train, ckpt = cfg.train, cfg.checkpoint
     if (train.max_steps is None) == (train.epochs is None):
@@ -394,6 +401,9 @@ def _check_cross_field(cfg: DictConfig) -> None:
         ckpt.best_mode = "min" if ckpt.best_metric == "loss" else "max"
     if train.early_stopping_patience and not train.eval_every:
         raise ConfigError("train.early_stopping_patience: needs train.eval_every (a step count or epoch)")
+    for key in cfg.checkpoint.allow_changes:
+        if OmegaConf.select(cfg, key, default=_UNKNOWN) is _UNKNOWN:
+            raise ConfigError(f"checkpoint.allow_changes: {key!r} is not a config key")
     names = cfg.data.label_names
     if names is not None and (len(names) != cfg.data.num_labels or len(set(names)) != len(names)):
         raise ConfigError(f"data.label_names: expected {cfg.data.num_labels} distinct names "
@@ -424,6 +434,52 @@ def _looks_local(value: str) -> bool:
 def _has_netrc_login() -> bool:
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+# --- what a resumed run may change --------------------------------------------------------
+
+FREE_ON_RESUME = (
+    # how the run is observed, stored and launched
+    "output_dir", "wandb", "dist", "fault", "train.log_every", "train.eval_batch_size", "train.peak_tflops",
+    "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.async_save",
+    "checkpoint.allow_changes", "data.num_workers", "data.pin_memory", "data.label_names", "data.test_split",
+    # the same math by other kernels or layouts (the last bits may differ; so does a GPU's run with itself)
+    "train.threads", "train.compile", "train.deterministic", "train.fused_adamw", "ddp", "model.attn_implementation",
+)
+"""Keys a resumed run may change freely. Any other key alters the weights, the data order or
+the model selection, and a change is refused unless checkpoint.allow_changes names it."""
+
+EXTENSIBLE = ("train.max_steps", "train.epochs")
+"""Keys a resume may raise (extending the run) without allow_changes."""
+
+
+def _flat(container: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(container, dict):
+        return {k: v for key, value in container.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: container}
+
+
+def _covered(key: str, entries) -> bool:
+    return any(key == entry or key.startswith(entry + ".") for entry in entries)
+
+
+def resume_changes(saved: DictConfig, cfg: DictConfig) -> tuple[list[str], list[str]]:
+    """(refused, accepted): each key of `cfg` that differs from the resumed checkpoint's
+    config `saved`, as `key: old -> new`, split by whether this run may make the change.
+    Keys the saved config doesn't have (a checkpoint from an older schema) are not changes."""
+    old = _flat(OmegaConf.to_container(saved, resolve=True))
+    new = _flat(OmegaConf.to_container(cfg, resolve=True))
+    refused, accepted = [], []
+    for key in sorted(old.keys() & new.keys()):
+        if old[key] == new[key] or _covered(key, FREE_ON_RESUME):
+            continue
+        change = f"{key}: {old[key]} -> {new[key]}"
+        extended = key in EXTENSIBLE and None not in (old[key], new[key]) and new[key] > old[key]
+        if extended or _covered(key, cfg.checkpoint.allow_changes):
+            accepted.append(change)
+        else:
+            refused.append(change)
+    return refused, accepted
 
 
 def to_yaml(cfg: DictConfig) -> str:

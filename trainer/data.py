@@ -346,6 +346,11 @@ def _release_inherited_sockets() -> None:
         os.close(devnull)
 
 
+def to_device(batch: dict, device: torch.device, loader: DataLoader) -> dict[str, torch.Tensor]:
+    # From page-locked memory (data.pin_memory, on GPU) the copies need not block the host.
+    return {k: v.to(device, non_blocking=loader.pin_memory) for k, v in batch.items()}
+
+
 def micro_batches(data: Data, grad_accum: int, start_step: int) -> Iterator[tuple[int, list[dict]]]:
     """Endless (epoch, micro-batches of one optimizer step), starting at `start_step`.
 

@@ -27,11 +27,6 @@ from trainer.parallel import LogitsUnderAutocast
 log = logging.getLogger(__name__)
 
 
-def to_device(batch: dict, device: torch.device, loader: DataLoader) -> dict[str, torch.Tensor]:
-    # From page-locked memory (data.pin_memory, on GPU) the copies need not block the host.
-    return {k: v.to(device, non_blocking=loader.pin_memory) for k, v in batch.items()}
-
-
 @dataclass
 class Evaluation:
     metrics: dict[str, float]
@@ -53,7 +48,7 @@ def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, num_lab
     confusion = torch.zeros(num_labels, num_labels, dtype=torch.long, device=device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for batch in loader:
-        batch = to_device(batch, device, loader)
+        batch = data.to_device(batch, device, loader)
         labels = batch.pop("labels")
         logits = logits_of(**batch).float()
         loss_sum += F.cross_entropy(logits, labels, reduction="sum")

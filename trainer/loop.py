@@ -10,10 +10,11 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from trainer import checkpoint, config, data, distributed, evaluation, faults, metrics, model, parallel, tracking
 from trainer.distributed import DistEnv
+from trainer.errors import ConfigError
 from trainer.policy import Policy, Selection
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,14 @@ class Trainer:
         if device.type == "cpu":
             torch.set_num_threads(distributed.cpu_threads(dist_env, cfg.train.threads))
         self.amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
+        async_save = cfg.checkpoint.async_save
+        self.checkpointer = checkpoint.Checkpointer(
+            cfg.output_dir, cfg.checkpoint.keep, dist_env,
+            async_save=device.type == "cuda" if async_save is None else async_save,
+        )
+        # Chosen and checked first: a resume the config can't make is refused in seconds.
+        self.resume_from = self.checkpointer.find_resume(cfg.checkpoint.resume)
+        self.config_changes = [] if self.resume_from is None else self._check_config_changes(self.resume_from)
 
         # One download per node: local rank 0 fetches a hub model into the HF cache (shared
         # by the node's ranks, or by every node on a PVC), the others then read it from there.
@@ -60,11 +69,6 @@ class Trainer:
         # fp16 only: gradients too small for fp16 would flush to zero unless the loss is scaled
         # up first. A no-op (scale 1, an empty state) for fp32 and bf16.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
-        async_save = cfg.checkpoint.async_save
-        self.checkpointer = checkpoint.Checkpointer(
-            cfg.output_dir, cfg.checkpoint.keep, dist_env,
-            async_save=device.type == "cuda" if async_save is None else async_save,
-        )
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * dist_env.world_size
         self.peak_flops, self.peak_source = metrics.peak_flops(device, self.amp_dtype, cfg.train.peak_tflops)
         self.meter = metrics.Meter(dist_env, device, self.global_batch, metrics.FlopModel.of(self.model),
@@ -73,7 +77,8 @@ class Trainer:
         self.run_id = ""
         self.first_step_end_unix: float | None = None
         self.last_eval: tuple[int, dict] | None = None
-        """The latest validation (step, metrics): the end of an early-stopped run reuses it."""
+        """The latest validation (step, metrics): the end of the run reuses it if it is the last
+        step's (an early stop), also after a resume from that step."""
         self.injected = faults.StepFaults(dist_env)
         self.preemption = faults.Preemption(cfg.fault.preempt_signals, dist_env)
         self.watchdog = faults.Watchdog(cfg, dist_env, self.output_dir)
@@ -156,7 +161,7 @@ class Trainer:
         grad_accum = len(batches)
         for i, batch in enumerate(batches):
             self.meter.micro_batch(batch["attention_mask"])
-            batch = evaluation.to_device(batch, self.device, self.data.train_loader)
+            batch = data.to_device(batch, self.device, self.data.train_loader)
             is_last = i == grad_accum - 1
             with self.parallel.sync_gradients(now=is_last):
                 self.meter.phase("forward")
@@ -192,10 +197,10 @@ class Trainer:
         self.tracker.log(_prefixed("eval", results), step)
         self.selection.observe(step, results)
         self.last_eval = (step, results)
-        if self.selection.stop:  # every rank says so: they stop together, or hang
-            log.warning("early stopping at step %d: %d evaluations without an improvement of %s by more than %g; "
-                     "best step %d", step, self.selection.patience, self.selection.metric,
-                     self.selection.threshold, self.selection.step)
+        if self.selection.stop and step < self.policy.max_steps:  # every rank says so: all stop here
+            log.warning("early stopping at step %d: %d evaluations without an improvement of %s by more "
+                        "than %g; best step %d", step, self.selection.patience, self.selection.metric,
+                        self.selection.threshold, self.selection.step)
         return results
 
     # --- checkpoints ------------------------------------------------------------------
@@ -203,18 +208,56 @@ class Trainer:
     def resume(self) -> int:
         """The step to continue after: from the latest valid checkpoint, or 0. Sets the wandb
         run id: the checkpoint's, so a resumed job continues the same wandb run."""
-        path = self.checkpointer.find_resume(self.cfg.checkpoint.resume)
+        path = self.resume_from
         if path is None:
             distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir}", self._start_output_dir)
             self.run_id, start_step = tracking.new_run_id(), 0
         else:
             state = self.checkpointer.load(path, self.model, self._training_state())
+            if self.config_changes:
+                self._apply_optimizer_config()
             log.info("resumed from %s (step %d, epoch %d)", path, state["step"], state["epoch"])
             self.run_id, start_step = state["wandb_run_id"], state["step"]
             self.selection.load_state_dict(state.get("selection", {}))
+            self.last_eval = tuple(state["last_eval"]) if state.get("last_eval") else None
         if self.watchdog.nccl_dump is not None:  # torch writes its dump into this folder blindly
             Path(self.watchdog.nccl_dump).parent.mkdir(parents=True, exist_ok=True)
         return start_step
+
+    def _check_config_changes(self, path: Path) -> list[str]:
+        """Refuse a resume whose config would silently change the run; return the changes
+        it accepts (checkpoint.allow_changes, or a longer run), logged. Every rank reads the
+        same file and decides alike, so every rank refuses alone, with no collective."""
+        cfg = self.cfg
+        saved = OmegaConf.load(path / "config.yaml")
+        refused, accepted = config.resume_changes(saved, cfg)
+        saved_global_batch = saved.train.batch_size * saved.train.grad_accum
+        if not refused and saved_global_batch != cfg.train.batch_size * cfg.train.grad_accum:
+            refused = [f"the global batch per rank (train.batch_size x train.grad_accum): {saved_global_batch} -> "
+                       f"{cfg.train.batch_size * cfg.train.grad_accum}, which would move the data position, "
+                       "counted in global batches"]
+        if refused:
+            raise ConfigError(
+                f"checkpoint.resume: {path} was written with another config: {'; '.join(refused)}. Resume with "
+                "the checkpoint's values, accept a change with checkpoint.allow_changes=[KEY,...], or start "
+                "over with checkpoint.resume=never")
+        for change in accepted:
+            log.warning("resuming with a changed config: %s", change)
+        if any(change.startswith(config.EXTENSIBLE) for change in accepted):
+            log.warning("the run's length changed: the LR schedule is rebuilt for the new step count and continues "
+                        "from its value at this step (warmup over train.warmup_ratio of all steps, then linear "
+                        "decay to 0 at the new end; a longer run's lr is above the old schedule's)")
+        return accepted
+
+    def _apply_optimizer_config(self) -> None:
+        """The optimizer's state holds the lr, weight decay and fusion it was saved with; after
+        an accepted change, this run's values (and its schedule's lr at this step) take effect."""
+        train = self.cfg.train
+        for group, lr_lambda in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group.update(initial_lr=train.lr, weight_decay=train.weight_decay, fused=train.fused_adamw,
+                         lr=train.lr * lr_lambda(self.scheduler.last_epoch))
+        self.scheduler.base_lrs = [train.lr for _ in self.optimizer.param_groups]
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _training_state(self) -> dict:
         """What a checkpoint holds beside the model, for an exact resume."""
@@ -236,6 +279,7 @@ class Trainer:
             "global_batch": self.global_batch,
             "wandb_run_id": self.run_id,
             "selection": self.selection.state_dict(),
+            "last_eval": self.last_eval,  # a resume at an evaluated step doesn't evaluate it twice
         }
         started = time.perf_counter()
         self.checkpointer.save(step, self.model, self._training_state(), state, config.to_yaml(self.cfg),

@@ -123,6 +123,7 @@ def load_trained(cfg: DictConfig, folder: Path, device: torch.device) -> tuple[n
     model_cfg = DictConfig({**cfg.model, "name": str(folder), "pretrained": True}) if is_model_folder else cfg.model
     tokenizer = load_tokenizer(model_cfg)
     model = load_model(model_cfg, cfg.data.num_labels, cfg.seed, device, tokenizer.pad_token_id)
-    if not is_model_folder:
+    if not is_model_folder:  # a model folder has its names already
         checkpoint.load_weights(folder, model)
+        set_label_names(model, cfg.data.label_names)
     return model.eval(), tokenizer
