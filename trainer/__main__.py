@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from trainer import config, distributed, errors, metrics
+from trainer import config, errors
 from trainer.errors import ConfigError, TrainerError
 
 
@@ -50,7 +50,7 @@ def command_args(command: str, overrides: list[str]) -> tuple[dict[str, str | No
     return args, rest
 
 
-def setup_logging(dist_env: distributed.DistEnv) -> None:
+def setup_logging(dist_env) -> None:
     """Rank 0 speaks at INFO; the others only warn, so a 16-rank log stays readable."""
     level = logging.INFO if dist_env.is_rank_zero else logging.WARNING
     logging.basicConfig(
@@ -66,7 +66,6 @@ def setup_logging(dist_env: distributed.DistEnv) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    startup = metrics.StartupClock()
     args = parse_args(argv)
     # Everything a user can get wrong is checked here, before a process group or a file exists.
     rows = None  # predict's input
@@ -78,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check":
             print(config.to_yaml(cfg), end="")
             return 0
+        # torch is imported from here on (seconds): a config mistake is reported before it.
+        from trainer import distributed, metrics
+
+        startup = metrics.StartupClock()  # from this process's start, not from now
         dist_env = distributed.read_env()
         device, backend = distributed.pick_device(dist_env, cfg.dist.backend, cfg.train.device)
         if args.command in COMMAND_ARGS:
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def use_trained_model(name: str, command: dict, cfg, dist_env, device, backend, rows) -> int:
     """evaluate or predict: one pass over the data under any launcher, then exit."""
-    from trainer import evaluation, predict
+    from trainer import distributed, evaluation, predict
 
     try:
         distributed.init(dist_env, device, backend, cfg.dist.init_timeout_s, Path(cfg.output_dir))

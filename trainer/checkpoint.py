@@ -208,12 +208,12 @@ class Checkpointer:
         """Collective: every rank must call it at the same step.
 
         `training` names the objects with a state_dict beside the model: the optimizer,
-        the LR scheduler, the loss scaler. `keep_also`: a step whose checkpoint pruning
-        keeps beside the newest `keep` (the best one). Each rank hands its RNG state to rank 0, rank 0
-        copies the state to host memory and writes it, and all ranks agree on whether the
-        write succeeded: at once, or with `async_save` at the next save or `finish()`. A rank never waits alone at a
-        barrier that another rank skipped, and if rank 0's disk is full, every rank fails
-        together with the same error instead of the others timing out.
+        the LR scheduler, the loss scaler. `keep_also`: a step whose checkpoint pruning keeps
+        beside the newest `keep` (the best one). Each rank hands its RNG state to rank 0,
+        rank 0 copies the state to host memory and writes it, and all ranks agree on whether
+        the write succeeded: at once, or with `async_save` at the next save or `finish()`. A
+        rank never waits alone at a barrier that another rank skipped, and if rank 0's disk is
+        full, every rank fails together with the same error instead of the others timing out.
         """
         if self.async_save:
             self.finish()  # the previous write, if it is still going: one at a time

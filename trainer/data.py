@@ -268,6 +268,7 @@ def build_eval(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.devi
     """data.eval_split alone, for `python -m trainer evaluate`: (loader, samples, label names)."""
     with local_rank_zero_first(dist_env):
         eval_ds, names = _prepare(cfg.data, "eval_split", cfg.data.max_eval_samples, tokenizer, cfg.seed)
+    # One pass: a worker process would cost more to start than it saves.
     loader_options = _loader_options(cfg, tokenizer, device) | {"num_workers": 0, "persistent_workers": False}
     return _eval_loader(eval_ds, cfg, dist_env, loader_options), len(eval_ds), names
 
