@@ -92,6 +92,8 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, source: str, r
 
 def _probabilities(cfg: DictConfig, tokenizer, logits_of, rows: list[dict[str, str]], device) -> list[list[float]]:
     """Each row's probabilities, in the rows' order; batched longest first (little padding)."""
+    if not rows:  # a shard of a file with fewer rows than ranks
+        return []
     text, pair = cfg.data.text_field, cfg.data.text_pair_field
     encoded = tokenizer([r[text] for r in rows], [r[pair] for r in rows] if pair else None,
                         truncation=True, max_length=cfg.data.max_length)
