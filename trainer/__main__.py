@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in COMMAND_ARGS:
             from trainer import model, predict
 
-            model.trained_folder(cfg, command["checkpoint"])
+            # Resolved once: verifying a checkpoint hashes every file of it.
+            command["folder"] = model.trained_folder(cfg, command["checkpoint"])
             if args.command == "predict":
                 predict.file_format("output", Path(command["output"]))
                 rows = predict.read_rows(Path(command["input"]), cfg.data)
@@ -134,9 +135,9 @@ def use_trained_model(name: str, command: dict, cfg, dist_env, device, backend, 
     try:
         distributed.init(dist_env, device, backend, cfg.dist.init_timeout_s, Path(cfg.output_dir))
         if name == "evaluate":
-            evaluation.run(cfg, dist_env, device, command["checkpoint"])
+            evaluation.run(cfg, dist_env, device, command["folder"])
         else:
-            predict.run(cfg, dist_env, device, command["checkpoint"], rows, Path(command["output"]))
+            predict.run(cfg, dist_env, device, command["folder"], rows, Path(command["output"]))
         return 0
     except TrainerError as e:
         return errors.report(e)

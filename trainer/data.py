@@ -273,14 +273,18 @@ def build_eval(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.devi
     return _eval_loader(eval_ds, cfg, dist_env, loader_options), len(eval_ds), names
 
 
+def collate(cfg: DictConfig, tokenizer, device: torch.device) -> "Collate":
+    # Each batch padded to its own longest sample (rounded up on GPU: see the config key).
+    return Collate(tokenizer, cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None))
+
+
 def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
     data_cfg = cfg.data
-    # Each batch padded to its own longest sample (rounded up on GPU: see the config key).
-    on_gpu = device.type == "cuda"
     workers = data_cfg.num_workers
     return dict(
-        collate_fn=Collate(tokenizer, data_cfg.pad_to_multiple_of or (8 if on_gpu else None)),
-        num_workers=workers, pin_memory=on_gpu and data_cfg.pin_memory, persistent_workers=workers > 0,
+        collate_fn=collate(cfg, tokenizer, device),
+        num_workers=workers, pin_memory=device.type == "cuda" and data_cfg.pin_memory,
+        persistent_workers=workers > 0,
         worker_init_fn=functools.partial(_init_worker, tuple(cfg.fault.preempt_signals)),
     )
 

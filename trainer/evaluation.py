@@ -65,15 +65,20 @@ def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, num_lab
 # --- `python -m trainer evaluate` ----------------------------------------------------------
 
 
-def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, source: str) -> dict | None:
-    """Evaluate `source` (see model.load_trained) on data.eval_split; rank 0 prints the
-    table and writes eval-SPLIT.json and eval-SPLIT.png into the model's folder. Returns the
-    report on rank 0."""
-    folder = model.trained_folder(cfg, source)
+def trained_logits(cfg: DictConfig, folder: Path, device: torch.device) -> tuple[nn.Module, object, nn.Module]:
+    """(model, tokenizer, its logits in the run's precision) of a `model.trained_folder`."""
     trained, tokenizer = model.load_trained(cfg, folder, device)
+    amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
+    return trained, tokenizer, LogitsUnderAutocast(trained, device.type, amp_dtype)
+
+
+def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) -> dict | None:
+    """Evaluate the model in `folder` (a `model.trained_folder`) on data.eval_split; rank 0
+    prints the table and writes eval-SPLIT.json and eval-SPLIT.png into the folder. Returns
+    the report on rank 0."""
+    trained, tokenizer, logits_of = trained_logits(cfg, folder, device)
     loader, num_samples, names = data.build_eval(cfg, dist_env, tokenizer, device)
     names = names or [trained.config.id2label.get(i, f"LABEL_{i}") for i in range(cfg.data.num_labels)]
-    logits_of = LogitsUnderAutocast(trained, device.type, distributed.resolve_precision(cfg.train.precision, device))
     result = evaluate(logits_of, loader, num_samples, cfg.data.num_labels, device, dist_env)
     split = cfg.data.eval_split
     report = {

@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from trainer import data, distributed, model
+from trainer import data, distributed, evaluation
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError, DataError
-from trainer.parallel import LogitsUnderAutocast
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
 
@@ -76,11 +75,9 @@ def _fields(path: Path, line_no: int, record: dict, fields: list[str]) -> dict[s
 
 
 @torch.no_grad()
-def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, source: str, rows: list[dict[str, str]],
+def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path, rows: list[dict[str, str]],
         output: Path) -> None:
-    folder = model.trained_folder(cfg, source)
-    trained, tokenizer = model.load_trained(cfg, folder, device)
-    logits_of = LogitsUnderAutocast(trained, device.type, distributed.resolve_precision(cfg.train.precision, device))
+    trained, tokenizer, logits_of = evaluation.trained_logits(cfg, folder, device)
     start = len(rows) * dist_env.rank // dist_env.world_size
     end = len(rows) * (dist_env.rank + 1) // dist_env.world_size
     probs = _probabilities(cfg, tokenizer, logits_of, rows[start:end], device)
@@ -99,7 +96,7 @@ def _probabilities(cfg: DictConfig, tokenizer, logits_of, rows: list[dict[str, s
                         truncation=True, max_length=cfg.data.max_length)
     features = [{k: encoded[k][i] for k in encoded} for i in range(len(rows))]
     order = sorted(range(len(rows)), key=lambda i: -len(features[i]["input_ids"]))
-    collate = data.Collate(tokenizer, cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None))
+    collate = data.collate(cfg, tokenizer, device)
     probs: list[list[float] | None] = [None] * len(rows)
     size = cfg.train.eval_batch_size
     for begin in range(0, len(order), size):
