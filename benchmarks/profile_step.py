@@ -70,7 +70,7 @@ def main() -> None:
         dist_env = DistEnv()
         device, _ = pick_device(dist_env, cfg.dist.backend, cfg.train.device)
         trainer = Trainer(cfg, dist_env, device, metrics.StartupClock())
-        steps = micro_batches(trainer.data, cfg.train.grad_accum, 0)
+        steps = micro_batches(trainer.data, trainer.plan.grad_accum, 0)
         for _ in range(args.warmup):
             trainer.train_step(next(steps)[1])
         batches = [next(steps)[1] for _ in range(args.steps)]  # loading is not what is profiled

@@ -142,6 +142,22 @@ def reviews(tmp_path_factory) -> Path:
     return generate(tmp_path_factory.mktemp("reviews"), num_train=600, num_test=203, seed=1)
 
 
+EXACT_STEPS = 40
+"""The length of the runs held to `single_process_weights`: across an epoch boundary (600
+samples / global batch 16 = 37 steps per epoch)."""
+
+
+@pytest.fixture(scope="session")
+def single_process_weights(tiny_model, reviews, tmp_path_factory):
+    """The reference of exact DDP: one plain process (no torchrun), batch 16, EXACT_STEPS
+    steps, with the textbook dense embedding gradient (the default sends it through backward
+    and DDP as sparse rows)."""
+    out = tmp_path_factory.mktemp("single")
+    overrides = {"train.batch_size": 16, "train.max_steps": EXACT_STEPS, "ddp.sparse_embedding_grad": False}
+    train(tiny_overrides(tiny_model, reviews, out, **overrides), nproc=None)
+    return weights(out, EXACT_STEPS)
+
+
 def tiny_overrides(model: Path, data: Path, output_dir: Path, **extra) -> list[str]:
     """A short fp32 run of the tiny model: fast, and exact enough to compare weights."""
     settings = {

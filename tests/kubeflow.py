@@ -2,7 +2,7 @@
 
 - `pytorchjob_pods`: the pods of a PyTorchJob (kubeflow.org/v1, training-operator v1.9) and
   the variables the operator appends to their container's env (controller.v1/pytorch:
-  envvar.go, master.go).
+  envvar.go, master.go, elastic.go).
 - `trainjob_pods`: the pods of a TrainJob (trainer.kubeflow.org/v1alpha1, Trainer v2.3) on the
   torch-distributed runtime, and the PET_* variables it injects.
 - `pytorchjob_webhook_violations`: the PyTorchJob validating webhook's rules
@@ -29,9 +29,10 @@ class Pod:
     injected_env: dict[str, str]
 
 
-def _master_port(job: dict) -> int:
-    master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-    for container in master["containers"]:
+def _port(job: dict, kind: str) -> int:
+    """The containerPort named pytorchjob-port of the `kind` spec's pytorch container."""
+    spec = job["spec"]["pytorchReplicaSpecs"][kind]["template"]["spec"]
+    for container in spec["containers"]:
         if container["name"] == "pytorch":
             for port in container.get("ports", []):
                 if port.get("name") == "pytorchjob-port":
@@ -39,30 +40,50 @@ def _master_port(job: dict) -> int:
     return DEFAULT_PYTORCHJOB_PORT
 
 
+def _elastic_env(name: str, job_spec: dict) -> dict[str, str]:
+    """What elastic.go derives from spec.elasticPolicy: the rendezvous (endpoint: worker-0's
+    pytorchjob-port unless rdzvHost/rdzvPort), PET_NNODES as min:max, and the optional fields."""
+    policy = job_spec["elasticPolicy"]
+    host = policy.get("rdzvHost", f"{name}-worker-0")
+    port = policy.get("rdzvPort", _port({"spec": job_spec}, "Worker"))
+    env = {"PET_RDZV_ENDPOINT": f"{host}:{port}", "PET_RDZV_BACKEND": policy.get("rdzvBackend", "c10d")}
+    if "minReplicas" in policy or "maxReplicas" in policy:
+        env["PET_NNODES"] = f"{policy['minReplicas']}:{policy['maxReplicas']}"
+    else:
+        env["PET_NNODES"] = str(job_spec["pytorchReplicaSpecs"]["Worker"].get("replicas", 1))
+    optional = {"maxRestarts": "PET_MAX_RESTARTS", "rdzvId": "PET_RDZV_ID"}
+    env.update({var: str(policy[key]) for key, var in optional.items() if key in policy})
+    if policy.get("rdzvConf"):
+        env["PET_RDZV_CONF"] = ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"])
+    if policy.get("standalone"):
+        env["PET_STANDALONE"] = ""
+    return env
+
+
 def pytorchjob_pods(job: dict) -> list[Pod]:
     name, spec = job["metadata"]["name"], job["spec"]
     replica_specs = spec["pytorchReplicaSpecs"]
-    assert "elasticPolicy" not in spec, "elastic jobs inject PET_RDZV_* too; not modelled here"
     nproc = spec.get("nprocPerNode", "auto")
     total = sum(replica_specs[kind].get("replicas", 1) for kind in replica_specs)
     master = f"{name}-master-0"
-    port = str(_master_port(job))
     pods = []
     for kind in ("Master", "Worker"):
         if kind not in replica_specs:
             continue
         for index in range(replica_specs[kind].get("replicas", 1)):
-            node_rank = index if kind == "Master" else index + 1
-            env = {
-                "PYTHONUNBUFFERED": "1",
-                "MASTER_ADDR": master, "PET_MASTER_ADDR": master,
-                "MASTER_PORT": port, "PET_MASTER_PORT": port,
-                # nprocPerNode "auto", "cpu" and "gpu" count as 1 in the operator's WORLD_SIZE
-                "WORLD_SIZE": str(total * (int(nproc) if nproc.isdigit() else 1)),
-                "RANK": str(node_rank), "PET_NODE_RANK": str(node_rank),
-                "PET_NPROC_PER_NODE": nproc,
-                "PET_NNODES": str(total),
-            }
+            env = {"PYTHONUNBUFFERED": "1"}
+            if "Master" in replica_specs:  # master.go: the static rendezvous at master-0
+                node_rank = index if kind == "Master" else index + 1
+                port = str(_port(job, "Master"))
+                env.update({
+                    "MASTER_ADDR": master, "PET_MASTER_ADDR": master,
+                    "MASTER_PORT": port, "PET_MASTER_PORT": port,
+                    # nprocPerNode "auto", "cpu" and "gpu" count as 1 in the operator's WORLD_SIZE
+                    "WORLD_SIZE": str(total * (int(nproc) if nproc.isdigit() else 1)),
+                    "RANK": str(node_rank), "PET_NODE_RANK": str(node_rank),
+                })
+            env["PET_NPROC_PER_NODE"] = nproc  # defaulted to auto
+            env.update(_elastic_env(name, spec) if "elasticPolicy" in spec else {"PET_NNODES": str(total)})
             template = replica_specs[kind]["template"]
             (container,) = [c for c in template["spec"]["containers"] if c["name"] == "pytorch"]
             pod_name = f"{name}-{kind.lower()}-{index}"

@@ -20,13 +20,15 @@ RDZV_PORT = 29400
 
 def launch(net: Network, logs: Path, overrides: list[str], nproc: int = 1, torchrun_args: tuple[str, ...] = (),
            env: dict[str, str] | None = None, hosts: list[str] | None = None, run_id: str = "test",
-           command: str = "train", binds: dict[str, dict[str, Path]] | None = None) -> dict[str, subprocess.Popen]:
+           command: str = "train", binds: dict[str, dict[str, Path]] | None = None,
+           nnodes: str | None = None) -> dict[str, subprocess.Popen]:
     """Start `python -m trainer COMMAND` under torchrun on `hosts` (default: all), with
-    per-host bind mounts `binds[host]`; logs in `logs/<host>.log`."""
+    per-host bind mounts `binds[host]`; logs in `logs/<host>.log`. `nnodes`: elastic
+    `MIN:MAX`; default, every host of `net`."""
     logs.mkdir(parents=True, exist_ok=True)
     procs = {}
     for host in hosts or list(net.aliases):
-        argv = torchrun_argv(nproc, trainer_program(command, overrides=overrides), nnodes=len(net.aliases),
+        argv = torchrun_argv(nproc, trainer_program(command, overrides=overrides), nnodes=nnodes or len(net.aliases),
                              rdzv_endpoint=f"node0:{RDZV_PORT}", rdzv_id=run_id, torchrun_args=torchrun_args)
         procs[host] = net.spawn(host, argv, {**BASE_ENV, **(env or {})}, REPO,
                                 binds=(binds or {}).get(host), log=logs / f"{host}.log")

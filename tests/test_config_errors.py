@@ -36,6 +36,9 @@ BAD_OVERRIDES = [
     ("negative-lr", ["train.lr=-0.1"], "train.lr: must be in (0, 1)"),
     ("warmup-ratio", ["train.warmup_ratio=1.5"], "train.warmup_ratio: must be in [0, 1)"),
     ("zero-accum", ["train.grad_accum=0"], "train.grad_accum: must be >= 1"),
+    ("zero-global-batch", ["train.global_batch=0"], "train.global_batch: must be >= 1 or null"),
+    ("accum-and-global-batch", ["train.global_batch=32", "train.grad_accum=2"],
+     "train.grad_accum, train.global_batch: set one of them"),
     ("zero-keep", ["checkpoint.keep=0"], "checkpoint.keep: must be >= 1"),
     ("zero-timeout", ["dist.timeout_s=0"], "dist.timeout_s: must be > 0"),
     ("unknown-signal", ["fault.preempt_signals=[SIGTERM,SIGNOPE]"],
@@ -181,6 +184,17 @@ def test_every_rank_refuses_granted_gpus_before_the_rendezvous(tiny_model, revie
     result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path / "run"), nproc=None), env=env,
                  timeout=60)
     assert_usage_error(result, "train.device: CUDA_VISIBLE_DEVICES=0,1 grants this job GPUs")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_global_batch_the_world_size_cannot_split_is_refused_before_the_rendezvous(tiny_model, reviews, tmp_path):
+    """Rank 2 of 3, with nobody at MASTER_ADDR: a rank that went on to the rendezvous would
+    hang there. 16 samples per step can't be dealt evenly to 3 ranks."""
+    env = {**TORCHRUN_ENV, "RANK": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3", "WORLD_SIZE": "3",
+           "MASTER_PORT": "9"}
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path / "run", **{
+        "train.global_batch": 16}), nproc=None), env=env, timeout=60)
+    assert_usage_error(result, "train.global_batch: 16 samples per step cannot be split evenly over world size 3")
     assert not (tmp_path / "run").exists()
 
 

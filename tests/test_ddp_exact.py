@@ -6,19 +6,9 @@ shuffling and length-grouped batches on, so sampler epochs and grouping are cove
 
 import pytest
 
-from conftest import compare_weights, kill_then_resume, tiny_overrides, train, weights
+from conftest import EXACT_STEPS, compare_weights, kill_then_resume, tiny_overrides, train, weights
 
-STEPS = 40
-
-
-@pytest.fixture(scope="module")
-def single_process_weights(tiny_model, reviews, tmp_path_factory):
-    """The reference: one plain process (no torchrun), batch 16, with the textbook dense
-    embedding gradient (the default sends it through backward and DDP as sparse rows)."""
-    out = tmp_path_factory.mktemp("single")
-    overrides = {"train.batch_size": 16, "train.max_steps": STEPS, "ddp.sparse_embedding_grad": False}
-    train(tiny_overrides(tiny_model, reviews, out, **overrides), nproc=None)
-    return weights(out, STEPS)
+STEPS = EXACT_STEPS
 
 
 @pytest.mark.parametrize(
@@ -40,15 +30,6 @@ def test_two_ranks_match_one_process(single_process_weights, tiny_model, reviews
     # ... and they moved the same way as in the single process, tensor for tensor.
     assert trained.keys() == single_process_weights.keys()
     assert compare_weights(single_process_weights, trained).max_abs <= 1e-5
-
-
-def test_accumulation_in_one_process(single_process_weights, tiny_model, reviews, tmp_path):
-    """4 micro-batches of 4 in a plain process == 1 batch of 16."""
-    overrides = {"train.batch_size": 4, "train.grad_accum": 4, "train.max_steps": STEPS}
-    train(tiny_overrides(tiny_model, reviews, tmp_path, **overrides), nproc=None)
-    accumulated = weights(tmp_path, STEPS)
-    assert accumulated.keys() == single_process_weights.keys()
-    assert compare_weights(single_process_weights, accumulated).max_abs <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

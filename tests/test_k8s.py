@@ -6,7 +6,8 @@ No API server here, so each layer of acceptance is checked against the real thin
 - the PyTorchJob validating webhook's rules;
 - the operator contract: each pod's command, with its env plus exactly what the operator
   injects, its ConfigMap materialized and its PVC shared, runs in a network namespace named
-  like the pod's Service. The 2-pod job must finish with world size 2;
+  like the pod's Service. The 2-pod job must finish with world size 2; so must the elastic
+  variant (k8s/elastic/), from the elastic rendezvous the operator injects;
 - the image override renders with `kubectl kustomize`, and names the image we build.
 """
 
@@ -70,6 +71,7 @@ def crd_validator(file: str) -> jsonschema.Validator:
 PYTORCHJOB_SCHEMA = crd_validator("kubeflow.org_pytorchjobs.yaml")
 TRAINJOB_SCHEMA = crd_validator("trainer.kubeflow.org_trainjobs.yaml")
 TRAINJOB = yaml.safe_load((REPO / "k8s/trainjob/trainjob.yaml").read_text())
+ELASTIC = yaml.safe_load((REPO / "k8s/elastic/pytorchjob.yaml").read_text())
 RUNTIME = yaml.safe_load((SCHEMAS / "torch_distributed_runtime.yaml").read_text())
 
 
@@ -86,6 +88,7 @@ def test_k8s_folder_holds_exactly_the_job_objects():
 
 def test_jobs_validate_against_their_crds():
     PYTORCHJOB_SCHEMA.validate(k8s_objects()["PyTorchJob"])
+    PYTORCHJOB_SCHEMA.validate(ELASTIC)
     TRAINJOB_SCHEMA.validate(TRAINJOB)
     # ... and the closed schemas do reject what a cluster would drop or refuse:
     job = copy.deepcopy(k8s_objects()["PyTorchJob"])
@@ -135,13 +138,29 @@ def test_webhook_rules(change, problem):
     assert any(problem in p for p in pytorchjob_webhook_violations(change(job)))
 
 
+def test_the_elastic_job_passes_the_webhook_and_sizes_its_global_batch_for_every_world_size():
+    assert pytorchjob_webhook_violations(ELASTIC) == []
+    assert "Master" not in ELASTIC["spec"]["pytorchReplicaSpecs"]  # all Workers: any of them may go
+    without_workers = mutate(f"{REPLICAS}.Worker", None)(ELASTIC)
+    assert "an elastic job needs a Worker spec" in pytorchjob_webhook_violations(without_workers)
+    policy, spec = ELASTIC["spec"]["elasticPolicy"], ELASTIC["spec"]
+    assert policy["rdzvBackend"] == "trainer-c10d" and policy["maxRestarts"] >= 1
+    assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == policy["maxReplicas"]
+    (container,) = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    (global_batch,) = [int(arg.split("=")[1]) for arg in container["command"] if arg.startswith("train.global_batch=")]
+    for pods in range(policy["minReplicas"], policy["maxReplicas"] + 1):
+        assert global_batch % (pods * int(spec["nprocPerNode"])) == 0, pods
+    # The non-elastic job and the elastic one are not both applied by `kubectl apply -f k8s/`.
+    assert ELASTIC["metadata"]["name"] != k8s_objects()["PyTorchJob"]["metadata"]["name"]
+
+
 def test_manifests_follow_our_rules():
     """What the operator would accept but our users must not get: checked for every pod."""
     objects = k8s_objects()
     job = objects["PyTorchJob"]
     assert job["spec"]["nprocPerNode"] == "1"
     assert {"backoffLimit", "cleanPodPolicy"} <= set(job["spec"]["runPolicy"])
-    for pod in pytorchjob_pods(job) + trainjob_pods(TRAINJOB, RUNTIME):
+    for pod in pytorchjob_pods(job) + pytorchjob_pods(ELASTIC) + trainjob_pods(TRAINJOB, RUNTIME):
         container = pod.container
         assert container["image"] == IMAGE
         assert container["command"][:2] == ["torchrun", "-m"], "torchrun, with no rendezvous flags"
@@ -159,10 +178,11 @@ def test_manifests_follow_our_rules():
         (key,) = [e for e in container["env"] if e["name"] == "WANDB_API_KEY"]
         assert key["valueFrom"]["secretKeyRef"]["optional"] is True and "value" not in key
         assert not [e for e in container["env"] if e["name"].startswith("PET_")]
-    for replica in job["spec"]["pytorchReplicaSpecs"].values():
-        assert replica["restartPolicy"] in ("OnFailure", "ExitCode")
-        (container,) = replica["template"]["spec"]["containers"]
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == int(job["spec"]["nprocPerNode"])
+    for each in (job, ELASTIC):
+        for replica in each["spec"]["pytorchReplicaSpecs"].values():
+            assert replica["restartPolicy"] in ("OnFailure", "ExitCode")
+            (container,) = replica["template"]["spec"]["containers"]
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == int(each["spec"]["nprocPerNode"])
     trainer = TRAINJOB["spec"]["trainer"]
     assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == trainer["numProcPerNode"]
 
@@ -236,15 +256,18 @@ def run_pods(pods: list[Pod], tmp: Path) -> Started:
     return run_services(services, image, build_app_dir(image, tmp / "app"), tmp, timeout=400)
 
 
-def assert_job_completed(started: Started) -> None:
+def assert_job_completed(started: Started, output_dir: str | None = None) -> dict:
+    """Every pod exited 0, and the job's summary (in `output_dir`, default the ConfigMap's)
+    says both pods trained every step; returns the summary."""
     assert started.codes == [0] * len(started.codes), started.logs_tail()
     config = yaml.safe_load(k8s_objects()["ConfigMap"]["data"]["config.yaml"])
     first = next(iter(started.containers.values()))
-    summary_file = first.host_path(f"{config['output_dir']}/summary.json")
+    summary_file = first.host_path(f"{output_dir or config['output_dir']}/summary.json")
     assert summary_file.stat().st_uid == read_dockerfile().uid != 0  # the pod's runAsUser wrote it
     summary = json.loads(summary_file.read_text())
     assert summary["world_size"] == 2 and len(summary["hosts"]) == 2, summary
     assert summary["steps"] == config["train"]["max_steps"]
+    return summary
 
 
 def test_pytorchjob_runs_as_the_operator_starts_it(tmp_path_factory):
@@ -252,6 +275,21 @@ def test_pytorchjob_runs_as_the_operator_starts_it(tmp_path_factory):
     assert [pod.name for pod in pods] == ["ddp-trainer-master-0", "ddp-trainer-worker-0"]
     assert pods[1].injected_env["WORLD_SIZE"] == "2" and pods[1].injected_env["RANK"] == "1"
     assert_job_completed(run_pods(pods, tmp_path_factory.mktemp("pytorchjob")))
+
+
+def test_elastic_pytorchjob_runs_as_the_operator_starts_it(tmp_path_factory):
+    """Two Worker pods, no Master: torchrun takes its elastic rendezvous from the operator's
+    PET_* variables (worker-0 serves it), and the job trains at world size 2 on the global
+    batch its command fixes."""
+    pods = pytorchjob_pods(ELASTIC)
+    assert [pod.name for pod in pods] == ["ddp-trainer-elastic-worker-0", "ddp-trainer-elastic-worker-1"]
+    env = pods[1].injected_env
+    assert (env["PET_NNODES"], env["PET_RDZV_BACKEND"], env["PET_RDZV_ENDPOINT"]) == \
+        ("1:2", "trainer-c10d", "ddp-trainer-elastic-worker-0:23456")
+    assert "MASTER_ADDR" not in env and "RANK" not in env
+    (output_dir,) = [arg.split("=", 1)[1] for arg in pods[0].container["command"] if arg.startswith("output_dir=")]
+    summary = assert_job_completed(run_pods(pods, tmp_path_factory.mktemp("elastic")), output_dir)
+    assert summary["global_batch"] == 32
 
 
 def test_trainjob_runs_as_the_runtime_starts_it(tmp_path_factory):

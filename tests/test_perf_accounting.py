@@ -56,7 +56,9 @@ def test_tokens_per_s_counts_real_tokens(two_rank_run, tiny_model, reviews):
     lengths = np.array([len(ids) for ids in tokenizer([r["text"] for r in rows], truncation=True,
                                                        max_length=64)["input_ids"]])
     # The global order does not depend on the world size: rebuild it in this process.
-    order = GlobalBatchSampler(lengths, 2 * PER_RANK, DistEnv(), Config().seed, group_by_length=True).global_order()
+    labels = np.zeros(len(lengths), dtype=np.int64)  # the order doesn't read them
+    order = GlobalBatchSampler(lengths, labels, 2 * PER_RANK, DistEnv(), Config().seed,
+                               group_by_length=True).global_order(0)
     windows = [r for r in records if "samples_per_s" in r]
     for i, window in enumerate(windows):
         samples = order[i * LOG_EVERY * 2 * PER_RANK: (i + 1) * LOG_EVERY * 2 * PER_RANK]
@@ -67,7 +69,8 @@ def test_tokens_per_s_counts_real_tokens(two_rank_run, tiny_model, reviews):
 def test_startup_phases_add_up_to_launch_to_first_step(two_rank_run):
     launched, output, records, summary = two_rank_run
     phases = summary["startup_s"]
-    assert list(phases) == ["launcher", "imports", "rendezvous", "model", "data", "setup", "first_step"]
+    assert list(phases) == ["launcher", "imports", "rendezvous", "data", "model", "tokenize", "setup",
+                            "first_step"]
     assert all(seconds >= 0 for seconds in phases.values())
     # The launch is torchrun's process start (/proc, 10 ms ticks), just after this test's clock read.
     assert summary["first_step_end_unix"] - launched - 0.5 <= sum(phases.values()) \

@@ -7,6 +7,7 @@ param groups), and a changed batch size silently moved the data position.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,16 +28,13 @@ def first_run(tiny_model, reviews, tmp_path_factory) -> Path:
 
 
 def copy_of(run_dir: Path, tmp_path: Path) -> Path:
-    import shutil
-
     return Path(shutil.copytree(run_dir, tmp_path / "run"))
 
 
 @pytest.mark.parametrize("change, expected", [
     ({"train.lr": 2e-3}, "train.lr: 0.001 -> 0.002"),
     ({"seed": 7}, "seed: 42 -> 7"),
-    ({"train.batch_size": 8, "checkpoint.allow_changes": "[train.batch_size]"},
-     "the global batch per rank (train.batch_size x train.grad_accum): 16 -> 8"),
+    ({"train.global_batch": 8, "checkpoint.allow_changes": "[train.global_batch]"}, "train.global_batch: 16 -> 8"),
     ({"model.name": "DROPOUT_MODEL"}, "model.name: "),
     ({"train.max_steps": 3}, "train.max_steps: 4 -> 3"),
 ], ids=["lr", "seed", "global-batch", "model", "shorter"])
@@ -73,3 +71,21 @@ def test_an_unknown_key_in_allow_changes_is_an_error(tiny_model, reviews, tmp_pa
     result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{
         "checkpoint.allow_changes": "[train.learning_rate]"}), nproc=None))
     assert_usage_error(result, "checkpoint.allow_changes: 'train.learning_rate' is not a config key")
+
+
+def test_a_resume_on_other_data_is_refused_by_the_ledger(first_run, tiny_model, reviews, tmp_path):
+    """The data moved (data.path accepted by allow_changes), but its rows came back in another
+    order: the 64 samples the checkpoint consumed are not the ones this data has at those
+    positions. The config can't tell; the ledger does, before the first step."""
+    out = copy_of(first_run, tmp_path)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    rows = (reviews / "train.jsonl").read_text().splitlines(keepends=True)
+    (moved / "train.jsonl").write_text("".join(reversed(rows)))
+    shutil.copy(reviews / "test.jsonl", moved)
+    before = snapshot(out)
+    result = run(trainer_command(tiny_overrides(tiny_model, moved, out, **{
+        **LONGER, "checkpoint.allow_changes": "[data.path]"}), nproc=None))
+    assert_usage_error(result, f"checkpoint.resume: {out / 'checkpoints' / 'step-4'}: the data position does not "
+                               "reproduce: the checkpoint consumed 64 samples of epoch 0")
+    assert snapshot(out) == before

@@ -85,6 +85,24 @@ def test_sbatch_runs_one_world_across_both_nodes(uninterrupted):
     assert "2 node(s) node[1-2] x 1 process(es), rendezvous node1:" in record["log"]
 
 
+def test_a_two_node_checkpoint_resumes_in_a_one_node_job(cluster, uninterrupted, dropout_model, reviews, tmp_path):
+    """The 2-node job's output_dir (a copy), then `sbatch --nodes=1 slurm/ddp.sh` on it for a
+    longer run (accepted with a notice): the job resumes the 2-node checkpoint at world size 1
+    with its global batch (1 x 8 x 2 micro-batches), verifies the data position, completes."""
+    reference, _ = uninterrupted
+    run = Path(shutil.copytree(reference, tmp_path / "run"))
+    longer = {**OPTIONS, "train.max_steps": STEPS + 10}
+    job_id, log = submit(cluster, tmp_path, tiny_overrides(dropout_model, reviews, run, **longer), sbatch=["--nodes=1"])
+    record = finished(cluster, job_id, log, timeout=180)
+    assert record["JobState"] == "COMPLETED", explain(record, cluster)
+    result = summary(run)
+    assert (result["world_size"], result["resumed_from_step"], result["steps"]) == (1, STEPS, STEPS + 10), result
+    assert re.search(r"1 node\(s\) node[12] x 1 process\(es\)", record["log"]), record["log"][-3000:]
+    assert "resumed at world size 1 from a checkpoint of world size 2: the same global batch of 16, now 1 rank(s) " \
+           "x 2 micro-batch(es) of 8" in record["log"]
+    assert "data position verified: epoch 3, 144 samples consumed" in record["log"]
+
+
 def one_wandb_run(run: Path, attempts: int) -> str:
     """The single wandb run id that every attempt's offline run logged to."""
     logs = wandb_log.runs(run)

@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         startup = metrics.StartupClock()  # from this process's start, not from now
         dist_env = distributed.read_env()
         device, backend = distributed.pick_device(dist_env, cfg.dist.backend, cfg.train.device)
+        if args.command == "train":
+            from trainer import parallel
+
+            parallel.check_world_size(cfg.train, dist_env.world_size)
         if args.command in COMMAND_ARGS:
             from trainer import model, predict
 

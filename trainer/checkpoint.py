@@ -4,8 +4,9 @@ Layout: `output_dir/checkpoints/step-N/` holding
 - model.safetensors   the bare model's weights (no `module.` prefix)
 - optimizer.pt        optimizer, LR scheduler and fp16 loss-scaler state (loaded with weights_only=True)
 - rng.pt              RNG states of every rank (torch, CUDA, Python, NumPy)
-- state.json          step, epoch, position in the epoch, world size, wandb run id, the
-                      best step so far and early stopping's count (policy.Selection)
+- state.json          step, epoch, the global data position and its ledger (data.position),
+                      world size and global batch, wandb run id, the best step so far and
+                      early stopping's count (policy.Selection)
 - config.yaml         the resolved config of the run
 - COMPLETE            written last: the sha256 of every file above
 
@@ -14,6 +15,12 @@ disk mid-save leaves the previous checkpoints untouched. On resume, a folder wit
 or whose files don't match the marker's checksums, is skipped with a warning and the previous
 one is used. Pruning never removes the checkpoint just written, nor the best one
 (checkpoint.best_metric).
+
+A checkpoint resumes on any world size that divides its global batch. At the same world size
+every rank gets its own RNG state back (a bitwise resume). At another, ranks can't inherit
+states one to one (which of two old ranks' dropout streams would one new rank continue?), so
+each rank's RNGs are seeded from (seed, step, rank): deterministic, distinct per rank and
+step, and never a replay of the run's first steps.
 
 With `checkpoint.async_save`, training pauses only while the state is copied to host memory;
 a background thread on rank 0 writes it, and every rank learns the write's outcome at the
@@ -83,6 +90,21 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+
+
+def reseed_rngs(seed: int, step: int, rank: int) -> None:
+    """Every RNG stream of this process from (seed, step, rank), for a resume at another
+    world size (see the module's docstring)."""
+    state = np.random.SeedSequence([seed, step, rank]).generate_state(2)
+    torch_seed = int(state[0]) << 32 | int(state[1])
+    torch.manual_seed(torch_seed)  # also every CUDA device's generator
+    random.seed(torch_seed)
+    np.random.seed(state)
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint's state.json (its step, data position, world size, global batch, ...)."""
+    return json.loads((path / "state.json").read_text())
 
 
 def verify(path: Path) -> str | None:
@@ -347,16 +369,10 @@ class Checkpointer:
         """The model's weights from this run's checkpoint at `step` (the best one, say)."""
         load_weights(self.root / f"step-{step}", model)
 
-    def load(self, path: Path, model: nn.Module, training: dict) -> dict:
-        """Restore the model and `training` (as for save) in place; returns the trainer state.
-        Nothing is unpickled."""
-        state = json.loads((path / "state.json").read_text())
-        if state["world_size"] != self.dist_env.world_size:
-            raise CheckpointError(
-                f"checkpoint.resume: {path} was written by {state['world_size']} ranks and this job has "
-                f"{self.dist_env.world_size}; exact resume needs the same world size "
-                "(or start over with checkpoint.resume=never)"
-            )
+    def load(self, path: Path, model: nn.Module, training: dict, seed: int) -> dict:
+        """Restore the model and `training` (as for save) in place, and this rank's RNG
+        streams; returns the trainer state. Nothing is unpickled."""
+        state = read_state(path)
         load_model(model, str(path / "model.safetensors"))
         saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         for name, stateful in training.items():
@@ -364,6 +380,8 @@ class Checkpointer:
             # refuses; checkpoints from before fp16 have none at all. Both start from the default.
             if saved.get(name):
                 stateful.load_state_dict(saved[name])
-        rngs = torch.load(path / "rng.pt", weights_only=True)
-        set_rng_state(rngs[self.dist_env.rank])
+        if state["world_size"] == self.dist_env.world_size:
+            set_rng_state(torch.load(path / "rng.pt", weights_only=True)[self.dist_env.rank])
+        else:
+            reseed_rngs(seed, state["step"], self.dist_env.rank)
         return state

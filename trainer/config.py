@@ -127,12 +127,19 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
+    global_batch: Optional[int] = at_least_or_null(1)
+    """Samples per optimizer step, across all ranks: the invariant of the run. batch_size is
+    then each rank's micro-batch limit, and the accumulation follows from the world size, so
+    one config runs on any world size that divides it (and a checkpoint resumes on any such
+    world size). null: batch_size x grad_accum x world size, or on resume the checkpoint's."""
     batch_size: int = at_least(1, default=16)
-    """Per rank, per micro-step. Global batch = batch_size * grad_accum * world_size."""
+    """Per rank, per micro-step. Without global_batch, global batch = batch_size x grad_accum
+    x world size; with it, the largest micro-batch a rank may run."""
     eval_batch_size: int = at_least(1, default=64)
     """Per rank, for evaluation (no gradients: larger than batch_size fits)."""
-    grad_accum: int = at_least(1, default=1)
-    """Micro-batches per optimizer step; gradients are all-reduced on the last one only."""
+    grad_accum: Optional[int] = at_least_or_null(1)
+    """Micro-batches per optimizer step; gradients are all-reduced on the last one only.
+    null: 1, or what global_batch makes it (set one of the two)."""
     max_steps: Optional[int] = at_least_or_null(1)
     """Optimizer steps. Set exactly one of max_steps and epochs."""
     epochs: Optional[int] = at_least_or_null(1)
@@ -393,6 +400,9 @@ def _check_cross_field(cfg: DictConfig) -> None:
     if (train.max_steps is None) == (train.epochs is None):
         given = "both are set" if train.max_steps is not None else "neither is set"
         raise ConfigError(f"train.max_steps, train.epochs: set exactly one of them ({given})")
+    if train.global_batch is not None and train.grad_accum is not None:
+        raise ConfigError("train.grad_accum, train.global_batch: set one of them (with a global batch, the "
+                          "accumulation follows from it, train.batch_size and the world size)")
     if ckpt.best_metric is None:
         for key in ("checkpoint.load_best_at_end", "train.early_stopping_patience"):
             if OmegaConf.select(cfg, key):
@@ -445,6 +455,9 @@ FREE_ON_RESUME = (
     "checkpoint.allow_changes", "data.num_workers", "data.pin_memory", "data.label_names", "data.test_split",
     # the same math by other kernels or layouts (the last bits may differ; so does a GPU's run with itself)
     "train.threads", "train.compile", "train.deterministic", "train.fused_adamw", "ddp", "model.attn_implementation",
+    # how each global batch is split into micro-batches; the global batch itself is checked on
+    # resume against the checkpoint's (state.json), whatever keys gave it
+    "train.batch_size", "train.grad_accum", "train.global_batch",
 )
 """Keys a resumed run may change freely. Any other key alters the weights, the data order or
 the model selection, and a change is refused unless checkpoint.allow_changes names it."""

@@ -9,6 +9,8 @@ Two properties matter and are tested:
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
 import os
 import signal
 import stat
@@ -23,10 +25,48 @@ from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from trainer.distributed import DistEnv, local_rank_zero_first
-from trainer.errors import ConfigError, DataError, TrainerError
+from trainer.errors import CheckpointError, ConfigError, DataError, TrainerError
+
+log = logging.getLogger(__name__)
 
 _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 _MEGABATCH = 50  # length grouping sorts within windows of 50 global batches, as HF Trainer does
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How each optimizer step's global batch is split: over the ranks, then into micro-batches.
+
+    The global batch is the run's invariant: the data order, the steps per epoch, the data
+    position and the gradient of each step (up to the last bits) depend on it alone. The
+    world size and train.batch_size only decide how it is cut.
+    """
+
+    global_batch: int
+    micro_batch: int
+    """Samples per rank per forward pass."""
+    grad_accum: int
+    """Micro-batches per rank per optimizer step."""
+
+    @classmethod
+    def of(cls, train_cfg: DictConfig, world_size: int, resumed: int | None = None) -> "BatchPlan":
+        """From train.global_batch, else the resumed checkpoint's global batch (`resumed`: a
+        run keeps its global batch), else train.batch_size x grad_accum x world size. With a
+        global batch, each rank accumulates the fewest micro-batches of at most
+        train.batch_size that split its share evenly."""
+        global_batch = train_cfg.global_batch or resumed
+        if global_batch is None:
+            grad_accum = train_cfg.grad_accum or 1
+            return cls(train_cfg.batch_size * grad_accum * world_size, train_cfg.batch_size, grad_accum)
+        if global_batch % world_size:
+            given = "" if train_cfg.global_batch else " (the resumed checkpoint's)"
+            fits = [n for n in range(1, global_batch + 1) if global_batch % n == 0][:12]
+            raise ConfigError(
+                f"train.global_batch: {global_batch}{given} samples per step cannot be split evenly over world "
+                f"size {world_size}; run on a world size that divides it ({', '.join(map(str, fits))}, ...)")
+        share = global_batch // world_size
+        grad_accum = next(n for n in range(-(-share // train_cfg.batch_size), share + 1) if share % n == 0)
+        return cls(global_batch, share // grad_accum, grad_accum)
 
 
 @dataclass
@@ -136,16 +176,19 @@ def label_names(ds, data_cfg: DictConfig) -> list[str] | None:
     return list(names) if names and len(names) == data_cfg.num_labels else None
 
 
-def _prepare(data_cfg: DictConfig, split_key: str, limit: int | None, tokenizer, seed: int):
-    """Load, subsample (before tokenization: no wasted work), check, tokenize with caching.
-    Returns the tokenized split and its label names."""
+def _load_checked(data_cfg: DictConfig, split_key: str, limit: int | None, seed: int):
+    """Load, subsample (seeded, before tokenization: no wasted work) and check one split.
+    Returns it and its label names."""
     ds = _load_split(data_cfg, data_cfg[split_key], f"data.{split_key}")
     if len(ds) == 0:
         raise DataError(f"data.{split_key}: {data_cfg[split_key]!r} is empty")
     if limit is not None and limit < len(ds):
         ds = ds.shuffle(seed=seed).select(range(limit))
     _check_columns(ds, data_cfg, f"data.{split_key}")
+    return ds, label_names(ds, data_cfg)
 
+
+def _tokenize(ds, data_cfg: DictConfig, split_key: str, tokenizer):
     text, pair, label = data_cfg.text_field, data_cfg.text_pair_field, data_cfg.label_field
 
     def encode(batch):
@@ -158,51 +201,110 @@ def _prepare(data_cfg: DictConfig, split_key: str, limit: int | None, tokenizer,
 
     # batched map writes an Arrow cache keyed by the data and the tokenizer's fingerprint:
     # a rerun (or the other ranks of this node) reads it instead of tokenizing again.
-    encoded = ds.map(encode, batched=True, remove_columns=ds.column_names, desc=f"tokenize {split_key}")
-    return encoded, label_names(ds, data_cfg)
+    return ds.map(encode, batched=True, remove_columns=ds.column_names, desc=f"tokenize {split_key}")
+
+
+@dataclass
+class Splits:
+    """The splits as loaded and checked, not yet tokenized."""
+
+    train: object
+    eval: object
+    test: object | None
+    label_names: list[str] | None
+    """data.label_names, or the train split's ClassLabel names; None: neither."""
+
+
+def load(cfg: DictConfig, dist_env: DistEnv) -> Splits:
+    """Every split loaded, subsampled and checked, before the model is: a mistake in the data
+    is reported in seconds, not after a model download. Local rank 0 fills the node's
+    `datasets` cache first, the other ranks then read it."""
+    data_cfg = cfg.data
+    import datasets  # noqa: F401  (~0.5 s) before the wait below, not after it
+
+    with local_rank_zero_first(dist_env):
+        train, names = _load_checked(data_cfg, "train_split", data_cfg.max_train_samples, cfg.seed)
+        evaluated, _ = _load_checked(data_cfg, "eval_split", data_cfg.max_eval_samples, cfg.seed)
+        test = None
+        if data_cfg.test_split is not None:
+            test, _ = _load_checked(data_cfg, "test_split", data_cfg.max_eval_samples, cfg.seed)
+    return Splits(train, evaluated, test, names)
 
 
 class GlobalBatchSampler(DistributedSampler):
     """DistributedSampler whose global batches are the same for every world size.
 
     One permutation per epoch (seed + epoch, identical on every rank) is cut into global
-    batches of `global_batch` samples, and rank r takes every world_size-th sample of it.
-    So batch k of every rank together is exactly positions [k*G, (k+1)*G) of the
-    permutation, whatever the world size. With `lengths`, samples are first sorted by length
-    within windows of 50 global batches: each global batch has similar lengths (little
-    padding), while the set of samples in each global batch still doesn't depend on the
-    world size.
+    batches of `global_batch` samples (a last partial one is dropped), and rank r takes every
+    world_size-th sample of it. So batch k of every rank together is exactly positions
+    [k*G, (k+1)*G) of the permutation, whatever the world size. With `lengths`, samples are
+    first sorted by length within windows of 50 global batches: each global batch has similar
+    lengths (little padding), while the set of samples in each global batch still doesn't
+    depend on the world size.
+
+    The data position is global: an epoch and how many of its samples were consumed (a
+    multiple of the global batch), not a per-rank offset, so a run resumes on any world size.
+    `ledger` proves a position: it digests the samples that no rank will read from there on.
     """
 
-    def __init__(self, lengths: np.ndarray, global_batch: int, dist_env: DistEnv, seed: int,
+    def __init__(self, lengths: np.ndarray, labels: np.ndarray, global_batch: int, dist_env: DistEnv, seed: int,
                  group_by_length: bool):
         super().__init__(
             range(len(lengths)), num_replicas=dist_env.world_size, rank=dist_env.rank,
             shuffle=True, seed=seed, drop_last=True,
         )
-        self.lengths = lengths
+        self.lengths, self.labels = lengths, labels
         self.global_batch = global_batch
         self.group_by_length = group_by_length
-        self.skip = 0
-        """Samples of this rank to skip at the start of the current epoch (mid-epoch resume)."""
+        self.steps_per_epoch = len(lengths) // global_batch
+        self.usable = self.steps_per_epoch * global_batch
+        """Positions read per epoch: whole global batches only."""
+        self.start = 0
+        """The global position in this epoch that iteration starts from (a mid-epoch resume)."""
+        self._order: tuple[int, torch.Tensor] | None = None
 
-    def global_order(self) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+    def global_order(self, epoch: int) -> torch.Tensor:
+        if self._order is not None and self._order[0] == epoch:
+            return self._order[1]
+        generator = torch.Generator().manual_seed(self.seed + epoch)
         order = torch.randperm(len(self.lengths), generator=generator)
-        if not self.group_by_length:
-            return order
-        window = self.global_batch * _MEGABATCH
-        lengths = torch.from_numpy(self.lengths)
-        chunks = [chunk[torch.argsort(-lengths[chunk], stable=True)] for chunk in order.split(window)]
-        return torch.cat(chunks)
+        if self.group_by_length:
+            window = self.global_batch * _MEGABATCH
+            lengths = torch.from_numpy(self.lengths)
+            order = torch.cat([chunk[torch.argsort(-lengths[chunk], stable=True)] for chunk in order.split(window)])
+        self._order = (epoch, order)
+        return order
+
+    def set_position(self, epoch: int, samples_in_epoch: int) -> None:
+        """Iterate epoch `epoch` from its global position `samples_in_epoch`."""
+        assert samples_in_epoch % self.global_batch == 0, "positions are whole global batches"
+        self.set_epoch(epoch)
+        self.start = samples_in_epoch
+
+    def _positions(self, rank: int, start: int) -> slice:
+        """The positions of the epoch's order that `rank` reads, from global position `start` on."""
+        return slice(start + rank, self.usable, self.num_replicas)
 
     def __iter__(self) -> Iterator[int]:
-        order = self.global_order()[: self.total_size]
-        mine = order[self.rank : self.total_size : self.num_replicas]
-        return iter(mine[self.skip :].tolist())
+        return iter(self.global_order(self.epoch)[self._positions(self.rank, self.start)].tolist())
 
     def __len__(self) -> int:
-        return self.num_samples - self.skip
+        return len(range(self.usable)[self._positions(self.rank, self.start)])
+
+    def ledger(self, epoch: int, samples_in_epoch: int) -> tuple[int, str]:
+        """How many samples of `epoch` count as consumed at global position
+        `samples_in_epoch`, and their digest, as this world size deals the epoch: the
+        positions none of the ranks reads from there on. Each sample counts by its id, token
+        length and label, in order, so a changed dataset, seed, global batch or sampler code
+        gives another digest."""
+        unread = np.ones(self.usable, dtype=bool)
+        for rank in range(self.num_replicas):
+            unread[self._positions(rank, samples_in_epoch)] = False
+        ids = self.global_order(epoch).numpy()[: self.usable][unread]
+        digest = hashlib.sha256()
+        for column in (ids, self.lengths[ids], self.labels[ids]):
+            digest.update(np.ascontiguousarray(column, dtype=np.int64).tobytes())
+        return len(ids), digest.hexdigest()
 
 
 class EvalShardSampler(Sampler[int]):
@@ -227,39 +329,34 @@ class EvalShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-def build(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.device) -> Data:
+def build(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device: torch.device,
+          plan: BatchPlan) -> Data:
+    """The loaders of the `load`ed splits: tokenized (once per node), batched by `plan`."""
     data_cfg = cfg.data
-    import datasets  # noqa: F401  (~0.5 s) before the wait below, not after it
-
-    # One tokenization per node: local rank 0 fills the datasets cache, the others read it.
     with local_rank_zero_first(dist_env):
-        train_ds, names = _prepare(data_cfg, "train_split", data_cfg.max_train_samples, tokenizer, cfg.seed)
-        eval_ds, _ = _prepare(data_cfg, "eval_split", data_cfg.max_eval_samples, tokenizer, cfg.seed)
-        test_ds = None
-        if data_cfg.test_split is not None:
-            test_ds, _ = _prepare(data_cfg, "test_split", data_cfg.max_eval_samples, tokenizer, cfg.seed)
+        train_ds = _tokenize(splits.train, data_cfg, "train_split", tokenizer)
+        eval_ds = _tokenize(splits.eval, data_cfg, "eval_split", tokenizer)
+        test_ds = None if splits.test is None else _tokenize(splits.test, data_cfg, "test_split", tokenizer)
 
-    batch_size, grad_accum = cfg.train.batch_size, cfg.train.grad_accum
-    global_batch = batch_size * grad_accum * dist_env.world_size
-    if len(train_ds) < global_batch:
-        raise ConfigError(
-            f"train.batch_size: the global batch ({global_batch} = batch_size x grad_accum x world size) "
-            f"is larger than the {len(train_ds)} training samples"
-        )
+    if len(train_ds) < plan.global_batch:
+        key = "train.global_batch" if cfg.train.global_batch else "train.batch_size"
+        raise ConfigError(f"{key}: the global batch ({plan.global_batch}) is larger than the {len(train_ds)} "
+                          "training samples")
     loader_options = _loader_options(cfg, tokenizer, device)
     train_sampler = GlobalBatchSampler(
-        np.asarray(train_ds["length"]), global_batch, dist_env, cfg.seed, data_cfg.group_by_length
+        np.asarray(train_ds["length"]), np.asarray(train_ds["labels"]), plan.global_batch, dist_env, cfg.seed,
+        data_cfg.group_by_length,
     )
     train_loader = DataLoader(
-        train_ds.remove_columns("length"), batch_size=batch_size, sampler=train_sampler,
+        train_ds.remove_columns("length"), batch_size=plan.micro_batch, sampler=train_sampler,
         drop_last=True, **loader_options,
     )
-    steps_per_epoch = (train_sampler.num_samples // batch_size) // grad_accum
     return Data(
-        train_loader, _eval_loader(eval_ds, cfg, dist_env, loader_options), train_sampler, steps_per_epoch,
+        train_loader, _eval_loader(eval_ds, cfg, dist_env, loader_options), train_sampler,
+        train_sampler.steps_per_epoch,
         len(train_ds), len(eval_ds),
         test_loader=None if test_ds is None else _eval_loader(test_ds, cfg, dist_env, loader_options),
-        num_test=0 if test_ds is None else len(test_ds), label_names=names,
+        num_test=0 if test_ds is None else len(test_ds), label_names=splits.label_names,
     )
 
 
@@ -267,7 +364,8 @@ def build_eval(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.devi
                ) -> tuple[DataLoader, int, list[str] | None]:
     """data.eval_split alone, for `python -m trainer evaluate`: (loader, samples, label names)."""
     with local_rank_zero_first(dist_env):
-        eval_ds, names = _prepare(cfg.data, "eval_split", cfg.data.max_eval_samples, tokenizer, cfg.seed)
+        eval_ds, names = _load_checked(cfg.data, "eval_split", cfg.data.max_eval_samples, cfg.seed)
+        eval_ds = _tokenize(eval_ds, cfg.data, "eval_split", tokenizer)
     # One pass: a worker process would cost more to start than it saves.
     loader_options = _loader_options(cfg, tokenizer, device) | {"num_workers": 0, "persistent_workers": False}
     return _eval_loader(eval_ds, cfg, dist_env, loader_options), len(eval_ds), names
@@ -356,17 +454,43 @@ def to_device(batch: dict, device: torch.device, loader: DataLoader) -> dict[str
     return {k: v.to(device, non_blocking=loader.pin_memory) for k, v in batch.items()}
 
 
+def position(data: Data, step: int) -> dict:
+    """The global data position after `step`, for a checkpoint: the epoch, the samples
+    consumed in it and the ledger's digest of them."""
+    epoch, step_in_epoch = divmod(step, data.steps_per_epoch)
+    consumed, ledger = data.train_sampler.ledger(epoch, step_in_epoch * data.train_sampler.global_batch)
+    return {"epoch": epoch, "samples_in_epoch": consumed, "ledger": ledger}
+
+
+def check_position(data: Data, saved: dict | None, step: int, where: Path) -> None:
+    """A resume's ledger: before the first step, the sampler (at this run's world size) must
+    give the checkpoint's position exactly: the same samples consumed so far in the epoch,
+    nothing lost, nothing repeated. Every rank checks alone: the same files, the same answer."""
+    if saved is None:  # a checkpoint from before ledgers
+        log.warning("checkpoint %s has no data ledger: its data position is not verified", where)
+        return
+    here = position(data, step)
+    if here != saved:
+        raise CheckpointError(
+            f"checkpoint.resume: {where}: the data position does not reproduce: the checkpoint consumed "
+            f"{saved['samples_in_epoch']} samples of epoch {saved['epoch']} (ledger {saved['ledger'][:12]}), "
+            f"this run's sampler gives {here['samples_in_epoch']} of epoch {here['epoch']} (ledger "
+            f"{here['ledger'][:12]}): the dataset, the seed, the global batch or the code changed; resume with "
+            "the data the run was started on, or start over with checkpoint.resume=never")
+    log.info("data position verified: epoch %d, %d samples consumed (ledger %s)", here["epoch"],
+             here["samples_in_epoch"], here["ledger"][:12])
+
+
 def micro_batches(data: Data, grad_accum: int, start_step: int) -> Iterator[tuple[int, list[dict]]]:
     """Endless (epoch, micro-batches of one optimizer step), starting at `start_step`.
 
     Mid-epoch resume needs no saved iterator: the sampler's order is a function of
-    (seed, epoch), so the position follows from the step alone.
+    (seed, epoch), so the global position follows from the step alone.
     """
     epoch, step_in_epoch = divmod(start_step, data.steps_per_epoch)
     sampler = data.train_sampler
     while True:
-        sampler.set_epoch(epoch)
-        sampler.skip = step_in_epoch * grad_accum * data.train_loader.batch_size
+        sampler.set_position(epoch, step_in_epoch * sampler.global_batch)
         batches = iter(data.train_loader)
         for _ in range(step_in_epoch, data.steps_per_epoch):
             yield epoch, [next(batches) for _ in range(grad_accum)]

@@ -52,11 +52,15 @@ EXIT_PREEMPTED = 75
 
 def _for_this_rank(variable: str, dist_env: DistEnv) -> list[str] | None:
     """`VARIABLE=RANK:ARGS...` split, if RANK is this rank or `*`; None otherwise. Only in a
-    launch's first attempt: workers that torchrun restarts must get past the fault."""
+    launch's first attempt, so that workers torchrun restarts get past the fault, unless
+    RANK names another (`RANK@N`: in the workers of torchrun's restart N)."""
     spec = os.environ.get(variable)
-    if not spec or dist_env.restart_count > 0:
+    if not spec:
         return None
     rank, *args = spec.split(":")
+    rank, _, attempt = rank.partition("@")
+    if int(attempt or 0) != dist_env.restart_count:
+        return None
     return args if rank in ("*", str(dist_env.rank)) else None
 
 

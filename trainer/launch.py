@@ -19,11 +19,11 @@ def trainer_program(command: str = "train", config: str | None = None, overrides
     return ["-m", "trainer", command, *(["-c", config] if config else []), *overrides]
 
 
-def torchrun_argv(nproc: int, program: list[str], *, nnodes: int = 1, rdzv_endpoint: str | None = None,
+def torchrun_argv(nproc: int, program: list[str], *, nnodes: int | str = 1, rdzv_endpoint: str | None = None,
                   rdzv_id: str = "trainer", torchrun_args: tuple[str, ...] = (), torchrun: str = TORCHRUN) -> list[str]:
     """`torchrun ... PROGRAM` (a `trainer_program`, or a script and its arguments): one node
-    on its own (--standalone), or one of `nnodes` nodes meeting through the trainer-c10d
-    rendezvous at `rdzv_endpoint` (host:port)."""
+    on its own (--standalone), or one of `nnodes` nodes (a count, or elastic `MIN:MAX`)
+    meeting through the trainer-c10d rendezvous at `rdzv_endpoint` (host:port)."""
     if rdzv_endpoint is None:
         rendezvous = ["--standalone"]
     else:

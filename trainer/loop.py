@@ -36,8 +36,19 @@ class Trainer:
         )
         # Chosen and checked first: a resume the config can't make is refused in seconds.
         self.resume_from = self.checkpointer.find_resume(cfg.checkpoint.resume)
-        self.config_changes = [] if self.resume_from is None else self._check_config_changes(self.resume_from)
+        resumed = None if self.resume_from is None else checkpoint.read_state(self.resume_from)
+        self.config_changes = [] if resumed is None else self._check_config_changes(self.resume_from, resumed)
+        self.plan = data.BatchPlan.of(cfg.train, dist_env.world_size, resumed and resumed["global_batch"])
+        """The global batch (on resume, the checkpoint's: a run keeps its own), split over this run's ranks."""
+        if resumed and cfg.train.global_batch is None:
+            by_old_keys = data.BatchPlan.of(cfg.train, dist_env.world_size).global_batch
+            if by_old_keys != self.plan.global_batch:
+                log.warning("the global batch stays the checkpoint's, %d, not train.batch_size x train.grad_accum x "
+                            "world size = %d (train.global_batch=%d says so)", self.plan.global_batch, by_old_keys,
+                            self.plan.global_batch)
 
+        splits = data.load(cfg, dist_env)  # checked first: a data mistake costs no model download
+        startup.mark("data")
         # One download per node: local rank 0 fetches a hub model into the HF cache (shared
         # by the node's ranks, or by every node on a PVC), the others then read it from there.
         with distributed.local_rank_zero_first(dist_env) if model.from_hub(cfg.model) else nullcontext():
@@ -47,9 +58,9 @@ class Trainer:
         """The bare model: checkpoints, evaluation and the export read it."""
         model.check_max_length(cfg.model, cfg.data.max_length, self.model, self.tokenizer)
         startup.mark("model")
-        self.data = data.build(cfg, dist_env, self.tokenizer, device)
+        self.data = data.build(cfg, dist_env, splits, self.tokenizer, device, self.plan)
         model.set_label_names(self.model, self.data.label_names)
-        startup.mark("data")
+        startup.mark("tokenize")
         self.policy = Policy.from_config(cfg, self.data.steps_per_epoch)
         self.selection = Selection.from_config(cfg)
         """The best checkpoint so far, and early stopping."""
@@ -69,9 +80,8 @@ class Trainer:
         # fp16 only: gradients too small for fp16 would flush to zero unless the loss is scaled
         # up first. A no-op (scale 1, an empty state) for fp32 and bf16.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
-        self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * dist_env.world_size
         self.peak_flops, self.peak_source = metrics.peak_flops(device, self.amp_dtype, cfg.train.peak_tflops)
-        self.meter = metrics.Meter(dist_env, device, self.global_batch, metrics.FlopModel.of(self.model),
+        self.meter = metrics.Meter(dist_env, device, self.plan.global_batch, metrics.FlopModel.of(self.model),
                                    self.peak_flops, max_steps)
         self.tracker: tracking.Tracker | None = None
         self.run_id = ""
@@ -90,7 +100,7 @@ class Trainer:
         start_step = self.resume()
         self.tracker = tracking.Tracker(self.cfg, self.dist_env, self.run_id, start_step)
         self._log_plan()
-        steps = data.micro_batches(self.data, self.cfg.train.grad_accum, start_step)
+        steps = data.micro_batches(self.data, self.plan.grad_accum, start_step)
         self.meter.begin(start_step)
         self.watchdog.start()
         step = start_step
@@ -213,10 +223,16 @@ class Trainer:
             distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir}", self._start_output_dir)
             self.run_id, start_step = tracking.new_run_id(), 0
         else:
-            state = self.checkpointer.load(path, self.model, self._training_state())
+            state = self.checkpointer.load(path, self.model, self._training_state(), self.cfg.seed)
             if self.config_changes:
                 self._apply_optimizer_config()
+            data.check_position(self.data, state.get("data"), state["step"], path)
             log.info("resumed from %s (step %d, epoch %d)", path, state["step"], state["epoch"])
+            if state["world_size"] != self.dist_env.world_size:
+                log.info("resumed at world size %d from a checkpoint of world size %d: the same global batch of "
+                         "%d, now %d rank(s) x %d micro-batch(es) of %d; each rank's RNGs are seeded from (seed, "
+                         "step, rank)", self.dist_env.world_size, state["world_size"], self.plan.global_batch,
+                         self.dist_env.world_size, self.plan.grad_accum, self.plan.micro_batch)
             self.run_id, start_step = state["wandb_run_id"], state["step"]
             self.selection.load_state_dict(state.get("selection", {}))
             self.last_eval = tuple(state["last_eval"]) if state.get("last_eval") else None
@@ -224,18 +240,18 @@ class Trainer:
             Path(self.watchdog.nccl_dump).parent.mkdir(parents=True, exist_ok=True)
         return start_step
 
-    def _check_config_changes(self, path: Path) -> list[str]:
+    def _check_config_changes(self, path: Path, state: dict) -> list[str]:
         """Refuse a resume whose config would silently change the run; return the changes
         it accepts (checkpoint.allow_changes, or a longer run), logged. Every rank reads the
         same file and decides alike, so every rank refuses alone, with no collective."""
         cfg = self.cfg
         saved = OmegaConf.load(path / "config.yaml")
         refused, accepted = config.resume_changes(saved, cfg)
-        saved_global_batch = saved.train.batch_size * saved.train.grad_accum
-        if not refused and saved_global_batch != cfg.train.batch_size * cfg.train.grad_accum:
-            refused = [f"the global batch per rank (train.batch_size x train.grad_accum): {saved_global_batch} -> "
-                       f"{cfg.train.batch_size * cfg.train.grad_accum}, which would move the data position, "
-                       "counted in global batches"]
+        global_batch = cfg.train.global_batch
+        if global_batch is not None and global_batch != state["global_batch"]:
+            # Not even with allow_changes: the data position is counted in global batches.
+            refused.append(f"train.global_batch: {state['global_batch']} -> {global_batch} (the data position is "
+                           "counted in global batches: a run keeps its own)")
         if refused:
             raise ConfigError(
                 f"checkpoint.resume: {path} was written with another config: {'; '.join(refused)}. Resume with "
@@ -274,9 +290,12 @@ class Trainer:
             "step": step,
             "epoch": epoch,
             "step_in_epoch": step - epoch * self.data.steps_per_epoch,
-            "samples_seen": step * self.global_batch,
+            "samples_seen": step * self.plan.global_batch,
+            "data": data.position(self.data, step),  # the global position, and its ledger
             "world_size": self.dist_env.world_size,
-            "global_batch": self.global_batch,
+            "global_batch": self.plan.global_batch,
+            "micro_batch": self.plan.micro_batch,
+            "grad_accum": self.plan.grad_accum,
             "wandb_run_id": self.run_id,
             "selection": self.selection.state_dict(),
             "last_eval": self.last_eval,  # a resume at an evaluated step doesn't evaluate it twice
@@ -326,10 +345,11 @@ class Trainer:
         cfg = self.cfg
         peak = "unknown" if self.peak_flops is None else f"{self.peak_flops:.3g} FLOP/s"
         log.info(
-            "training %s on %s (%s): world size %d, global batch %d, %d steps (%d per epoch), precision %s, "
-            "attention %s, peak %s (%s)",
+            "training %s on %s (%s): world size %d, global batch %d (per rank %d x %d micro-batches), %d steps "
+            "(%d per epoch), precision %s, attention %s, peak %s (%s)",
             cfg.model.name, self.device, distributed.backend(self.dist_env), self.dist_env.world_size,
-            self.global_batch, self.policy.max_steps, self.data.steps_per_epoch,
+            self.plan.global_batch, self.plan.micro_batch, self.plan.grad_accum, self.policy.max_steps,
+            self.data.steps_per_epoch,
             str(self.amp_dtype).removeprefix("torch."), self.model.config._attn_implementation, peak,
             self.peak_source,
         )
@@ -363,7 +383,7 @@ class Trainer:
             "resumed_from_step": start_step,
             "epochs": round(last / self.data.steps_per_epoch, 3),
             "world_size": self.dist_env.world_size,
-            "global_batch": self.global_batch,
+            "global_batch": self.plan.global_batch,
             **totals,
             "first_step_end_unix": self.first_step_end_unix,
             "startup_s": self.startup.phases(),

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.data import BatchPlan
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
 from trainer.metrics import CommClock
@@ -88,14 +89,17 @@ def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels)
 
 
+def check_world_size(train_cfg: DictConfig, world_size: int) -> None:
+    """What the config asks of the world size, checked by each rank before the rendezvous."""
+    if train_cfg.strategy == "dp" and world_size > 1:
+        raise ConfigError("train.strategy: dp (nn.DataParallel) runs in one process; launch without torchrun "
+                          "or with --nproc-per-node=1, or use ddp")
+    BatchPlan.of(train_cfg, world_size)  # a global batch this world size can't split
+
+
 def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.device) -> nn.Module:
     """The module the training step calls: DDP, DataParallel, or the model itself."""
     if cfg.train.strategy == "dp":
-        if dist_env.world_size > 1:
-            raise ConfigError(
-                "train.strategy: dp (nn.DataParallel) runs in one process; launch without torchrun "
-                "or with --nproc-per-node=1, or use ddp"
-            )
         wrapped: nn.Module = nn.DataParallel(model) if torch.cuda.device_count() > 1 else model
     elif dist_env.is_distributed:
         ddp = cfg.ddp
