@@ -24,7 +24,9 @@ demo: install data/reviews/train.jsonl
 	rm -rf runs/demo
 	$(BIN)/torchrun --standalone --nproc-per-node=2 -m trainer train -c configs/demo.yaml
 
-test: install slurm
+# The venv (pip) and Slurm (apt) install side by side: each mostly waits on downloads.
+test:
+	$(MAKE) --no-print-directory -j2 install slurm
 	$(BIN)/python -m pytest
 
 # The Slurm tests start a real cluster from Debian's slurm-wlm and munge (root, no systemd).

@@ -68,7 +68,7 @@ def test_doctor_fails_when_output_dir_is_not_shared(tiny_model, reviews, tmp_pat
 def test_doctor_names_a_missing_network_interface(tiny_model, reviews, tmp_path):
     """node1's GLOO_SOCKET_IFNAME names no interface it has: node1 says so before the process
     group forms, and node0 gives up on the group within dist.timeout_s."""
-    overrides = tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"dist.timeout_s": 15})
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"dist.timeout_s": 6})
     with Network(TWO_NODES) as net:
         procs = {
             **multinode.launch(net, tmp_path / "logs", overrides, command="doctor", hosts=["node0"],
@@ -82,4 +82,4 @@ def test_doctor_names_a_missing_network_interface(tiny_model, reviews, tmp_path)
     assert re.search(r"error: rank \d on node1: GLOO_SOCKET_IFNAME=eth9: no interface eth9 on node1 "
                      r"\(it has eth0, lo\)", node1), node1[-2000:]
     assert re.search(r"error: rank \d on node0: could not form the process group through the store at \S+ "
-                     r"within 15s", node0), node0[-2000:]
+                     r"within 6s", node0), node0[-2000:]

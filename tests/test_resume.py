@@ -45,7 +45,7 @@ def merged_history(output_dir: Path) -> dict[int, dict]:
 
 @pytest.mark.parametrize(
     "kill, resumed_from, async_save",
-    [pytest.param("1:23", 20, False, id="rank1-step23"), pytest.param("0:38", 35, False, id="rank0-step38"),
+    [pytest.param("0:38", 35, False, id="rank0-step38"),
      # Rank 0 writes in the background while rank 1 dies; on its way out it finishes the
      # write, so step 20 is complete (not torn) and the resume is still exact.
      pytest.param("1:23", 20, True, id="rank1-step23-async-save")],
