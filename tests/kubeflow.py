@@ -40,12 +40,13 @@ def _port(job: dict, kind: str) -> int:
     return DEFAULT_PYTORCHJOB_PORT
 
 
-def _elastic_env(name: str, job_spec: dict) -> dict[str, str]:
+def _elastic_env(job: dict) -> dict[str, str]:
     """What elastic.go derives from spec.elasticPolicy: the rendezvous (endpoint: worker-0's
     pytorchjob-port unless rdzvHost/rdzvPort), PET_NNODES as min:max, and the optional fields."""
+    name, job_spec = job["metadata"]["name"], job["spec"]
     policy = job_spec["elasticPolicy"]
     host = policy.get("rdzvHost", f"{name}-worker-0")
-    port = policy.get("rdzvPort", _port({"spec": job_spec}, "Worker"))
+    port = policy.get("rdzvPort", _port(job, "Worker"))
     env = {"PET_RDZV_ENDPOINT": f"{host}:{port}", "PET_RDZV_BACKEND": policy.get("rdzvBackend", "c10d")}
     if "minReplicas" in policy or "maxReplicas" in policy:
         env["PET_NNODES"] = f"{policy['minReplicas']}:{policy['maxReplicas']}"
@@ -83,7 +84,7 @@ def pytorchjob_pods(job: dict) -> list[Pod]:
                     "RANK": str(node_rank), "PET_NODE_RANK": str(node_rank),
                 })
             env["PET_NPROC_PER_NODE"] = nproc  # defaulted to auto
-            env.update(_elastic_env(name, spec) if "elasticPolicy" in spec else {"PET_NNODES": str(total)})
+            env.update(_elastic_env(job) if "elasticPolicy" in spec else {"PET_NNODES": str(total)})
             template = replica_specs[kind]["template"]
             (container,) = [c for c in template["spec"]["containers"] if c["name"] == "pytorch"]
             pod_name = f"{name}-{kind.lower()}-{index}"

@@ -369,10 +369,10 @@ class Checkpointer:
         """The model's weights from this run's checkpoint at `step` (the best one, say)."""
         load_weights(self.root / f"step-{step}", model)
 
-    def load(self, path: Path, model: nn.Module, training: dict, seed: int) -> dict:
+    def load(self, path: Path, state: dict, model: nn.Module, training: dict, seed: int) -> None:
         """Restore the model and `training` (as for save) in place, and this rank's RNG
-        streams; returns the trainer state. Nothing is unpickled."""
-        state = read_state(path)
+        streams, from the checkpoint at `path` whose state.json is `state`. Nothing is
+        unpickled."""
         load_model(model, str(path / "model.safetensors"))
         saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         for name, stateful in training.items():
@@ -384,4 +384,3 @@ class Checkpointer:
             set_rng_state(torch.load(path / "rng.pt", weights_only=True)[self.dist_env.rank])
         else:
             reseed_rngs(seed, state["step"], self.dist_env.rank)
-        return state

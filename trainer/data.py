@@ -74,8 +74,6 @@ class Data:
     train_loader: DataLoader
     eval_loader: DataLoader
     train_sampler: "GlobalBatchSampler"
-    steps_per_epoch: int
-    """Optimizer steps per epoch: micro-batches that don't fill a whole step are dropped."""
     num_train: int
     num_eval: int
     test_loader: DataLoader | None = None
@@ -83,6 +81,11 @@ class Data:
     num_test: int = 0
     label_names: list[str] | None = None
     """data.label_names, or the label column's ClassLabel names; None: neither."""
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch: a last partial global batch is dropped."""
+        return self.train_sampler.steps_per_epoch
 
     def close(self) -> None:
         """End the loader workers now, on every exit path, errors included.
@@ -353,7 +356,6 @@ def build(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device:
     )
     return Data(
         train_loader, _eval_loader(eval_ds, cfg, dist_env, loader_options), train_sampler,
-        train_sampler.steps_per_epoch,
         len(train_ds), len(eval_ds),
         test_loader=None if test_ds is None else _eval_loader(test_ds, cfg, dist_env, loader_options),
         num_test=0 if test_ds is None else len(test_ds), label_names=splits.label_names,

@@ -37,6 +37,8 @@ class Trainer:
         # Chosen and checked first: a resume the config can't make is refused in seconds.
         self.resume_from = self.checkpointer.find_resume(cfg.checkpoint.resume)
         resumed = None if self.resume_from is None else checkpoint.read_state(self.resume_from)
+        self.resumed_state = resumed
+        """The resumed checkpoint's state.json, or None."""
         self.config_changes = [] if resumed is None else self._check_config_changes(self.resume_from, resumed)
         self.plan = data.BatchPlan.of(cfg.train, dist_env.world_size, resumed and resumed["global_batch"])
         """The global batch (on resume, the checkpoint's: a run keeps its own), split over this run's ranks."""
@@ -223,7 +225,8 @@ class Trainer:
             distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir}", self._start_output_dir)
             self.run_id, start_step = tracking.new_run_id(), 0
         else:
-            state = self.checkpointer.load(path, self.model, self._training_state(), self.cfg.seed)
+            state = self.resumed_state
+            self.checkpointer.load(path, state, self.model, self._training_state(), self.cfg.seed)
             if self.config_changes:
                 self._apply_optimizer_config()
             data.check_position(self.data, state.get("data"), state["step"], path)
