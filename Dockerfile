@@ -11,14 +11,18 @@
 # requirements.lock, built for CUDA 13.0 with cuDNN 9 and its matching NCCL, so pip keeps it
 # instead of fetching another 3 GB of CUDA wheels. It is also the image the Kubeflow Trainer's
 # torch-distributed runtime uses, so a node that ran either has the big layers cached.
-# For a reproducible build, pin the digest too: FROM pytorch/pytorch:2.13.0-...@sha256:<digest>
-FROM pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
+# For a reproducible build, pin the digest too: BASE_IMAGE=docker.io/pytorch/pytorch:2.13.0-...@sha256:<digest>
+# Another base (a mirror, or the CPU base tests/image.py builds where no registry is reachable)
+# must hold torch==2.13.0 for pip to keep: --build-arg BASE_IMAGE=...
+ARG BASE_IMAGE=docker.io/pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
+FROM ${BASE_IMAGE}
+ARG BASE_IMAGE
 
 LABEL org.opencontainers.image.title="ddp-trainer" \
       org.opencontainers.image.description="Multi-node DDP fine-tuning of Hugging Face sequence classifiers under torchrun, Slurm and Kubernetes" \
       org.opencontainers.image.version="0.1.0" \
       org.opencontainers.image.licenses="Apache-2.0" \
-      org.opencontainers.image.base.name="docker.io/pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime"
+      org.opencontainers.image.base.name="${BASE_IMAGE}"
 
 # Writable state lives under /workspace: mount a volume there (the compose file and the
 # Kubernetes PVC do) so checkpoints, the HF cache and wandb runs outlive the container.
@@ -40,13 +44,14 @@ WORKDIR /app
 COPY pyproject.toml requirements.lock ./
 RUN mkdir trainer && touch trainer/__init__.py \
  && pip install -c requirements.lock . \
- && pip uninstall -y trainer && rm -rf trainer build
+ && pip uninstall -y trainer && rm -rf trainer build trainer.egg-info
 
 COPY trainer/ trainer/
 COPY configs/ configs/
 # runs/ -> /workspace/runs: every shipped config's relative `output_dir: runs/...` lands on
 # the writable volume, never in /app, which the image's user cannot write.
 RUN pip install --no-deps -c requirements.lock . \
+ && rm -rf build trainer.egg-info \
  && python -m trainer.demo_data data/reviews \
  && useradd --uid 1000 --create-home --shell /usr/sbin/nologin trainer \
  && mkdir -p /workspace/cache /workspace/runs \

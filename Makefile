@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install slurm demo test bench kill-drill clean
+.PHONY: install system demo test bench kill-drill clean
 
 install: $(VENV)/.installed
 
@@ -24,16 +24,18 @@ demo: install data/reviews/train.jsonl
 	rm -rf runs/demo
 	$(BIN)/torchrun --standalone --nproc-per-node=2 -m trainer train -c configs/demo.yaml
 
-# The venv (pip) and Slurm (apt) install side by side: each mostly waits on downloads.
+# The venv (pip) and the system tools (apt) install side by side: each mostly waits on downloads.
 test:
-	$(MAKE) --no-print-directory -j2 install slurm
+	$(MAKE) --no-print-directory -j2 install system
 	$(BIN)/python -m pytest
 
-# The Slurm tests start a real cluster from Debian's slurm-wlm and munge (root, no systemd).
-slurm:
-	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { \
+# The Slurm tests start a real cluster from Debian's slurm-wlm and munge (root, no systemd); the
+# image tests build our Dockerfile with buildah on a debootstrap base and run it with podman (runc).
+SYSTEM_TOOLS := slurmctld munged buildah podman runc debootstrap
+system:
+	@for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null || missing=1; done; [ -z "$$missing" ] || { \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    slurm-wlm munge >/dev/null; }
+	    slurm-wlm munge buildah podman runc debootstrap >/dev/null; }
 
 # Not part of `make test`: ~17 minutes on 2 CPUs, and wants a quiet machine. Flags: ARGS="--reps 5",
 # ARGS="--ablations --name cpu-minilm-ablations" (each speed feature off and on, ~18 minutes)

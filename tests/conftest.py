@@ -18,6 +18,7 @@ from typing import Any, Callable
 import psutil
 import pytest
 
+import image
 from trainer.launch import torchrun_argv, trainer_program
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +45,55 @@ def _interrupt(signum, frame):
 # fixture's teardown: namespaces, Slurm daemons and jobs would outlive the run. As an
 # interrupt, pytest stops the test and tears everything down.
 signal.signal(signal.SIGTERM, _interrupt)
+
+
+# The image is built in the background from the start of the run (about 4 minutes cold, mostly
+# downloads and disk), so that the tests before the first one that needs it overlap the build.
+_image_build: tuple[image.Engine, subprocess.Popen] | None = None
+
+
+def pytest_collection_modifyitems(items):
+    """The tests that need the image run last (in their files' order), so the whole build
+    overlaps the others."""
+    items.sort(key=lambda item: "app_image" in getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_finish(session):
+    global _image_build
+    needed = any("app_image" in getattr(item, "fixturenames", ()) for item in session.items)
+    if needed and not session.config.option.collectonly and not image.missing_tools():
+        engine = image.Engine.create()
+        engine.lock()
+        engine.remove_containers()  # what a killed run left
+        _image_build = engine, subprocess.Popen([PYTHON, str(REPO / "tests/image.py"), str(engine.run_dir)],
+                                                env=engine.env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_sessionfinish(session):
+    if _image_build:
+        engine, build = _image_build
+        kill_tree(build)
+        build.wait()
+        engine.close()
+
+
+@pytest.fixture(scope="session")
+def engine() -> image.Engine:
+    """podman and buildah, as tests/image.py sets them up. Their absence fails the test:
+    `make test` installs them."""
+    if _image_build is None:
+        pytest.fail(f"the image tests need {', '.join(image.missing_tools())}; `make test` installs them")
+    return _image_build[0]
+
+
+@pytest.fixture(scope="session")
+def app_image(engine) -> image.Image:
+    """Our Dockerfile, built by buildah on the CPU base."""
+    build = _image_build[1]
+    code = build.wait(timeout=1500)
+    log = (engine.run_dir / "build.log").read_text() if (engine.run_dir / "build.log").exists() else ""
+    assert code == 0, f"the image build failed (exit {code}):\n{log[-5000:]}"
+    return image.inspect(engine, (engine.run_dir / "image-id").read_text())
 
 
 def make_tiny_model(out: Path, dropout: float, family: str = "bert") -> Path:

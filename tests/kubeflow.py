@@ -1,10 +1,14 @@
 """What the Kubeflow operators do to our manifests, from their sources (see k8s/README.md).
 
-- `pytorchjob_pods`: the pods of a PyTorchJob (kubeflow.org/v1, training-operator v1.9) and
-  the variables the operator appends to their container's env (controller.v1/pytorch:
-  envvar.go, master.go, elastic.go).
+- `pytorchjob_pods`: the pods of a PyTorchJob (kubeflow.org/v1, training-operator v1.9), the
+  variables the operator appends to their container's env (controller.v1/pytorch:
+  envvar.go, master.go, elastic.go) and the labels it adds to the template's (common's
+  GenLabels and the replica labels: training.kubeflow.org/job-name, operator-name,
+  replica-type, replica-index, and job-role on the master).
 - `trainjob_pods`: the pods of a TrainJob (trainer.kubeflow.org/v1alpha1, Trainer v2.3) on the
-  torch-distributed runtime, and the PET_* variables it injects.
+  torch-distributed runtime, the PET_* variables it injects, and the labels of the pods of
+  the JobSet it runs as (named as the TrainJob; jobset.sigs.k8s.io/jobset-name and
+  replicatedjob-name).
 - `pytorchjob_webhook_violations`: the PyTorchJob validating webhook's rules
   (webhooks/pytorch/pytorchjob_webhook.go).
 """
@@ -24,6 +28,7 @@ class Pod:
     name: str  # also its hostname and the name of its headless Service
     dns_names: list[str]
     annotations: dict[str, str]
+    labels: dict[str, str]
     spec: dict  # the pod spec
     container: dict  # the training container
     injected_env: dict[str, str]
@@ -89,18 +94,27 @@ def pytorchjob_pods(job: dict) -> list[Pod]:
             (container,) = [c for c in template["spec"]["containers"] if c["name"] == "pytorch"]
             pod_name = f"{name}-{kind.lower()}-{index}"
             annotations = template.get("metadata", {}).get("annotations", {})
-            pods.append(Pod(pod_name, [pod_name], annotations, template["spec"], container, env))
+            labels = {**template.get("metadata", {}).get("labels", {}),
+                      "training.kubeflow.org/job-name": name,
+                      "training.kubeflow.org/operator-name": "pytorchjob-controller",
+                      "training.kubeflow.org/replica-type": kind.lower(),
+                      "training.kubeflow.org/replica-index": str(index)}
+            if kind == "Master":
+                labels["training.kubeflow.org/job-role"] = "master"
+            pods.append(Pod(pod_name, [pod_name], annotations, labels, template["spec"], container, env))
     return pods
 
 
 def trainjob_pods(job: dict, runtime: dict) -> list[Pod]:
     """The runtime's `node` pod template with the TrainJob's trainer fields and runtimePatches
-    applied (the patch fields our manifest uses: volumes, mounts, security, annotations)."""
+    applied (the patch fields our manifest uses: volumes, mounts, security, annotations, labels)."""
     name, trainer = job["metadata"]["name"], job["spec"]["trainer"]
     (replicated,) = [r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"] if r["name"] == "node"]
     template = replicated["template"]["spec"]["template"]
     pod_spec = dict(template["spec"])
     annotations = dict(template.get("metadata", {}).get("annotations", {}))
+    labels = {**template.get("metadata", {}).get("labels", {}),
+              "jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"]}
     (container,) = [dict(c) for c in pod_spec["containers"] if c["name"] == "node"]
     container.update(image=trainer["image"], command=trainer["command"], env=trainer.get("env", []))
     if "args" in trainer:
@@ -110,6 +124,7 @@ def trainjob_pods(job: dict, runtime: dict) -> list[Pod]:
             assert job_patch["name"] == "node", "the runtime has one replicated job, `node`"
             template_patch = job_patch["template"]["spec"]["template"]
             annotations.update(template_patch.get("metadata", {}).get("annotations", {}))
+            labels.update(template_patch.get("metadata", {}).get("labels", {}))
             spec_patch = template_patch["spec"]
             pod_spec["volumes"] = pod_spec.get("volumes", []) + spec_patch.get("volumes", [])
             if "securityContext" in spec_patch:
@@ -129,7 +144,7 @@ def trainjob_pods(job: dict, runtime: dict) -> list[Pod]:
                "PET_NODE_RANK": str(index), "PET_MASTER_ADDR": master,
                "PET_MASTER_PORT": str(TRAINJOB_MASTER_PORT)}
         pod_name = f"{name}-node-0-{index}"
-        pods.append(Pod(pod_name, [pod_name, f"{pod_name}.{name}"], annotations, pod_spec, container, env))
+        pods.append(Pod(pod_name, [pod_name, f"{pod_name}.{name}"], annotations, labels, pod_spec, container, env))
     return pods
 
 

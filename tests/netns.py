@@ -26,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import users
-
 SUBNET = "10.99.0"  # the bridge has no address, so this never meets the root namespace's routes
 _created = itertools.count()
 
@@ -91,10 +89,9 @@ class Network(TornDown):
         self.hosts_file.chmod(0o644)
 
     def spawn(self, host: str, argv: list[str], env: dict[str, str], cwd: str | Path,
-              binds: dict[str, Path] | None = None, log: Path | None = None,
-              uid: int | None = None) -> subprocess.Popen:
+              binds: dict[str, Path] | None = None, log: Path | None = None) -> subprocess.Popen:
         """Start `argv` on `host`: its netns, hostname and hosts file, with `binds` mounted
-        (container path -> host path), in `cwd`, output to `log`; as user `uid` if given."""
+        (path as `host` sees it -> folder on this machine), in `cwd`, output to `log`."""
         script = [f"hostname {shlex.quote(host)}", f"mount --bind {self.hosts_file} /etc/hosts"]
         for target, source in (binds or {}).items():
             self._mountpoint(Path(target), Path(source).is_dir())
@@ -102,11 +99,7 @@ class Network(TornDown):
         script.append(f"cd {shlex.quote(str(cwd))}")
         # Each host gets its own core(s), as a container's cpuset would: two "nodes" sharing
         # every core would each start a thread per core and thrash.
-        if uid is None:
-            script.append(f'exec taskset -c {self.cpus[host]} "$@"')
-        else:
-            *mounts, become = users.become(uid, self.workdir / f"python-{host}")
-            script += [*mounts, become.replace('"$@"', f'taskset -c {self.cpus[host]} "$@"')]
+        script.append(f'exec taskset -c {self.cpus[host]} "$@"')
         cmd = ["nsenter", f"--net=/run/netns/{self.namespaces[host]}",
                "unshare", "--uts", "--mount", "--propagation", "private",
                "sh", "-c", " && ".join(script), "sh", *argv]

@@ -1,90 +1,46 @@
 """docker-compose.yml: valid Compose, two one-GPU nodes, and a job that really runs.
 
-No Docker engine here, so the contract is tested as Compose would carry it out: the file
-(and its CPU override) is validated against the Compose Specification's schema, interpolated
-and merged by Compose's rules, and each service's command and environment are run in its own
-network namespace, with the service names resolving as they do on
-the compose network. Break the file's command, environment, hostnames or volumes and the
-run fails.
+podman-compose merges and interpolates the files, and the merged file is validated against
+the Compose Specification's schema. The CPU variant then runs under `podman-compose up` in two
+real containers of our image, as the file's header tells users to, with one test-only
+override: each service joins a network namespace of tests/netns.py, named as on a compose
+network (podman-compose would otherwise create a bridge network, which adds firewall rules
+to this machine).
 """
 
 from __future__ import annotations
 
 import json
-import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 
-from container import Service, build_app_dir, read_dockerfile, run_services
 from conftest import REPO
+from image import APP_TAG
+from netns import Network
 
 SCHEMA = jsonschema.Draft7Validator(json.loads((REPO / "tests/schemas/compose-spec.json").read_text()))
-RESET = object()  # Compose's `!reset` tag: drop the key when merging
+PODMAN_COMPOSE = Path(sys.executable).with_name("podman-compose")
+CPU = ("docker-compose.yml", "docker-compose.cpu.yml")
 
 
-class ComposeLoader(yaml.SafeLoader):
-    pass
+class ConfigLoader(yaml.SafeLoader):
+    """`config` prints the x- fragments as written, `!reset` tags and all."""
 
 
-ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+ConfigLoader.add_constructor("!reset", lambda loader, node: None)
 
 
-def load(name: str) -> dict:
-    return yaml.load((REPO / name).read_text(), Loader=ComposeLoader)
-
-
-def merge(base, override):
-    """Compose's merge for the mapping keys we use: mappings merge, `!reset` removes,
-    anything else replaces."""
-    if not (isinstance(base, dict) and isinstance(override, dict)):
-        return override
-    merged = dict(base)
-    for key, value in override.items():
-        if value is RESET:
-            merged.pop(key, None)
-        else:
-            merged[key] = merge(base.get(key), value)
-    return merged
-
-
-_VARIABLE = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
-
-
-def interpolate(value, environ: dict[str, str]):
-    """Compose interpolation: $$, $VAR, ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}."""
-    if isinstance(value, dict):
-        return {key: interpolate(item, environ) for key, item in value.items()}
-    if isinstance(value, list):
-        return [interpolate(item, environ) for item in value]
-    if not isinstance(value, str):
-        return value
-
-    def substitute(match: re.Match) -> str:
-        dollar, name, op, arg, bare = match.groups()
-        if dollar:
-            return "$"
-        name = name or bare
-        unset_or_empty = not environ.get(name)
-        if op in (":-", "-"):
-            return arg if (unset_or_empty if op == ":-" else name not in environ) else environ[name]
-        if op in (":?", "?"):
-            if unset_or_empty if op == ":?" else name not in environ:
-                raise ValueError(f"required variable {name}: {arg}")
-            return environ[name]
-        if op in (":+", "+"):
-            return "" if unset_or_empty else arg
-        return environ.get(name, "")
-
-    return _VARIABLE.sub(substitute, value)
-
-
-def compose(*files: str, environ: dict[str, str] | None = None) -> dict:
-    merged = {}
-    for name in files:
-        merged = merge(merged, load(name))
-    config = interpolate(merged, environ or {})
+def compose(*files: str) -> dict:
+    """The files merged and interpolated, as podman-compose will run them."""
+    argv = [PODMAN_COMPOSE, *[arg for name in files for arg in ("-f", REPO / name)], "config"]
+    config = yaml.load(subprocess.run(argv, capture_output=True, text=True, check=True).stdout, Loader=ConfigLoader)
     SCHEMA.validate(config)
     return config
 
@@ -117,7 +73,7 @@ def test_compose_files_are_valid_and_describe_two_one_gpu_nodes():
         assert any(volume.startswith("runs:") for volume in service["volumes"])
     assert len(set(device_ids)) == 2, "each node needs its own GPU"
 
-    cpu = compose("docker-compose.yml", "docker-compose.cpu.yml")
+    cpu = compose(*CPU)
     assert set(cpu["services"]) == {"node0", "node1"}
     assert all(not gpu_devices(service) for service in cpu["services"].values())
     for name in ("node0", "node1"):  # the CPU variant changes nothing but the GPU request
@@ -136,31 +92,78 @@ def test_compose_rejects_what_compose_rejects():
         SCHEMA.validate(config)
 
 
-def test_compose_cpu_variant_runs_a_two_node_job(tmp_path_factory):
-    """Each service's command and environment, after interpolation, run in two hosts named
-    like the services: the job completes with world size 2 across both."""
-    config = compose("docker-compose.yml", "docker-compose.cpu.yml")
-    image = read_dockerfile()
-    base = tmp_path_factory.mktemp("compose")
-    app_dir = build_app_dir(image, base / "app")
-    named_volumes = {name: base / "volumes" / name for name in config["volumes"]}
-    for path in named_volumes.values():
-        path.mkdir(parents=True)
+@dataclass
+class Up:
+    proc: subprocess.Popen
+    project: str
+    files: list
+    started: float
 
-    services = config["services"]
-    started = run_services([
-        Service(name, [service.get("hostname", name)], service["command"], [service.get("environment", {})],
-                service.get("working_dir", image.workdir),
-                {target: named_volumes[source] for source, target, *_ in
-                 (spec.split(":") for spec in service["volumes"])}, image.uid)
-        for name, service in services.items()
-    ], image, app_dir, base, timeout=300)
-    assert started.codes == [0, 0], started.logs_tail()
 
-    output_dir = option(services["node0"]["command"], "output_dir")
-    summary_file = started.containers["node0"].host_path(f"{output_dir}/summary.json")
-    assert summary_file.stat().st_uid == image.uid != 0  # written by the image's user, not root
-    summary = json.loads(summary_file.read_text())
+def compose_up(engine, network: Network, tmp: Path, services: dict | None = None) -> Up:
+    """Start `podman-compose up --abort-on-container-exit --exit-code-from node0` of the CPU
+    variant, each service on its host of `network` (and `services` merged over it), as its
+    own project; `ended` waits for it."""
+    override = {"x-podman": {"in_pod": False}, "services": {
+        name: {"network_mode": f"ns:/run/netns/{network.namespaces[name]}", "cpuset": network.cpus[name],
+               "extra_hosts": [f"{host}:{network.addresses[host]}" for host in network.namespaces],
+               **(services or {}).get(name, {})}
+        for name in network.namespaces}}
+    (tmp / "docker-compose.test.yml").write_text(yaml.safe_dump(override))
+    project = f"{tmp.name}-{engine.run_dir.name}".lower()
+    files = [arg for name in CPU for arg in ("-f", REPO / name)] + ["-f", tmp / "docker-compose.test.yml"]
+    proc = subprocess.Popen([PODMAN_COMPOSE, "-p", project, *files, "up", "--no-build", "--abort-on-container-exit",
+                             "--exit-code-from", "node0"], env={**engine.env, "TRAINER_IMAGE": APP_TAG},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return Up(proc, project, files, time.monotonic())
+
+
+def ended(engine, up: Up) -> tuple[int, str, float, Path]:
+    """The exit code, the output, the seconds it took and the `runs` volume's folder; the
+    project's containers are removed."""
+    try:
+        output, _ = up.proc.communicate(timeout=400)
+        elapsed = time.monotonic() - up.started
+        volume = engine("volume", "inspect", "--format", "{{.Mountpoint}}", f"{up.project}_runs").stdout.strip()
+        return up.proc.returncode, output, elapsed, Path(volume)
+    finally:
+        up.proc.kill()
+        subprocess.run([PODMAN_COMPOSE, "-p", up.project, *up.files, "down", "--timeout=0"], env=engine.env,
+                       capture_output=True)
+
+
+def test_compose_cpu_variant_runs_a_two_node_job_and_a_node_that_cannot_join_ends_it(engine, app_image, tmp_path):
+    """The CPU variant as shipped: two containers, node0 and node1, complete the job with world
+    size 2, written to the shared `runs` volume by the image's user.
+
+    At the same time, the same files with node1's rendezvous pointed at itself (a wrong
+    endpoint): node1 gives up after its join timeout, and --abort-on-container-exit stops
+    node0, which would otherwise wait 300 s for a peer that never comes; the command's exit
+    code says the job failed. (Side by side because that pair never gets past its torchrun
+    agents' rendezvous: it costs the other job next to nothing.)"""
+    command = compose(*CPU)["services"]["node1"]["command"]
+    join_timeout = 8
+    wrong = [{"--rdzv-endpoint=node0:29500": "--rdzv-endpoint=node1:29500",
+              "--rdzv-conf=join_timeout=300": f"--rdzv-conf=join_timeout={join_timeout}"}.get(arg, arg)
+             for arg in command]
+    assert wrong != command
+    (tmp_path / "good").mkdir()
+    (tmp_path / "bad").mkdir()
+    with Network({"node0": [], "node1": []}) as network, Network({"node0": [], "node1": []}) as other:
+        good = compose_up(engine, network, tmp_path / "good")
+        bad = compose_up(engine, other, tmp_path / "bad", {"node1": {"command": wrong}})
+        try:
+            code, output, elapsed, _ = ended(engine, bad)
+        finally:
+            good_code, good_output, _, runs = ended(engine, good)
+        assert code != 0, output[-5000:]
+        assert f"{join_timeout}s: 1 of 2 nodes arrived" in output, output[-5000:]
+        assert elapsed < 120, f"took {elapsed:.0f}s"
+
+        assert good_code == 0, good_output[-5000:]
+        summary_file = runs / "smoke/summary.json"
+        assert summary_file.stat().st_uid == 1000  # the image's user, not root
+        summary = json.loads(summary_file.read_text())
     assert summary["world_size"] == 2
     assert sorted(summary["hosts"]) == ["node0", "node1"]
     assert summary["steps"] == 12

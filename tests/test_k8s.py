@@ -4,10 +4,12 @@ No API server here, so each layer of acceptance is checked against the real thin
 - the PyTorchJob and TrainJob against their real CRD schemas (tests/schemas, closed: an
   unknown field is an error), the core objects with `kubernetes-validate --strict`;
 - the PyTorchJob validating webhook's rules;
-- the operator contract: each pod's command, with its env plus exactly what the operator
-  injects, its ConfigMap materialized and its PVC shared, runs in a network namespace named
-  like the pod's Service. The 2-pod job must finish with world size 2; so must the elastic
-  variant (k8s/elastic/), from the elastic rendezvous the operator injects;
+- the NetworkPolicies' selectors, against the labels the operators give the pods;
+- the operator contract: each pod's training container runs in our image (tests/image.py)
+  with its pod's security context, its env plus exactly what the operator injects, its
+  ConfigMap materialized and its PVC shared, on a host named like the pod's Service. The
+  2-pod job must finish with world size 2; so must the elastic variant (k8s/elastic/), from
+  the elastic rendezvous the operator injects, and the TrainJob;
 - the image override renders with `kubectl kustomize`, and names the image we build.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import subprocess
 import sys
@@ -24,13 +27,15 @@ import jsonschema
 import pytest
 import yaml
 
-from container import Service, Started, build_app_dir, read_dockerfile, run_services
 from conftest import REPO
+from image import Container, Ended, run_containers
 from kubeflow import Pod, pytorchjob_pods, pytorchjob_webhook_violations, trainjob_pods
+from netns import Network
 
 SCHEMAS = REPO / "tests/schemas"
 BIN = Path(sys.executable).parent
 IMAGE = "ddp-trainer:0.1.0"
+IMAGE_UID = int(re.search(r"^USER (\d+)", (REPO / "Dockerfile").read_text(), re.M).group(1))
 
 
 def load_all(path: Path) -> list[dict]:
@@ -73,17 +78,18 @@ TRAINJOB_SCHEMA = crd_validator("trainer.kubeflow.org_trainjobs.yaml")
 TRAINJOB = yaml.safe_load((REPO / "k8s/trainjob/trainjob.yaml").read_text())
 ELASTIC = yaml.safe_load((REPO / "k8s/elastic/pytorchjob.yaml").read_text())
 RUNTIME = yaml.safe_load((SCHEMAS / "torch_distributed_runtime.yaml").read_text())
+POLICY_FILES = {"pytorchjob": REPO / "k8s/networkpolicy.yaml", "elastic": REPO / "k8s/elastic/networkpolicy.yaml",
+                "trainjob": REPO / "k8s/trainjob/networkpolicy.yaml"}
 
 
 def test_k8s_folder_holds_exactly_the_job_objects():
     objects = k8s_objects()
-    assert set(objects) == {"PyTorchJob", "ConfigMap", "PersistentVolumeClaim"}
+    assert set(objects) == {"PyTorchJob", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy"}
     assert objects["PyTorchJob"]["apiVersion"] == "kubeflow.org/v1"
-    result = subprocess.run([BIN / "kubernetes-validate", "--strict",
-                             REPO / "k8s/configmap.yaml", REPO / "k8s/pvc.yaml"],
-                            capture_output=True, text=True)
+    core = [REPO / "k8s/configmap.yaml", REPO / "k8s/pvc.yaml", *POLICY_FILES.values()]
+    result = subprocess.run([BIN / "kubernetes-validate", "--strict", *core], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("passed") == 2, result.stdout
+    assert result.stdout.count("passed") == len(core), result.stdout
 
 
 def test_jobs_validate_against_their_crds():
@@ -167,12 +173,14 @@ def test_manifests_follow_our_rules():
         assert not [arg for arg in container["command"] if arg.startswith("--")], container["command"]
         assert pod.annotations["sidecar.istio.io/inject"] == "false"
         assert pod.spec["securityContext"]["runAsNonRoot"] is True
-        assert pod.spec["securityContext"]["runAsUser"] == read_dockerfile().uid != 0
+        assert pod.spec["securityContext"]["runAsUser"] == IMAGE_UID != 0
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
         volumes = {v["name"]: v for v in pod.spec["volumes"]}
         mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
         assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
+        assert "medium" not in mounts["/tmp"]["emptyDir"]  # the read-only root's scratch, on disk
         assert mounts["/workspace"]["persistentVolumeClaim"]["claimName"] == objects["PersistentVolumeClaim"]["metadata"]["name"]
         assert mounts["/etc/trainer"]["configMap"]["name"] == objects["ConfigMap"]["metadata"]["name"]
         (key,) = [e for e in container["env"] if e["name"] == "WANDB_API_KEY"]
@@ -185,6 +193,51 @@ def test_manifests_follow_our_rules():
             assert container["resources"]["limits"]["nvidia.com/gpu"] == int(each["spec"]["nprocPerNode"])
     trainer = TRAINJOB["spec"]["trainer"]
     assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == trainer["numProcPerNode"]
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector: matchLabels and matchExpressions, all of them."""
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        if not {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}[operator]:
+            return False
+    return True
+
+
+def job_pods() -> dict[str, list[Pod]]:
+    return {"pytorchjob": pytorchjob_pods(k8s_objects()["PyTorchJob"]), "elastic": pytorchjob_pods(ELASTIC),
+            "trainjob": trainjob_pods(TRAINJOB, RUNTIME)}
+
+
+@pytest.mark.parametrize("variant", list(POLICY_FILES))
+def test_network_policy_admits_the_jobs_own_pods_and_no_other(variant):
+    """The job's pods take connections only from the job's pods, on every port (the c10d
+    store, and gloo's and NCCL's ephemeral ones), and egress (DNS) is left open. Its selectors
+    match the labels the operator gives the job's pods, and no other job's: the other
+    variants, the same job renamed, and a job of another operator that has the same name."""
+    (policy,) = load_all(POLICY_FILES[variant])
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"], "an Egress policy would need DNS let through"
+    (rule,) = spec["ingress"]
+    assert "ports" not in rule, "every port: gloo and NCCL listen on ephemeral ones"
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}, "pods of the job's namespace only"
+    pods = job_pods()
+    for pod in pods[variant]:
+        assert selects(spec["podSelector"], pod.labels) and selects(peer["podSelector"], pod.labels), pod.name
+    others = [pod for name, each in pods.items() if name != variant for pod in each]
+    renamed = copy.deepcopy(k8s_objects()["PyTorchJob"])
+    renamed["metadata"]["name"] = "other-job"
+    others += pytorchjob_pods(renamed) + trainjob_pods({**TRAINJOB, "metadata": {"name": "other-job"}}, RUNTIME)
+    if variant != "trainjob":  # a TFJob of the same name: its job-name label matches, its operator's does not
+        others += [Pod(pod.name, [], {}, {**pod.labels, "training.kubeflow.org/operator-name": "tfjob-controller"},
+                       {}, {}, {}) for pod in pods[variant]]
+    for pod in others:
+        assert not selects(spec["podSelector"], pod.labels) and not selects(peer["podSelector"], pod.labels), \
+            (pod.name, pod.labels)
 
 
 def test_image_override_renders_and_names_our_image():
@@ -220,64 +273,101 @@ def test_trainjob_fits_the_runtime():
     assert TRAINJOB["spec"]["runtimeRef"]["name"] == RUNTIME["metadata"]["name"]
 
 
-def run_pods(pods: list[Pod], tmp: Path) -> Started:
-    """Run every pod's training container as the operator would start it, each volume made
-    real: a ConfigMap's files, one shared folder per PVC, a private emptyDir."""
-    image = read_dockerfile()
+def security_options(pod: Pod) -> list[str]:
+    """The pod's and its container's securityContext as podman applies it. A field this does
+    not know fails the test, rather than running the container with less than the manifest asks."""
+    pod_context, context = pod.spec.get("securityContext", {}), pod.container.get("securityContext", {})
+    assert set(pod_context) <= {"runAsNonRoot", "runAsUser", "runAsGroup", "fsGroup", "seccompProfile"}, pod_context
+    assert set(context) <= {"allowPrivilegeEscalation", "readOnlyRootFilesystem", "capabilities"}, context
+    user, group = pod_context["runAsUser"], pod_context.get("runAsGroup", 0)
+    assert not pod_context.get("runAsNonRoot") or user != 0
+    options = [f"--user={user}:{group}"]
+    if "fsGroup" in pod_context:
+        options.append(f"--group-add={pod_context['fsGroup']}")
+    assert pod_context["seccompProfile"] == {"type": "RuntimeDefault"}  # podman's default profile
+    options += [f"--cap-drop={cap}" for cap in context.get("capabilities", {}).get("drop", [])]
+    assert not context.get("capabilities", {}).get("add")
+    if context.get("allowPrivilegeEscalation") is False:
+        options.append("--security-opt=no-new-privileges")
+    if context.get("readOnlyRootFilesystem"):
+        options += ["--read-only", "--read-only-tmpfs=false"]  # no tmpfs the kubelet would not add
+    return options
+
+
+def pod_container(pod: Pod, root: Path, claims: dict[str, Path]) -> Container:
+    """The pod's training container as the kubelet starts it: its command, its env plus what
+    the operator injects, its security context, and every volume made real: a ConfigMap's
+    files (read-only), one shared folder per PVC (group-owned by fsGroup, as the kubelet
+    sets it), a memory-backed /dev/shm of the emptyDir's size, a private emptyDir."""
     configmaps = {k8s_objects()["ConfigMap"]["metadata"]["name"]: k8s_objects()["ConfigMap"]}
+    volumes = {v["name"]: v for v in pod.spec["volumes"]}
+    fs_group = pod.spec["securityContext"].get("fsGroup", 0)
+    mounts, options = [], security_options(pod)
+    for mount in pod.container["volumeMounts"]:
+        volume, target = volumes[mount["name"]], mount["mountPath"]
+        read_only = ":ro" if mount.get("readOnly") else ""
+        if "configMap" in volume:
+            path = root / "configmaps" / mount["name"]
+            path.mkdir(parents=True)
+            for key, text in configmaps[volume["configMap"]["name"]]["data"].items():
+                (path / key).write_text(text)
+        elif "persistentVolumeClaim" in volume:
+            path = claims.setdefault(volume["persistentVolumeClaim"]["claimName"],
+                                     root.parent / "claims" / volume["persistentVolumeClaim"]["claimName"])
+            path.mkdir(parents=True, exist_ok=True)
+            os.chown(path, 0, fs_group)
+            path.chmod(0o2775)
+        elif volume["emptyDir"].get("medium") == "Memory":
+            assert target == "/dev/shm", target
+            options.append(f"--shm-size={volume['emptyDir']['sizeLimit'].replace('Gi', 'g')}")
+            continue
+        else:
+            path = root / "emptydirs" / mount["name"]
+            path.mkdir(parents=True)
+            path.chmod(0o777)
+        mounts.append(f"{path}:{target}{read_only}")
+    env = {e["name"]: e["value"] for e in pod.container.get("env", []) if "value" in e}
+    for e in pod.container.get("env", []):  # an absent optional Secret leaves the variable unset
+        assert "value" in e or e["valueFrom"]["secretKeyRef"]["optional"], e
+    if "workingDir" in pod.container:
+        options.append(f"--workdir={pod.container['workingDir']}")
+    return Container(pod.name, pod.container["command"] + pod.container.get("args", []), {**env, **pod.injected_env},
+                     mounts, options, pod.dns_names[1:])
+
+
+def run_pods(engine, app_image, pods: list[Pod], tmp: Path) -> tuple[Ended, dict[str, Path]]:
+    """Every pod's training container in our image, each on a host named as its Service;
+    returns how they ended and the host folder of each PVC."""
+    assert {pod.container["image"] for pod in pods} == {IMAGE}
     claims: dict[str, Path] = {}
-    services = []
-    for pod in pods:
-        root = tmp / pod.name
-        volumes = {v["name"]: v for v in pod.spec["volumes"]}
-        mounts: dict[str, Path] = {}
-        for mount in pod.container["volumeMounts"]:
-            volume = volumes[mount["name"]]
-            if "configMap" in volume:
-                path = root / "configmaps" / mount["name"]
-                path.mkdir(parents=True)
-                for key, text in configmaps[volume["configMap"]["name"]]["data"].items():
-                    (path / key).write_text(text)
-            elif "persistentVolumeClaim" in volume:
-                claim = volume["persistentVolumeClaim"]["claimName"]
-                path = claims.setdefault(claim, tmp / "claims" / claim)
-                path.mkdir(parents=True, exist_ok=True)
-            else:
-                assert "emptyDir" in volume, volume
-                path = root / "emptydirs" / mount["name"]
-                path.mkdir(parents=True)
-            mounts[mount["mountPath"]] = path
-        env = {e["name"]: e["value"] for e in pod.container.get("env", []) if "value" in e}
-        for e in pod.container.get("env", []):  # an absent optional Secret leaves the variable unset
-            assert "value" in e or e["valueFrom"]["secretKeyRef"]["optional"], e
-        services.append(Service(pod.name, pod.dns_names[1:], pod.container["command"] + pod.container.get("args", []),
-                                [env, pod.injected_env], pod.container.get("workingDir", image.workdir), mounts,
-                                pod.spec["securityContext"]["runAsUser"]))
-    return run_services(services, image, build_app_dir(image, tmp / "app"), tmp, timeout=400)
+    containers = [pod_container(pod, tmp / pod.name, claims) for pod in pods]
+    with Network({pod.name: pod.dns_names[1:] for pod in pods}) as network:
+        return run_containers(engine, app_image.id, containers, timeout=400, network=network), claims
 
 
-def assert_job_completed(started: Started, output_dir: str | None = None) -> dict:
+def assert_job_completed(run: tuple[Ended, dict[str, Path]], output_dir: str | None = None) -> dict:
     """Every pod exited 0, and the job's summary (in `output_dir`, default the ConfigMap's)
     says both pods trained every step; returns the summary."""
-    assert started.codes == [0] * len(started.codes), started.logs_tail()
+    ended, claims = run
+    assert ended.codes == [0] * len(ended.codes), ended.tail()
     config = yaml.safe_load(k8s_objects()["ConfigMap"]["data"]["config.yaml"])
-    first = next(iter(started.containers.values()))
-    summary_file = first.host_path(f"{output_dir or config['output_dir']}/summary.json")
-    assert summary_file.stat().st_uid == read_dockerfile().uid != 0  # the pod's runAsUser wrote it
+    (workspace,) = claims.values()
+    summary_file = workspace / Path(output_dir or config["output_dir"]).relative_to("/workspace") / "summary.json"
+    assert summary_file.stat().st_uid == IMAGE_UID  # the pod's runAsUser wrote it
     summary = json.loads(summary_file.read_text())
     assert summary["world_size"] == 2 and len(summary["hosts"]) == 2, summary
     assert summary["steps"] == config["train"]["max_steps"]
     return summary
 
 
-def test_pytorchjob_runs_as_the_operator_starts_it(tmp_path_factory):
+def test_pytorchjob_runs_as_the_operator_starts_it(engine, app_image, tmp_path):
     pods = pytorchjob_pods(k8s_objects()["PyTorchJob"])
     assert [pod.name for pod in pods] == ["ddp-trainer-master-0", "ddp-trainer-worker-0"]
     assert pods[1].injected_env["WORLD_SIZE"] == "2" and pods[1].injected_env["RANK"] == "1"
-    assert_job_completed(run_pods(pods, tmp_path_factory.mktemp("pytorchjob")))
+    assert_job_completed(run_pods(engine, app_image, pods, tmp_path))
 
 
-def test_elastic_pytorchjob_runs_as_the_operator_starts_it(tmp_path_factory):
+def test_elastic_pytorchjob_runs_as_the_operator_starts_it(engine, app_image, tmp_path):
     """Two Worker pods, no Master: torchrun takes its elastic rendezvous from the operator's
     PET_* variables (worker-0 serves it), and the job trains at world size 2 on the global
     batch its command fixes."""
@@ -288,11 +378,11 @@ def test_elastic_pytorchjob_runs_as_the_operator_starts_it(tmp_path_factory):
         ("1:2", "trainer-c10d", "ddp-trainer-elastic-worker-0:23456")
     assert "MASTER_ADDR" not in env and "RANK" not in env
     (output_dir,) = [arg.split("=", 1)[1] for arg in pods[0].container["command"] if arg.startswith("output_dir=")]
-    summary = assert_job_completed(run_pods(pods, tmp_path_factory.mktemp("elastic")), output_dir)
+    summary = assert_job_completed(run_pods(engine, app_image, pods, tmp_path), output_dir)
     assert summary["global_batch"] == 32
 
 
-def test_trainjob_runs_as_the_runtime_starts_it(tmp_path_factory):
+def test_trainjob_runs_as_the_runtime_starts_it(engine, app_image, tmp_path):
     pods = trainjob_pods(TRAINJOB, RUNTIME)
     assert pods[0].injected_env["PET_MASTER_ADDR"] == "ddp-trainer-node-0-0.ddp-trainer"
-    assert_job_completed(run_pods(pods, tmp_path_factory.mktemp("trainjob")))
+    assert_job_completed(run_pods(engine, app_image, pods, tmp_path))

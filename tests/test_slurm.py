@@ -21,7 +21,7 @@ import pytest
 import wandb_log
 from conftest import BASE_ENV, PYTHON, REPO, compare_weights, tiny_overrides, wait_for
 from multinode import complete_steps, summary
-from container import read_dockerfile
+from image import dockerfile_env
 from slurm_cluster import CPUS_PER_NODE, GPUS_PER_NODE, SlurmCluster
 from users import UID, as_user
 
@@ -279,7 +279,7 @@ def test_container_launch_line(cluster, tmp_path, runtime, expected):
             "node1", "torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=trainer-c10d",
             f"--rdzv-endpoint=node1:{20000 + int(job_id) % 12000}", f"--rdzv-id={job_id}", "--rdzv-conf=join_timeout=60",
             "--max-restarts=0", "-m", "trainer", "train", "-c", "configs/demo.yaml"], argv
-        cache_paths = {key: value for key, value in read_dockerfile().env.items() if value.startswith("/workspace/")}
+        cache_paths = {key: value for key, value in dockerfile_env().items() if value.startswith("/workspace/")}
         assert {"HF_HOME", "WANDB_DIR", "TRITON_CACHE_DIR"} <= set(cache_paths)
         for key, path in cache_paths.items():
             on_host = workspace / Path(path).relative_to("/workspace")
