@@ -70,9 +70,10 @@ class Engine:
     BLOB_INFO_CACHE = Path("/var/lib/containers")
     """Where builds keep their blob info cache, whatever the storage config says."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, blob_info_cache_existed: bool = True):
         self.run_dir = run_dir
-        self.blob_info_cache_existed = (run_dir / "blob-info-cache-existed").exists()
+        self.blob_info_cache_existed = blob_info_cache_existed
+        """False: close() removes BLOB_INFO_CACHE, which this run's builds made."""
         self.env = {**os.environ, "CONTAINERS_CONF": str(run_dir / "containers.conf"),
                     "CONTAINERS_STORAGE_CONF": str(run_dir / "storage.conf"),
                     "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
@@ -81,9 +82,7 @@ class Engine:
     def create(cls) -> "Engine":
         CACHE.mkdir(parents=True, exist_ok=True)
         run_dir = Path(tempfile.mkdtemp(prefix="trainer-podman-"))
-        if cls.BLOB_INFO_CACHE.exists():
-            (run_dir / "blob-info-cache-existed").touch()
-        engine = cls(run_dir)
+        engine = cls(run_dir, cls.BLOB_INFO_CACHE.exists())
         (run_dir / "containers.conf").write_text(f"""\
 [containers]
 # root may not raise its limits above the host's here (podman's default asks for more)
