@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 import image
+import preloaded
 from trainer.launch import torchrun_argv, trainer_program
 
 REPO = Path(__file__).resolve().parents[1]
@@ -281,6 +282,26 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
     return Run(proc.returncode, output)
 
 
+@pytest.fixture(scope="session")
+def usage_run() -> Callable[..., Run]:
+    """`usage_run(overrides, command="train", config=None, env=None, timeout=120)`: like
+    `run(trainer_command(overrides, nproc=None, ...))`, for a run that must stop at a usage
+    error before it trains: a fork of tests/preloaded.py's server, which imported the trainer's
+    dependencies once (0.3-1 s a run instead of 3-8 s)."""
+    server = preloaded.Server(PYTHON, BASE_ENV, REPO)
+
+    def run_cli(overrides: list[str], command: str = "train", config: str | None = None,
+                env: dict | None = None, timeout: float = 120) -> Run:
+        args = trainer_program(command, config, overrides)[2:]  # what follows `-m trainer`
+        code, output, timed_out = server.run(args, env or {}, REPO, timeout)
+        if timed_out:
+            pytest.fail(f"timed out after {timeout}s: python -m trainer {' '.join(args)}\n{output[-4000:]}")
+        return Run(code, output)
+
+    yield run_cli
+    server.close()
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the process group and every descendant: torchrun starts each worker in a
     session of its own, and a hung worker would hold the output pipe open forever."""
@@ -303,8 +324,19 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 def train(overrides: list[str], nproc: int | None = 2, **kwargs) -> Run:
     result = run(trainer_command(overrides, nproc), **kwargs)
-    assert result.returncode == 0, result.output[-6000:]
+    assert result.returncode == 0, failure_output(result.output)
     return result
+
+
+def failure_output(output: str, tail: int = 6000) -> str:
+    """A failed run's output for the assertion message: its tail, after the first watchdog
+    report if there is one earlier. The tail shows the peers' collective timeouts; the rank
+    they waited for, stalled elsewhere, is explained only by its report and stacks."""
+    report = output.find(": stalled in ")
+    if report < 0 or report >= len(output) - tail:
+        return output[-tail:]
+    start = output.rfind("\n", 0, report) + 1
+    return f"{output[start:start + tail]}\n[...]\n{output[-tail:]}"
 
 
 def kill_then_resume(overrides: list[str], output_dir: Path, faults: dict[str, str], resumed_from: int) -> Run:

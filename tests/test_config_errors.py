@@ -2,7 +2,8 @@
 
 Table-driven: overrides, config files, data files and launcher environments, each wrong in
 one way. Where a run's output_dir already holds an earlier run, it must be byte-for-byte
-unchanged afterwards.
+unchanged afterwards. Each case is a `python -m trainer` process of its own, forked from a
+server that has imported the trainer's dependencies once (conftest.usage_run).
 """
 
 import hashlib
@@ -77,10 +78,10 @@ def snapshot(out: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("case, extra, expected", BAD_OVERRIDES, ids=[c[0] for c in BAD_OVERRIDES])
-def test_bad_override(tiny_model, reviews, tmp_path, case, extra, expected):
+def test_bad_override(usage_run, tiny_model, reviews, tmp_path, case, extra, expected):
     out = tmp_path / "run"
     before = previous_run(out)
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, out, **{"train.max_steps": 2}) + extra, nproc=None))
+    result = usage_run(tiny_overrides(tiny_model, reviews, out, **{"train.max_steps": 2}) + extra)
     assert_usage_error(result, expected)
     assert snapshot(out) == before
 
@@ -98,14 +99,14 @@ BAD_DATA = [
 
 
 @pytest.mark.parametrize("case, train_rows, expected", BAD_DATA, ids=[c[0] for c in BAD_DATA])
-def test_bad_data_file(tiny_model, tmp_path, case, train_rows, expected):
+def test_bad_data_file(usage_run, tiny_model, tmp_path, case, train_rows, expected):
     data = tmp_path / "data"
     data.mkdir()
     (data / "train.jsonl").write_text(train_rows)
     (data / "test.jsonl").write_text(GOOD_ROWS)
     out = tmp_path / "run"
     before = previous_run(out)
-    assert_usage_error(run(trainer_command(tiny_overrides(tiny_model, data, out), nproc=None)), expected)
+    assert_usage_error(usage_run(tiny_overrides(tiny_model, data, out)), expected)
     assert snapshot(out) == before
 
 
@@ -122,14 +123,14 @@ def test_bad_data_file(tiny_model, tmp_path, case, train_rows, expected):
         ("model:\n  name: x\n  name: y\n", "invalid YAML"),
     ],
 )
-def test_bad_config_file(tmp_path, content, expected):
+def test_bad_config_file(usage_run, tmp_path, content, expected):
     config = tmp_path / "bad.yaml"
     config.write_text(content)
-    assert_usage_error(run(trainer_command([], nproc=None, config=str(config))), expected)
+    assert_usage_error(usage_run([], config=str(config)), expected)
 
 
-def test_missing_config_file(tmp_path):
-    assert_usage_error(run(trainer_command([], nproc=None, config=str(tmp_path / "nope.yaml"))), "nope.yaml: not found")
+def test_missing_config_file(usage_run, tmp_path):
+    assert_usage_error(usage_run([], config=str(tmp_path / "nope.yaml")), "nope.yaml: not found")
 
 
 TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
@@ -149,10 +150,10 @@ TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_
         ({**TORCHRUN_ENV, "LOCAL_RANK": "1"}, "LOCAL_RANK=1 is inconsistent with RANK=0"),
     ],
 )
-def test_inconsistent_launcher_environment(tiny_model, reviews, tmp_path, env, expected):
+def test_inconsistent_launcher_environment(usage_run, tiny_model, reviews, tmp_path, env, expected):
     """Never a silent world of one: a half-set environment is refused before any rendezvous."""
     out = tmp_path / "run"
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, out), nproc=None), env=env)
+    result = usage_run(tiny_overrides(tiny_model, reviews, out), env=env)
     assert_usage_error(result, "environment: " + expected)
     assert not out.exists()
 
@@ -161,12 +162,13 @@ GRANTED_GPUS = [{"SLURM_GPUS_ON_NODE": "1"}, {"CUDA_VISIBLE_DEVICES": "0"}, {"NV
 
 
 @pytest.mark.parametrize("granted", GRANTED_GPUS, ids=lambda env: next(iter(env)))
-def test_granted_gpus_that_cuda_cannot_use_are_an_error_not_a_cpu_run(tiny_model, reviews, tmp_path, granted):
+def test_granted_gpus_that_cuda_cannot_use_are_an_error_not_a_cpu_run(usage_run, tiny_model, reviews, tmp_path,
+                                                                      granted):
     """A GPU job on a node whose driver is too old, or in a container without --gpus, would
     train on CPU hundreds of times slower: refused before the rendezvous, naming the variable
     that shows GPUs, what torch.cuda says and the torch build (a CPU build on this machine)."""
     out = tmp_path / "run"
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, out), nproc=None), env=granted)
+    result = usage_run(tiny_overrides(tiny_model, reviews, out), env=granted)
     name, value = next(iter(granted.items()))
     assert_usage_error(result, f"train.device: {name}={value} grants this job GPUs, but "
                                "torch.cuda.is_available() is False: torch ")
@@ -176,24 +178,24 @@ def test_granted_gpus_that_cuda_cannot_use_are_an_error_not_a_cpu_run(tiny_model
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_every_rank_refuses_granted_gpus_before_the_rendezvous(tiny_model, reviews, tmp_path, rank):
+def test_every_rank_refuses_granted_gpus_before_the_rendezvous(usage_run, tiny_model, reviews, tmp_path, rank):
     """Each rank of a torchrun job decides alone, before it would wait for its peers: here
     with nobody at MASTER_ADDR, a rank that went on to the rendezvous would hang there."""
     env = {**TORCHRUN_ENV, "RANK": rank, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "9",
            "CUDA_VISIBLE_DEVICES": "0,1"}
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path / "run"), nproc=None), env=env,
-                 timeout=60)
+    result = usage_run(tiny_overrides(tiny_model, reviews, tmp_path / "run"), env=env, timeout=60)
     assert_usage_error(result, "train.device: CUDA_VISIBLE_DEVICES=0,1 grants this job GPUs")
     assert not (tmp_path / "run").exists()
 
 
-def test_a_global_batch_the_world_size_cannot_split_is_refused_before_the_rendezvous(tiny_model, reviews, tmp_path):
+def test_a_global_batch_the_world_size_cannot_split_is_refused_before_the_rendezvous(usage_run, tiny_model, reviews,
+                                                                                      tmp_path):
     """Rank 2 of 3, with nobody at MASTER_ADDR: a rank that went on to the rendezvous would
     hang there. 16 samples per step can't be dealt evenly to 3 ranks."""
     env = {**TORCHRUN_ENV, "RANK": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3", "WORLD_SIZE": "3",
            "MASTER_PORT": "9"}
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path / "run", **{
-        "train.global_batch": 16}), nproc=None), env=env, timeout=60)
+    result = usage_run(tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"train.global_batch": 16}), env=env,
+                       timeout=60)
     assert_usage_error(result, "train.global_batch: 16 samples per step cannot be split evenly over world size 3")
     assert not (tmp_path / "run").exists()
 
@@ -212,9 +214,9 @@ def test_dp_refuses_several_ranks(tiny_model, reviews, tmp_path):
     assert result.output.count("error: train.strategy: dp (nn.DataParallel) runs in one process") == 2
 
 
-def test_check_prints_resolved_config(tiny_model, reviews, tmp_path):
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{"train.lr": 3e-4}), nproc=None,
-                                 command="check", config="configs/demo.yaml"))
+def test_check_prints_resolved_config(usage_run, tiny_model, reviews, tmp_path):
+    result = usage_run(tiny_overrides(tiny_model, reviews, tmp_path, **{"train.lr": 3e-4}), command="check",
+                       config="configs/demo.yaml")
     assert result.returncode == 0, result.output
     assert "lr: 0.0003" in result.output and f"name: {tiny_model}" in result.output
     assert "${" not in result.output  # interpolations are resolved

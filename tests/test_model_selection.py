@@ -207,13 +207,13 @@ def test_predict_under_torchrun_gives_each_row_once_in_input_order(selected, tin
     ("predict", ["checkpoint=final", "output={out}"], "predict: missing input=..."),
     ("evaluate", ["checkpoint={tmp}/no-such-step"], "checkpoint: {tmp}/no-such-step: no such folder"),
 ], ids=["malformed-row", "no-input", "no-checkpoint"])
-def test_evaluate_and_predict_refuse_bad_arguments_in_one_line(selected, tiny_model, labeled_reviews, tmp_path,
-                                                               command, args, expected):
+def test_evaluate_and_predict_refuse_bad_arguments_in_one_line(usage_run, selected, tiny_model, labeled_reviews,
+                                                               tmp_path, command, args, expected):
     bad = tmp_path / "in.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": "broken\n')
     paths = {"bad": bad, "out": tmp_path / "out.csv", "tmp": tmp_path}
-    result = run(trainer_command(selection_overrides(tiny_model, labeled_reviews, selected) +
-                                 [arg.format(**paths) for arg in args], nproc=None, command=command))
+    result = usage_run(selection_overrides(tiny_model, labeled_reviews, selected) +
+                       [arg.format(**paths) for arg in args], command=command)
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and "Traceback" not in result.output, result.output[-3000:]
     assert errors == ["error: " + expected.format(**paths)]

@@ -54,9 +54,11 @@ def test_loader_workers_hold_none_of_their_ranks_sockets(tiny_model, reviews, tm
     """A loader worker is forked with a copy of its rank's sockets (gloo's connections to the
     other ranks, the store's). Holding them, it would keep a SIGKILLed rank's connections
     open until it noticed its parent gone (5 s, or never while stuck in a batch), and the
-    peers would fail only then. Both ranks freeze as step 4's save begins: their workers hold
-    no inet socket, while the ranks hold several."""
-    overrides = tiny_overrides(tiny_model, reviews, tmp_path, **WORKERS, **{"checkpoint.every": 2})
+    peers would fail only then. Both ranks freeze as step 4's save begins, after two evals:
+    each has one worker, the train loader's (evals fork none: data._eval_loader), which
+    holds no inet socket, while the ranks hold several."""
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path, **WORKERS, **{"checkpoint.every": 2,
+                                                                           "train.eval_every": 2})
     torchrun = subprocess.Popen(trainer_command(overrides, nproc=2), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True,
                                 env={**BASE_ENV, "TRAINER_FAULT_SIGSTOP": "*:save:4"})
@@ -70,9 +72,8 @@ def test_loader_workers_hold_none_of_their_ranks_sockets(tiny_model, reviews, tm
         for rank in ranks:
             assert rank.net_connections("inet"), rank  # what the check looks for is there
             workers = rank.children()
-            assert workers, rank
-            for worker in workers:
-                assert worker.net_connections("inet") == [], (rank, worker)
+            assert len(workers) == 1, (rank, workers)
+            assert workers[0].net_connections("inet") == [], (rank, workers[0])
     finally:
         kill_tree(torchrun)
 

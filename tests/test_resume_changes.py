@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run, tiny_overrides, train, trainer_command
+from conftest import tiny_overrides, train
 from test_config_errors import assert_usage_error, snapshot
 
 FIRST = {"train.max_steps": 4, "checkpoint.every": 2, "train.log_every": 1}
@@ -38,12 +38,12 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
     ({"model.name": "DROPOUT_MODEL"}, "model.name: "),
     ({"train.max_steps": 3}, "train.max_steps: 4 -> 3"),
 ], ids=["lr", "seed", "global-batch", "model", "shorter"])
-def test_a_change_that_alters_the_run_is_refused_naming_the_key(first_run, tiny_model, dropout_model, reviews,
-                                                                 tmp_path, change, expected):
+def test_a_change_that_alters_the_run_is_refused_naming_the_key(usage_run, first_run, tiny_model, dropout_model,
+                                                                 reviews, tmp_path, change, expected):
     out = copy_of(first_run, tmp_path)
     before = snapshot(out)
     change = {k: dropout_model if v == "DROPOUT_MODEL" else v for k, v in change.items()}
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, out, **{**LONGER, **change}), nproc=None))
+    result = usage_run(tiny_overrides(tiny_model, reviews, out, **{**LONGER, **change}))
     assert_usage_error(result, f"checkpoint.resume: {out / 'checkpoints' / 'step-4'} was written with another config: ")
     assert expected in result.output and "checkpoint.allow_changes" in result.output
     assert snapshot(out) == before  # nothing trained, nothing written
@@ -67,13 +67,13 @@ def test_accepted_changes_take_effect_and_free_keys_pass(first_run, tiny_model, 
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 4
 
 
-def test_an_unknown_key_in_allow_changes_is_an_error(tiny_model, reviews, tmp_path):
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{
-        "checkpoint.allow_changes": "[train.learning_rate]"}), nproc=None))
+def test_an_unknown_key_in_allow_changes_is_an_error(usage_run, tiny_model, reviews, tmp_path):
+    result = usage_run(tiny_overrides(tiny_model, reviews, tmp_path, **{
+        "checkpoint.allow_changes": "[train.learning_rate]"}))
     assert_usage_error(result, "checkpoint.allow_changes: 'train.learning_rate' is not a config key")
 
 
-def test_a_resume_on_other_data_is_refused_by_the_ledger(first_run, tiny_model, reviews, tmp_path):
+def test_a_resume_on_other_data_is_refused_by_the_ledger(usage_run, first_run, tiny_model, reviews, tmp_path):
     """The data moved (data.path accepted by allow_changes), but its rows came back in another
     order: the 64 samples the checkpoint consumed are not the ones this data has at those
     positions. The config can't tell; the ledger does, before the first step."""
@@ -84,8 +84,7 @@ def test_a_resume_on_other_data_is_refused_by_the_ledger(first_run, tiny_model, 
     (moved / "train.jsonl").write_text("".join(reversed(rows)))
     shutil.copy(reviews / "test.jsonl", moved)
     before = snapshot(out)
-    result = run(trainer_command(tiny_overrides(tiny_model, moved, out, **{
-        **LONGER, "checkpoint.allow_changes": "[data.path]"}), nproc=None))
+    result = usage_run(tiny_overrides(tiny_model, moved, out, **{**LONGER, "checkpoint.allow_changes": "[data.path]"}))
     assert_usage_error(result, f"checkpoint.resume: {out / 'checkpoints' / 'step-4'}: the data position does not "
                                "reproduce: the checkpoint consumed 64 samples of epoch 0")
     assert snapshot(out) == before

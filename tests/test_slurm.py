@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import wandb_log
-from conftest import BASE_ENV, PYTHON, REPO, compare_weights, tiny_overrides, wait_for
+from conftest import BASE_ENV, PYTHON, REPO, compare_weights, failure_output, tiny_overrides, wait_for
 from multinode import complete_steps, summary
 from image import dockerfile_env
 from slurm_cluster import CPUS_PER_NODE, GPUS_PER_NODE, SlurmCluster
@@ -59,7 +59,7 @@ def finished(cluster: SlurmCluster, job_id: str, log: Path, timeout: float) -> d
 
 
 def explain(record: dict[str, str], cluster: SlurmCluster) -> str:
-    return f"{record.get('JobState')} {record.get('ExitCode')}\n{record['log'][-5000:]}\n{cluster.logs()}"
+    return f"{record.get('JobState')} {record.get('ExitCode')}\n{failure_output(record['log'])}\n{cluster.logs()}"
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,8 @@ class DataConfig:
     group_by_length: bool = True
     """Group samples of similar length into the same global batch (less padding)."""
     num_workers: int = at_least(0, default=1)
-    """DataLoader worker processes per rank; 0 loads in the training process."""
+    """Train loader worker processes per rank; 0 loads in the training process. Eval and
+    test batches are always loaded in the training process (data._eval_loader says why)."""
     pin_memory: bool = True
     """On GPU: batches in page-locked host memory, copied to the device without blocking
     the host (benchmarks/RESULTS.md measures it). Ignored on CPU."""

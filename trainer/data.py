@@ -368,9 +368,7 @@ def build_eval(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.devi
     with local_rank_zero_first(dist_env):
         eval_ds, names = _load_checked(cfg.data, "eval_split", cfg.data.max_eval_samples, cfg.seed)
         eval_ds = _tokenize(eval_ds, cfg.data, "eval_split", tokenizer)
-    # One pass: a worker process would cost more to start than it saves.
-    loader_options = _loader_options(cfg, tokenizer, device) | {"num_workers": 0, "persistent_workers": False}
-    return _eval_loader(eval_ds, cfg, dist_env, loader_options), len(eval_ds), names
+    return _eval_loader(eval_ds, cfg, dist_env, _loader_options(cfg, tokenizer, device)), len(eval_ds), names
 
 
 def collate(cfg: DictConfig, tokenizer, device: torch.device) -> "Collate":
@@ -390,9 +388,17 @@ def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
 
 
 def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -> DataLoader:
+    """Eval batches are padded in the rank's own process; data.num_workers is the train
+    loader's. The samples are tokenized already, so a worker would save little, and each
+    worker is a fork of a rank that runs threads (gloo's, the watchdog's, wandb's on rank 0):
+    a lock one of them holds at that moment stays held in the child forever, and a child
+    that needs it hangs its rank outside any collective, where no timeout ends the wait.
+    One fork per rank is left, the train loader's at the first step, where a worker pays:
+    it pads the next batches while the rank computes."""
     return DataLoader(
         ds.remove_columns("length"), batch_size=cfg.train.eval_batch_size,
-        sampler=EvalShardSampler(np.asarray(ds["length"]), dist_env), **loader_options,
+        sampler=EvalShardSampler(np.asarray(ds["length"]), dist_env),
+        **loader_options | {"num_workers": 0, "persistent_workers": False},
     )
 
 

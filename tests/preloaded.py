@@ -1,0 +1,145 @@
+"""`python -m trainer` for runs that end before training starts, without its seconds of imports.
+
+The usage-error tests run the CLI some seventy times, and each run would spend 3-8 s of a
+busy CI machine importing torch, transformers and datasets before it reads its first
+argument. Here one server process imports them once, then forks a child per run. The child
+takes the run's arguments, environment and working directory, runs `trainer`'s __main__ as
+`python -m trainer` does, and exits with its status; what it writes to stdout and stderr is
+the run's output. So each run is still a process of its own, with its own exit status, and
+nothing it does reaches the next run; only the interpreter's start and the imports are
+shared. Runs that train use conftest.run, a fresh interpreter as a user's is.
+
+Server protocol (JSON lines): a request {args, env, cwd, output} on stdin; the reply
+{"pid"} as soon as the child exists, then {"returncode"} when it has ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+PRELOAD = ["torch", "datasets", "transformers", "transformers.modeling_utils", "transformers.models.bert.modeling_bert",
+           "trainer.config", "trainer.distributed", "trainer.parallel", "trainer.loop", "trainer.predict",
+           "trainer.evaluation"]
+"""What `python -m trainer` imports before it stops at a usage error (trainer.__main__ itself
+is run afresh in each child, as __main__), and the tiny test models' modeling code."""
+
+
+def serve() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    transformers = sys.modules["transformers"]
+    for name in ("AutoConfig", "AutoModelForSequenceClassification", "AutoTokenizer"):
+        getattr(transformers, name)  # resolved lazily, on first use: the imports that take the time
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()  # nothing buffered may be written twice, by the child too
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+def _child(request: dict) -> None:
+    """Become `python -m trainer ARGS`: never returns."""
+    code = 1
+    try:
+        os.setsid()  # its own session, like conftest.run's: a kill reaches whatever it starts
+        output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.path[0] = request["cwd"]  # where `python -m` looks first (this file's folder, here)
+        sys.argv = ["trainer", *request["args"]]  # run_module sets argv[0] to the module's file
+        try:
+            runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:  # the interpreter's rules for sys.exit's argument
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class Server:
+    """The client: one server for the test session; `run(args, env, cwd, timeout)`."""
+
+    def __init__(self, python: str, env: dict[str, str], cwd: Path):
+        self.env = env
+        self.proc = subprocess.Popen([python, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                     cwd=cwd, start_new_session=True)
+        self._buffer = b""
+        self.outputs = Path(tempfile.mkdtemp(prefix="preloaded-"))
+        self._runs = 0
+
+    def run(self, args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> tuple[int, str, bool]:
+        """(exit status, output, whether it was killed for running past `timeout`)."""
+        self._runs += 1
+        output = self.outputs / f"run-{self._runs}.txt"
+        request = {"args": args, "env": {**self.env, **env}, "cwd": str(cwd), "output": str(output)}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        # The first reply waits for the server's imports, once: the cost every run would pay.
+        pid = self._reply(600)["pid"]
+        timed_out = False
+        try:
+            reply = self._reply(timeout)
+        except TimeoutError:
+            timed_out = True
+            os.killpg(pid, signal.SIGKILL)
+            reply = self._reply(60)
+        text = output.read_text(errors="replace")
+        output.unlink()
+        return reply["returncode"], text, timed_out
+
+    def _reply(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if select.select([self.proc.stdout], [], [], left)[0]:
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                if not chunk:
+                    raise RuntimeError(f"the preloaded trainer server exited ({self.proc.wait()})")
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for leftover in self.outputs.iterdir():
+            leftover.unlink()
+        self.outputs.rmdir()
+
+
+if __name__ == "__main__":
+    serve()
