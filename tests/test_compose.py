@@ -24,6 +24,7 @@ import yaml
 from conftest import REPO
 from image import APP_TAG
 from netns import Network
+from users import UID
 
 SCHEMA = jsonschema.Draft7Validator(json.loads((REPO / "tests/schemas/compose-spec.json").read_text()))
 PODMAN_COMPOSE = Path(sys.executable).with_name("podman-compose")
@@ -162,7 +163,7 @@ def test_compose_cpu_variant_runs_a_two_node_job_and_a_node_that_cannot_join_end
 
         assert good_code == 0, good_output[-5000:]
         summary_file = runs / "smoke/summary.json"
-        assert summary_file.stat().st_uid == 1000  # the image's user, not root
+        assert summary_file.stat().st_uid == UID  # the image's user, not root
         summary = json.loads(summary_file.read_text())
     assert summary["world_size"] == 2
     assert sorted(summary["hosts"]) == ["node0", "node1"]

