@@ -1,0 +1,66 @@
+"""Evaluation with the eval loader in the process (as the trainer does since 2026-11-24) against
+one persistent loader worker (as before), interleaved, on the demo config: MiniLM, the demo
+data's 1000 eval samples, one process on the CPU.
+
+    python -m benchmarks.eval_loader [--reps 8] [--data data/reviews]
+
+Prints each side's seconds per full evaluation and writes them to
+results/cpu-minilm-eval-loader.json. The first evaluation of the worker side includes forking
+its worker; the ratio is taken over the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from trainer import config, data, distributed, evaluation, model
+from trainer.parallel import LogitsUnderAutocast
+
+RESULTS = Path(__file__).with_name("results") / "cpu-minilm-eval-loader.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--data", default="data/reviews")
+    args = parser.parse_args()
+
+    cfg = config.load("configs/demo.yaml", [f"data.path={args.data}", "output_dir=/tmp/eval-loader-bench"])
+    dist_env, device = distributed.read_env(), torch.device("cpu")
+    splits = data.load(cfg, dist_env)
+    tokenizer = model.load_tokenizer(cfg.model)
+    bare = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device, tokenizer.pad_token_id)
+    logits_of = LogitsUnderAutocast(bare, device.type, distributed.resolve_precision(cfg.train.precision, device))
+    built = data.build(cfg, dist_env, splits, tokenizer, device, data.BatchPlan.of(cfg.train, 1))
+    in_process = built.eval_loader
+    worker = DataLoader(in_process.dataset, batch_size=in_process.batch_size, sampler=in_process.sampler,
+                        **data._loader_options(cfg, tokenizer, device))
+    assert (in_process.num_workers, worker.num_workers) == (0, 1)
+
+    seconds = {"in_process": [], "one_worker": []}
+    try:
+        for rep in range(args.reps):
+            order = [("in_process", in_process), ("one_worker", worker)]
+            for name, loader in order if rep % 2 == 0 else reversed(order):
+                started = time.perf_counter()
+                evaluation.evaluate(logits_of, loader, built.num_eval, cfg.data.num_labels, device, dist_env)
+                seconds[name].append(round(time.perf_counter() - started, 3))
+    finally:  # Data.close ends the worker, which ignores SIGTERM: the exit would wait for it
+        dataclasses.replace(built, eval_loader=worker).close()
+    ratio = statistics.median(seconds["one_worker"][1:]) / statistics.median(seconds["in_process"][1:])
+    result = {"date": time.strftime("%Y-%m-%d"), "eval_samples": built.num_eval, "threads": torch.get_num_threads(),
+              "seconds": seconds, "one_worker_over_in_process_median": round(ratio, 3)}
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
