@@ -5,7 +5,7 @@
 #   benchmarks/gpu.sh [all | cuda | sweep | compare | profile | ablations | demo | cpu-scaling ...]
 #
 # all (the default) runs every part in this order, about 25 minutes on an H100:
-#   cuda         tests/test_cuda.py (the CUDA path's guarantees) and the determinism check
+#   cuda         tests/e2e/test_cuda.py (the CUDA path's guarantees) and the determinism check
 #   sweep        bert-base at per-GPU batch 32..512: samples/s, MFU, memory (find the knee)
 #   compare      this trainer against transformers.Trainer at the knee, interleaved, 3 reps
 #   profile      torch.profiler over 5 steps at the knee: where the step time goes
@@ -33,7 +33,7 @@ EOF
 }
 
 part_cuda() {
-  $PY -m pytest -p no:cacheprovider -q tests/test_cuda.py
+  $PY -m pytest -p no:cacheprovider -q tests/e2e/test_cuda.py
   $PY tests/determinism_check.py --modes off
 }
 

@@ -22,10 +22,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.__main__ import ARCHS, bench_data, random_init_model
-from trainer import config, metrics
+from trainer import config
 from trainer.data import micro_batches
 from trainer.distributed import DistEnv, pick_device
 from trainer.loop import Trainer
+from trainer.startup import StartupClock
 
 # Kernel name patterns, first match wins: what each kind of time is spent on.
 CATEGORIES = [
@@ -69,8 +70,8 @@ def main() -> None:
         ])
         dist_env = DistEnv()
         device, _ = pick_device(dist_env, cfg.dist.backend, cfg.train.device)
-        trainer = Trainer(cfg, dist_env, device, metrics.StartupClock())
-        steps = micro_batches(trainer.data, trainer.plan.grad_accum, 0)
+        trainer = Trainer(cfg, dist_env, device, StartupClock())
+        steps = micro_batches(trainer.data, trainer.batch.grad_accum, 0)
         for _ in range(args.warmup):
             trainer.train_step(next(steps)[1])
         batches = [next(steps)[1] for _ in range(args.steps)]  # loading is not what is profiled

@@ -31,7 +31,7 @@ import submitit
 from trainer import config
 from trainer.__main__ import main as trainer_main
 from trainer.errors import ConfigError, report
-from trainer.faults import EXIT_PREEMPTED, received_signals
+from trainer.preemption import EXIT_PREEMPTED, received_signals
 
 # submitit's time-limit signal, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise. The
 # override goes before the user's, which may still replace it.

@@ -1,28 +1,35 @@
 """Fixtures: a tiny random-init BERT, small generated data, and the real entry point.
 
-Every training test launches `python -m trainer train` as a subprocess, under real
-torchrun with gloo ranks where it says so, exactly as a user would.
+The tests are in tiers, one folder each, marked by it (pytest -m unit|e2e|system):
+- tests/unit: in process, seconds in all, no root (`make test-unit`);
+- tests/e2e: `python -m trainer` as a subprocess, under real torchrun with gloo ranks where
+  it says so, exactly as a user would;
+- tests/system: Slurm, container images, network namespaces and pods (root, `make system`).
+Helpers are importable from every tier (pyproject's pythonpath): this file's, support.py's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import psutil
 import pytest
 
 import image
 import preloaded
+from support import kill_tree
 from trainer.launch import torchrun_argv, trainer_program
 
-REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+TIERS = ("unit", "e2e", "system")
+"""tests/<tier>/: each test is marked with its folder's name, and the tiers run in this order."""
 PYTHON = sys.executable
 
 # Offline and quiet: nothing may come from a hub, and runs must not steal each other's cores.
@@ -53,15 +60,32 @@ signal.signal(signal.SIGTERM, _interrupt)
 _image_build: tuple[image.Engine, subprocess.Popen] | None = None
 
 
+def tier(item: pytest.Item) -> str:
+    """The tier of a test under tests/: the folder it is in."""
+    path = Path(item.path)
+    parts = path.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ()
+    if len(parts) < 2 or parts[0] not in TIERS:
+        raise pytest.UsageError(f"{item.nodeid}: a test belongs in tests/unit, tests/e2e or tests/system")
+    return parts[0]
+
+
+def needs_image(item: pytest.Item) -> bool:
+    return "app_image" in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_modifyitems(items):
-    """The tests that need the image run last (in their files' order), so the whole build
-    overlaps the others."""
-    items.sort(key=lambda item: "app_image" in getattr(item, "fixturenames", ()))
+    """Each test is marked with its tier. The tiers run in order, the fast one first; the
+    tests that need the image run last (in their files' order), so the whole build overlaps
+    the others."""
+    for item in items:
+        item.add_marker(tier(item))
+    items.sort(key=lambda item: (needs_image(item), TIERS.index(tier(item))))
 
 
 def pytest_collection_finish(session):
     global _image_build
-    needed = any("app_image" in getattr(item, "fixturenames", ()) for item in session.items)
+    # Only a system test may need the image: the other tiers never start its build (root).
+    needed = any(needs_image(item) and item.get_closest_marker("system") for item in session.items)
     if needed and not session.config.option.collectonly and not image.missing_tools():
         engine = image.Engine.create()
         engine.lock()
@@ -193,6 +217,22 @@ def reviews(tmp_path_factory) -> Path:
     return generate(tmp_path_factory.mktemp("reviews"), num_train=600, num_test=203, seed=1)
 
 
+LABEL_NAMES = ["1 star", "2 stars", "3 stars", "4 stars", "5 stars"]
+
+
+@pytest.fixture(scope="session")
+def labeled_reviews(reviews, tmp_path_factory) -> Path:
+    """The test reviews as parquet, written by `datasets` with a ClassLabel label column
+    named LABEL_NAMES."""
+    import datasets
+
+    out = tmp_path_factory.mktemp("labeled-reviews")
+    for split in ("train", "test"):
+        ds = datasets.load_dataset("json", data_files=str(reviews / f"{split}.jsonl"), split="train")
+        ds.cast_column("label", datasets.ClassLabel(names=LABEL_NAMES)).to_parquet(str(out / f"{split}.parquet"))
+    return out
+
+
 EXACT_STEPS = 40
 """The length of the runs held to `single_process_weights`: across an epoch boundary (600
 samples / global batch 16 = 37 steps per epoch)."""
@@ -302,24 +342,29 @@ def usage_run() -> Callable[..., Run]:
     server.close()
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group and every descendant: torchrun starts each worker in a
-    session of its own, and a hung worker would hold the output pipe open forever."""
-    descendants = []
-    if proc.poll() is None:  # once it is reaped, its pid may be another process's
-        try:
-            descendants = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for child in descendants:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
+def assert_usage_error(result: Run, expected: str) -> None:
+    """The CLI's contract for a usage error: exit code 2, one `error: ` line and it says
+    `expected`, no traceback."""
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2, result.output[-3000:]
+    assert len(errors) == 1 and expected in errors[0], result.output[-3000:]
+    assert "Traceback" not in result.output
+
+
+def previous_run(out: Path) -> dict[str, str]:
+    """An output_dir holding an earlier run's files; returns their checksums."""
+    for name, text in {"metrics.jsonl": '{"step": 2}\n', "summary.json": "{}", "config.yaml": "seed: 0\n",
+                       "checkpoints/step-2/COMPLETE": "{}", "final/config.json": "{}"}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    return snapshot(out)
+
+
+def snapshot(out: Path) -> dict[str, str]:
+    """The checksum of every file under `out`, by relative path: equal before and after a
+    run that wrote nothing."""
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 def train(overrides: list[str], nproc: int | None = 2, **kwargs) -> Run:
@@ -377,23 +422,3 @@ def compare_weights(expected: dict | Path, actual: dict | Path, step: int | None
     differing = [name for name in common if not torch.equal(expected[name], actual[name])]
     max_abs = max((float((expected[n].double() - actual[n].double()).abs().max()) for n in common), default=0.0)
     return WeightDiff(sorted(expected.keys() ^ actual.keys()) + differing, max_abs)
-
-
-def wait_for(predicate, timeout: float, what, procs: dict[str, subprocess.Popen] | None = None,
-             interval: float = 0.2):
-    """Poll until `predicate()` returns something truthy, and return it. Fails at `timeout`
-    saying `what` it waited for (a string, or a callable that describes the state then), and
-    fails early if one of `procs` has already exited."""
-    deadline = time.monotonic() + timeout
-    while not (found := predicate()):
-        if procs and any(p.poll() is not None for p in procs.values()):
-            raise AssertionError(f"a process exited while waiting for {_text(what)}: "
-                                 f"{ {name: p.returncode for name, p in procs.items()} }")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {_text(what)}")
-        time.sleep(interval)
-    return found
-
-
-def _text(what) -> str:
-    return what() if callable(what) else what

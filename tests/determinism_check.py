@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import REPO, compare_weights, make_tiny_model, run, tiny_overrides, trainer_command  # noqa: E402
+from support import read_summary  # noqa: E402
 
 STEPS = 40
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "train.log_every": 5,
@@ -40,7 +41,7 @@ def check(mode: str, base: Path, model: Path, data: Path) -> dict:
     assert killed.returncode != 0, killed.output[-4000:]
     resumed = run(trainer_command(overrides, nproc=2))
     assert resumed.returncode == 0, resumed.output[-4000:]
-    summary = json.loads((outs["resumed"] / "summary.json").read_text())
+    summary = read_summary(outs["resumed"])
     report = {"deterministic": mode == "on", "resumed_from_step": summary["resumed_from_step"]}
     for name in ("second", "resumed"):
         diff = compare_weights(outs["first"], outs[name], STEPS)

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from support import wait_all
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("TRAINER_TEST_CACHE", "/var/tmp/ddp-trainer-tests"))
 STATE = CACHE / "state"
@@ -292,13 +294,9 @@ def run_containers(engine: Engine, image: str, containers: list[Container], time
             with open(logs[c.name], "w") as log:
                 procs.append(subprocess.Popen(argv, env=engine.env, stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        codes = []
-        for c, proc in zip(containers, procs):
-            try:
-                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
+        codes = wait_all(procs, timeout)
+        for c, proc, code in zip(containers, procs, codes):
+            if code is None:
                 engine("kill", names[c.name], check=False)
                 proc.kill()
                 proc.wait()

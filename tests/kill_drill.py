@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multinode  # noqa: E402
 from conftest import REPO, compare_weights, make_tiny_model, tiny_overrides  # noqa: E402
 from netns import Network  # noqa: E402
+from support import read_summary  # noqa: E402
 
 STEPS = 40
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "checkpoint.keep": 2,
@@ -64,7 +65,7 @@ def main() -> int:
         started = time.monotonic()
         codes, out = run_job(base / f"point-{i}", model, data, {"TRAINER_FAULT_SIGKILL": point})
         matched = codes == [0, 0] and not compare_weights(reference, out, STEPS).differing
-        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+        summary = read_summary(out) if (out / "summary.json").exists() else {}
         results.append({"kill": point, "exit_codes": codes, "resumed_from_step": summary.get("resumed_from_step"),
                         "bitwise_equal": matched, "seconds": round(time.monotonic() - started, 1)})
         print(f"point {i + 1:>2}/{len(points)}: kill rank:step {point:>5} -> exit {codes}, resumed from "

@@ -7,7 +7,6 @@ as a cluster node would. The output folder is shared, as a cluster's shared file
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
@@ -38,10 +37,6 @@ def launch(net: Network, logs: Path, overrides: list[str], nproc: int = 1, torch
 def complete_steps(output_dir: Path) -> list[int]:
     """Steps of the checkpoints with a completion marker, oldest first."""
     return sorted(int(p.parent.name[5:]) for p in (output_dir / "checkpoints").glob("step-*/COMPLETE"))
-
-
-def summary(output_dir: Path) -> dict:
-    return json.loads((output_dir / "summary.json").read_text())
 
 
 def frozen(net: Network, host: str) -> int:

@@ -23,8 +23,9 @@ import shlex
 import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
+
+from support import killpg, wait_all
 
 SUBNET = "10.99.0"  # the bridge has no address, so this never meets the root namespace's routes
 _created = itertools.count()
@@ -129,21 +130,11 @@ class Network(TornDown):
 
     def wait(self, procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
         """Exit codes, or None for a process still running at the deadline."""
-        deadline = time.monotonic() + timeout
-        codes = []
-        for proc in procs:
-            try:
-                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-        return codes
+        return wait_all(procs, timeout)
 
     def close(self) -> None:
         for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            killpg(proc.pid)
         for host in self.namespaces:  # anything that escaped its process group
             for pid in self.pids(host):
                 try:

@@ -1,9 +1,10 @@
 """`python -m trainer` for runs that end before training starts, without its seconds of imports.
 
-The usage-error tests run the CLI some seventy times, and each run would spend 3-8 s of a
-busy CI machine importing torch, transformers and datasets before it reads its first
-argument. Here one server process imports them once, then forks a child per run. The child
-takes the run's arguments, environment and working directory, runs `trainer`'s __main__ as
+The e2e usage-error tests run the CLI some twenty-five times (the mistakes that need real data,
+a model or a checkpoint, and the CLI's contract; the rest are checked in process, in
+tests/unit), and each run would spend 3-8 s of a busy CI machine importing torch,
+transformers and datasets before it reads its first argument. Here one server process
+imports them once, then forks a child per run. The child takes the run's arguments, environment and working directory, runs `trainer`'s __main__ as
 `python -m trainer` does, and exits with its status; what it writes to stdout and stderr is
 the run's output. So each run is still a process of its own, with its own exit status, and
 nothing it does reaches the next run; only the interpreter's start and the imports are
@@ -19,13 +20,14 @@ import json
 import os
 import runpy
 import select
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from support import killpg
 
 PRELOAD = ["torch", "datasets", "transformers", "transformers.modeling_utils", "transformers.models.bert.modeling_bert",
            "trainer.config", "trainer.distributed", "trainer.parallel", "trainer.loop", "trainer.predict",
@@ -109,7 +111,7 @@ class Server:
             reply = self._reply(timeout)
         except TimeoutError:
             timed_out = True
-            os.killpg(pid, signal.SIGKILL)
+            killpg(pid)
             reply = self._reply(60)
         text = output.read_text(errors="replace")
         output.unlink()

@@ -20,14 +20,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import stat
 import subprocess
 import tempfile
 from pathlib import Path
 
-from conftest import wait_for
 from netns import Network, TornDown
+from support import killpg, wait_for
 
 NODES = ("node1", "node2")
 CPUS_PER_NODE = 4
@@ -167,10 +166,7 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
             pass
         self.net.close()
         if self._munged is not None:
-            try:
-                os.killpg(self._munged.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            killpg(self._munged.pid)
             self._munged.wait(timeout=10)
         shutil.rmtree(self.base, ignore_errors=True)
 

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from trainer import config, errors
@@ -19,10 +20,8 @@ from trainer.errors import ConfigError, TrainerError
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
-    parser.add_argument("command", choices=["train", "check", "doctor", "evaluate", "predict"],
-                        help="train: run the job. check: validate and print the resolved config. "
-                             "doctor: preflight the cluster under the same launcher as training. "
-                             "evaluate, predict: use a trained model (see above).")
+    parser.add_argument("command", choices=list(COMMANDS),
+                        help=" ".join(f"{name}: {run.__doc__}" for name, run in COMMANDS.items()))
     parser.add_argument("-c", "--config", help="YAML config file (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-4")
     return parser.parse_intermixed_args(argv)
@@ -30,7 +29,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # The arguments of evaluate and predict: `name=value` like the overrides, which no config key
 # can be taken for (checkpoint is a group of keys, the others are not keys).
-COMMAND_ARGS = {"evaluate": {"checkpoint": "final", "split": None},
+COMMAND_ARGS: dict[str, dict[str, str | None]] = {"evaluate": {"checkpoint": "final", "split": None},
                 "predict": {"checkpoint": None, "input": None, "output": None}}
 
 
@@ -67,46 +66,70 @@ def setup_logging(dist_env) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # Everything a user can get wrong is checked here, before a process group or a file exists.
-    rows = None  # predict's input
+    # Everything a user can get wrong is checked before a process group or a file exists: the
+    # config here, before torch is imported (seconds); the rest in each command's preflight.
     try:
-        command, overrides = command_args(args.command, args.overrides)
-        if command.get("split"):
-            overrides.append(f"data.eval_split={command['split']}")
+        arguments, overrides = command_args(args.command, args.overrides)
+        if arguments.get("split"):
+            overrides.append(f"data.eval_split={arguments['split']}")
         cfg = config.load(args.config, overrides)
-        if args.command == "check":
-            print(config.to_yaml(cfg), end="")
-            return 0
-        # torch is imported from here on (seconds): a config mistake is reported before it.
-        from trainer import distributed, metrics
+    except TrainerError as e:
+        return errors.report(e)
+    return COMMANDS[args.command](cfg, arguments)
 
-        startup = metrics.StartupClock()  # from this process's start, not from now
-        dist_env = distributed.read_env()
-        device, backend = distributed.pick_device(dist_env, cfg.dist.backend, cfg.train.device)
-        if args.command == "train":
-            from trainer import parallel
 
-            parallel.check_world_size(cfg.train, dist_env.world_size)
-        if args.command in COMMAND_ARGS:
-            from trainer import model, predict
+def launch_env(cfg, environ: Mapping[str, str] = os.environ):
+    """(dist_env, device, backend): this process's place in the job, from the launcher's
+    environment, checked before any process group. torch is imported here."""
+    from trainer import distributed
 
-            # Resolved once: verifying a checkpoint hashes every file of it.
-            command["folder"] = model.trained_folder(cfg, command["checkpoint"])
-            if args.command == "predict":
-                predict.file_format("output", Path(command["output"]))
-                rows = predict.read_rows(Path(command["input"]), cfg.data)
+    dist_env = distributed.read_env(environ)
+    device, backend = distributed.pick_device(dist_env, cfg.dist.backend, cfg.train.device, environ=environ)
+    return dist_env, device, backend
+
+
+def train_preflight(cfg, environ: Mapping[str, str] = os.environ):
+    """launch_env, and whether the world size can split the global batch: all that training
+    checks before the rendezvous."""
+    dist_env, device, backend = launch_env(cfg, environ)
+    from trainer import parallel
+
+    parallel.check_world_size(cfg.train, dist_env.world_size)
+    return dist_env, device, backend
+
+
+def run_check(cfg, arguments: dict) -> int:
+    """validate and print the resolved config."""
+    print(config.to_yaml(cfg), end="")
+    return 0
+
+
+def run_doctor(cfg, arguments: dict) -> int:
+    """preflight the cluster under the same launcher as training."""
+    try:
+        dist_env, device, backend = launch_env(cfg)
+    except TrainerError as e:
+        return errors.report(e)
+    from trainer import doctor
+
+    setup_logging(dist_env)
+    return doctor.run(cfg, dist_env, device, backend)
+
+
+def run_train(cfg, arguments: dict) -> int:
+    """run the job."""
+    from trainer.startup import StartupClock
+
+    startup = StartupClock()  # from this process's start, not from now
+    try:
+        dist_env, device, backend = train_preflight(cfg)
     except TrainerError as e:
         return errors.report(e)
 
     setup_logging(dist_env)
-    if args.command == "doctor":
-        from trainer import doctor
-
-        return doctor.run(cfg, dist_env, device, backend)
-    if args.command in COMMAND_ARGS:
-        return use_trained_model(args.command, command, cfg, dist_env, device, backend, rows)
-    from trainer.faults import EXIT_PREEMPTED, Preempted
+    from trainer import distributed
     from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here
+    from trainer.preemption import EXIT_PREEMPTED, Preempted
 
     startup.mark("imports")
     exit_code, trainer = 1, None
@@ -132,21 +155,55 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code
 
 
-def use_trained_model(name: str, command: dict, cfg, dist_env, device, backend, rows) -> int:
-    """evaluate or predict: one pass over the data under any launcher, then exit."""
-    from trainer import distributed, evaluation, predict
+def run_evaluate(cfg, arguments: dict) -> int:
+    """exact metrics of a trained model on a split."""
+    try:
+        dist_env, device, backend = launch_env(cfg)
+        from trainer import evaluation, model
 
+        folder = model.trained_folder(cfg, arguments["checkpoint"])  # hashes every file of it
+    except TrainerError as e:
+        return errors.report(e)
+    return use_trained_model(cfg, dist_env, device, backend,
+                             lambda: evaluation.run(cfg, dist_env, device, folder))
+
+
+def run_predict(cfg, arguments: dict) -> int:
+    """probabilities of a trained model for each row of a file."""
+    try:
+        dist_env, device, backend = launch_env(cfg)
+        from trainer import model, predict
+
+        folder = model.trained_folder(cfg, arguments["checkpoint"])  # hashes every file of it
+        output = Path(arguments["output"])
+        predict.file_format("output", output)
+        rows = predict.read_rows(Path(arguments["input"]), cfg.data)
+    except TrainerError as e:
+        return errors.report(e)
+    return use_trained_model(cfg, dist_env, device, backend,
+                             lambda: predict.run(cfg, dist_env, device, folder, rows, output))
+
+
+def use_trained_model(cfg, dist_env, device, backend, one_pass: Callable[[], object]) -> int:
+    """evaluate or predict: `one_pass` over the data under any launcher, then exit."""
+    from trainer import distributed
+
+    setup_logging(dist_env)
     try:
         distributed.init(dist_env, device, backend, cfg.dist.init_timeout_s, Path(cfg.output_dir))
-        if name == "evaluate":
-            evaluation.run(cfg, dist_env, device, command["folder"])
-        else:
-            predict.run(cfg, dist_env, device, command["folder"], rows, Path(command["output"]))
+        one_pass()
         return 0
     except TrainerError as e:
         return errors.report(e)
     finally:
         distributed.close()
+
+
+COMMANDS: dict[str, Callable[..., int]] = {
+    "train": run_train, "check": run_check, "doctor": run_doctor, "evaluate": run_evaluate, "predict": run_predict,
+}
+"""Each command: (the resolved config, its arguments) -> exit code. Its function imports what
+it needs, so a config mistake is reported before torch is imported."""
 
 
 if __name__ == "__main__":

@@ -2,11 +2,10 @@
 
 Layout: `output_dir/checkpoints/step-N/` holding
 - model.safetensors   the bare model's weights (no `module.` prefix)
-- optimizer.pt        optimizer, LR scheduler and fp16 loss-scaler state (loaded with weights_only=True)
+- optimizer.pt        the optimizer's and the LR schedule's state (loaded with weights_only=True)
 - rng.pt              RNG states of every rank (torch, CUDA, Python, NumPy)
-- state.json          step, epoch, the global data position and its ledger (data.position),
-                      world size and global batch, wandb run id, the best step so far and
-                      early stopping's count (policy.Selection)
+- state.json          where the run is (train_state.TrainState): step, epoch, data position and
+                      ledger, batch plan, wandb run id, model selection, fp16 loss scaler
 - config.yaml         the resolved config of the run
 - COMPLETE            written last: the sha256 of every file above
 
@@ -38,20 +37,29 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from trainer import distributed, faults
+from trainer import distributed, inject
 from trainer.distributed import DistEnv
-from trainer.errors import CheckpointError, ConfigError
+from trainer.errors import CheckpointError, ConfigError, one_line
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint costs half a second to import
+    from torch.distributed.checkpoint.stateful import Stateful
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json", "config.yaml")
+
+# A checkpoint saves a dict of `Stateful`s (state_dict and load_state_dict, as DCP takes them):
+# the "model" (an nn.Module) as model.safetensors, the "train" state (JSON) as state.json,
+# and every other entry (the optimizer, the LR schedule) together in optimizer.pt.
+_OWN_FILE = ("model", "train")
 
 
 def _sha256(path: Path) -> str:
@@ -73,7 +81,8 @@ def _step_of(path: Path) -> int:
 
 def rng_state() -> dict:
     """This process's RNG streams, as tensors and plain lists (safe for weights_only)."""
-    np_state = np.random.get_state()
+    # The global legacy generator is MT19937, whose state is this tuple (never the dict form).
+    np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -173,7 +182,7 @@ class _Write:
         self.step, self.error, self.seconds = step, "", 0.0
         self._thread: threading.Thread | None = None
 
-    def start(self, write, in_background: bool) -> "_Write":
+    def start(self, write, in_background: bool) -> _Write:
         if in_background:
             # Not a daemon: an exiting interpreter finishes the write rather than tear it.
             self._thread = threading.Thread(target=self._run, args=(write,), name=f"checkpoint-step-{self.step}")
@@ -186,8 +195,8 @@ class _Write:
         started = time.perf_counter()
         try:
             write()
-        except Exception as e:  # any failure must reach the other ranks, or they wait for it
-            self.error = f"{type(e).__name__}: {e}"
+        except Exception as e:  # any failure must reach the other ranks, or they wait for it  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {one_line(e)}"
         self.seconds = time.perf_counter() - started
 
     def wait(self) -> str:
@@ -212,7 +221,6 @@ class Checkpointer:
         self.dist_env = dist_env
         self.async_save = async_save
         self._pending: _Write | None = None
-        self._kill_in_save = faults.sigkill_in_save_step()
         self.write_seconds: list[float] = []
         """How long each finished write took (rank 0): in the background, training ran meanwhile."""
 
@@ -225,12 +233,10 @@ class Checkpointer:
 
     # --- save -------------------------------------------------------------------------
 
-    def save(self, step: int, model: nn.Module, training: dict, state: dict, config_yaml: str,
-             keep_also: int | None = None) -> None:
+    def save(self, step: int, states: dict[str, Stateful], config_yaml: str, keep_also: int | None = None) -> None:
         """Collective: every rank must call it at the same step.
 
-        `training` names the objects with a state_dict beside the model: the optimizer,
-        the LR scheduler, the loss scaler. `keep_also`: a step whose checkpoint pruning keeps
+        `states`: what is saved (see `Stateful`). `keep_also`: a step whose checkpoint pruning keeps
         beside the newest `keep` (the best one). Each rank hands its RNG state to rank 0,
         rank 0 copies the state to host memory and writes it, and all ranks agree on whether
         the write succeeded: at once, or with `async_save` at the next save or `finish()`. A
@@ -241,19 +247,20 @@ class Checkpointer:
             self.finish()  # the previous write, if it is still going: one at a time
         rngs = distributed.gather_to_rank_zero(self.dist_env, rng_state())
         if self.dist_env.is_rank_zero:
-            self._pending = self._start_write(step, model, training, state, config_yaml, rngs, keep_also)
+            self._pending = self._start_write(step, states, config_yaml, rngs, keep_also)
         if not self.async_save:
             self.finish()
 
-    def _start_write(self, step, model, training, state, config_yaml, rngs, keep_also) -> _Write:
+    def _start_write(self, step, states, config_yaml, rngs, keep_also) -> _Write:
         write = _Write(step)
-        model_tensors = model.state_dict()
-        trainer_state = {name: stateful.state_dict() for name, stateful in training.items()}
+        model_tensors = states["model"].state_dict()
+        state = states["train"].state_dict()
+        trainer_state = {name: stateful.state_dict() for name, stateful in states.items() if name not in _OWN_FILE}
         if self.async_save:
             try:  # training changes the live tensors from the next step on
                 model_tensors, trainer_state = host_copy((model_tensors, trainer_state))
-            except Exception as e:  # e.g. out of host memory: reported like a failed write
-                write.error = f"{type(e).__name__}: {e}"
+            except Exception as e:  # e.g. out of host memory: reported like a failed write  # noqa: BLE001
+                write.error = f"{type(e).__name__}: {one_line(e)}"
                 return write
 
         def write_and_prune() -> None:
@@ -297,13 +304,13 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            save_model(_StateDict(model_tensors), str(tmp / "model.safetensors"))
+            # save_model is typed for a Module but calls only .state_dict(): _StateDict says why.
+            save_model(_StateDict(model_tensors), str(tmp / "model.safetensors"))  # type: ignore[arg-type]
             torch.save(trainer_state, tmp / "optimizer.pt")
             torch.save(rngs, tmp / "rng.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
             (tmp / "config.yaml").write_text(config_yaml)
-            if step == self._kill_in_save:
-                faults.sigkill_now()  # a fault-injection point: files written, no marker
+            inject.point("checkpoint-files-written", step)
             checksums = {}
             for name in FILES:
                 _fsync(tmp / name)
@@ -369,17 +376,21 @@ class Checkpointer:
         """The model's weights from this run's checkpoint at `step` (the best one, say)."""
         load_weights(self.root / f"step-{step}", model)
 
-    def load(self, path: Path, state: dict, model: nn.Module, training: dict, seed: int) -> None:
-        """Restore the model and `training` (as for save) in place, and this rank's RNG
-        streams, from the checkpoint at `path` whose state.json is `state`. Nothing is
-        unpickled."""
-        load_model(model, str(path / "model.safetensors"))
+    def load(self, path: Path, states: dict[str, Stateful], state: dict, seed: int) -> None:
+        """Restore `states` (as for save) in place, and this rank's RNG streams, from the
+        checkpoint at `path` whose state.json is `state` (read once, by the resume plan).
+        Nothing is unpickled."""
+        load_model(cast(nn.Module, states["model"]), str(path / "model.safetensors"))  # the bare model
         saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-        for name, stateful in training.items():
-            # A disabled loss scaler (fp32, bf16) saves an empty state, which an enabled one
-            # refuses; checkpoints from before fp16 have none at all. Both start from the default.
-            if saved.get(name):
+        for name, stateful in states.items():
+            if name not in _OWN_FILE:
                 stateful.load_state_dict(saved[name])
+        if "scaler" in saved and "scaler" not in state:  # a checkpoint that kept it in optimizer.pt
+            state = {**state, "scaler": saved["scaler"]}
+        try:
+            states["train"].load_state_dict(state)
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint.resume: {path}: {e}") from None
         if state["world_size"] == self.dist_env.world_size:
             set_rng_state(torch.load(path / "rng.pt", weights_only=True)[self.dist_env.rank])
         else:

@@ -13,56 +13,69 @@ import os
 import re
 import signal
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, cast
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, one_line
+
+# --- keys: each one's check and its rule on resume sit on its field ----------------------
+
+FREE, EXTEND, FIXED = "free", "extend", "fixed"
+"""What a resumed run may do with a key (`trainer.resume.config_changes`). FREE: change it; it is how the
+run is observed, stored or launched, the same math by other kernels or layouts, or how each
+global batch is split (the global batch itself is checked against the checkpoint's). EXTEND:
+raise it (a longer run). FIXED: it alters the weights, the data order or the model
+selection, so a change is refused unless checkpoint.allow_changes names it."""
+
+Check = tuple[Callable[[Any], bool], str]
+"""A predicate on the value, and what the error says it must be: "KEY: must ..."."""
 
 
-# --- field checks: each key's rule sits on its field ---------------------------------------
+def key(default: Any = MISSING, resume: str = MISSING, check: Check | None = None,
+        factory: Callable[[], Any] | None = None) -> Any:
+    """A config key. `resume` must be given: every new key says whether a resume may change
+    it (the schema refuses to import otherwise)."""
+    if resume not in (FREE, EXTEND, FIXED):
+        raise TypeError(f"key(): resume must be FREE, EXTEND or FIXED, got {resume!r}")
+    metadata = {"resume": resume, **({"check": check} if check else {})}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
-def _checked(default: Any, ok: Callable[[Any], bool], must: str) -> Any:
-    """A field whose value must satisfy `ok`; `must` completes the error "KEY: must ..."."""
-    return field(default=default, metadata={"check": (ok, must)})
+def at_least(low: int) -> Check:
+    return lambda v: v >= low, f"must be >= {low}"
 
 
-def at_least(low: int, default: Any = MISSING) -> Any:
-    return _checked(default, lambda v: v >= low, f"must be >= {low}")
+def at_least_or_null(low: int) -> Check:
+    return lambda v: v is None or v >= low, f"must be >= {low} or null"
 
 
-def at_least_or_null(low: int, default: Any = None) -> Any:
-    return _checked(default, lambda v: v is None or v >= low, f"must be >= {low} or null")
+def above(low: float) -> Check:
+    return lambda v: v > low, f"must be > {low:g}"
 
 
-def above(low: float, default: Any) -> Any:
-    return _checked(default, lambda v: v > low, f"must be > {low:g}")
+def above_or_null(low: float) -> Check:
+    return lambda v: v is None or v > low, f"must be > {low:g} or null"
 
 
-def above_or_null(low: float, default: Any = None) -> Any:
-    return _checked(default, lambda v: v is None or v > low, f"must be > {low:g} or null")
-
-
-def fraction(default: Any, closed_at_zero: bool) -> Any:
+def fraction(closed_at_zero: bool) -> Check:
     """In (0, 1), or [0, 1) with `closed_at_zero`."""
     if closed_at_zero:
-        return _checked(default, lambda v: 0 <= v < 1, "must be in [0, 1)")
-    return _checked(default, lambda v: 0 < v < 1, "must be in (0, 1)")
+        return lambda v: 0 <= v < 1, "must be in [0, 1)"
+    return lambda v: 0 < v < 1, "must be in (0, 1)"
 
 
-def not_empty(default: Any = MISSING) -> Any:
-    return _checked(default, bool, "must not be empty")
+NOT_EMPTY: Check = (bool, "must not be empty")
 
-
-def steps_or_epoch(default: Any) -> Any:
-    """An interval: a step count (0: only at the end) or `epoch`, at the end of each epoch."""
-    return _checked(default, lambda v: v == "epoch" or (type(v) is int and v >= 0),
-                    "must be a step count >= 0 or `epoch`")
+STEPS_OR_EPOCH: Check = (lambda v: v == "epoch" or (type(v) is int and v >= 0), "must be a step count >= 0 or `epoch`")
+"""An interval: a step count (0: only at the end) or `epoch`, at the end of each epoch."""
 
 
 # --- the schema --------------------------------------------------------------------------
@@ -70,11 +83,11 @@ def steps_or_epoch(default: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = not_empty()
+    name: str = key(MISSING, FIXED, NOT_EMPTY)
     """Hub id or local directory of a transformers model (config, weights, tokenizer)."""
-    pretrained: bool = True
+    pretrained: bool = key(True, FIXED)
     """False: build the architecture from its config with random weights (benchmarks, tests)."""
-    attn_implementation: str = "auto"
+    attn_implementation: str = key("auto", FREE)
     """Passed to from_pretrained: `sdpa`, `eager`, ... auto: `sdpa` on GPU (flash and
     memory-efficient kernels), `eager` on CPU, where SDPA's backward under bf16 autocast
     is ~1.9x slower than eager's (benchmarks/RESULTS.md)."""
@@ -82,117 +95,117 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = not_empty()
+    path: str = key(MISSING, FIXED, NOT_EMPTY)
     """Hub dataset name, or a local json/jsonl/csv/parquet file, or a folder of them."""
-    name: Optional[str] = None
+    name: str | None = key(None, FIXED)
     """The dataset's configuration (subset) name, for hub datasets that have several."""
-    text_field: str = not_empty("text")
+    text_field: str = key("text", FIXED, NOT_EMPTY)
     """The column holding the text to classify."""
-    text_pair_field: Optional[str] = None
+    text_pair_field: str | None = key(None, FIXED)
     """Second text of a pair (e.g. `hypothesis` after `premise`), or None for single texts."""
-    label_field: str = not_empty("label")
+    label_field: str = key("label", FIXED, NOT_EMPTY)
     """The column holding the class id, an integer in [0, num_labels)."""
-    num_labels: int = at_least(2)
+    num_labels: int = key(MISSING, FIXED, at_least(2))
     """How many classes: the size of the classification head."""
-    train_split: str = "train"
+    train_split: str = key("train", FIXED)
     """A split name; `datasets` slicing such as `train[:90%]` works too."""
-    eval_split: str = "test"
+    eval_split: str = key("test", FIXED)
     """The validation split: evaluated during and after training, each sample exactly once,
     and what checkpoint.best_metric selects the model on."""
-    test_split: Optional[str] = None
+    test_split: str | None = key(None, FREE)
     """A held-out split evaluated once, at the end, on the final (best) model, and reported
     apart from the validation split (summary.json `test_eval`, wandb `test/`). null: none."""
-    label_names: Optional[list[str]] = None
+    label_names: list[str] | None = key(None, FREE)
     """The class names, in id order: they go into the exported model's id2label/label2id, so
     a `transformers` pipeline on final/ answers with names. null: the label column's
     ClassLabel names if the dataset has them, else LABEL_0, LABEL_1, ..."""
-    max_length: int = at_least(8, default=128)
+    max_length: int = key(128, FIXED, at_least(8))
     """Truncation length in tokens. Batches are padded only to their longest sample."""
-    pad_to_multiple_of: Optional[int] = at_least_or_null(1)
+    pad_to_multiple_of: int | None = key(None, FIXED, at_least_or_null(1))
     """Round each batch's padded length up to a multiple of this. null (auto): 8 on GPU, for
     tensor-core-aligned shapes and fewer distinct ones for cuDNN's plan cache and
     torch.compile; 1 on CPU, where the extra padding only costs (3%, benchmarks/RESULTS.md)."""
-    max_train_samples: Optional[int] = at_least_or_null(1)
+    max_train_samples: int | None = key(None, FIXED, at_least_or_null(1))
     """Subsample the train split (seeded, before tokenization)."""
-    max_eval_samples: Optional[int] = at_least_or_null(1)
+    max_eval_samples: int | None = key(None, FIXED, at_least_or_null(1))
     """Subsample the eval split and the test split (seeded, before tokenization)."""
-    group_by_length: bool = True
+    group_by_length: bool = key(True, FIXED)
     """Group samples of similar length into the same global batch (less padding)."""
-    num_workers: int = at_least(0, default=1)
+    num_workers: int = key(1, FREE, at_least(0))
     """Train loader worker processes per rank; 0 loads in the training process. Eval and
     test batches are always loaded in the training process (data._eval_loader says why)."""
-    pin_memory: bool = True
+    pin_memory: bool = key(True, FREE)
     """On GPU: batches in page-locked host memory, copied to the device without blocking
     the host (benchmarks/RESULTS.md measures it). Ignored on CPU."""
 
 
 @dataclass
 class TrainConfig:
-    global_batch: Optional[int] = at_least_or_null(1)
+    global_batch: int | None = key(None, FREE, at_least_or_null(1))
     """Samples per optimizer step, across all ranks: the invariant of the run. batch_size is
     then each rank's micro-batch limit, and the accumulation follows from the world size, so
     one config runs on any world size that divides it (and a checkpoint resumes on any such
     world size). null: batch_size x grad_accum x world size, or on resume the checkpoint's."""
-    batch_size: int = at_least(1, default=16)
+    batch_size: int = key(16, FREE, at_least(1))
     """Per rank, per micro-step. Without global_batch, global batch = batch_size x grad_accum
     x world size; with it, the largest micro-batch a rank may run."""
-    eval_batch_size: int = at_least(1, default=64)
+    eval_batch_size: int = key(64, FREE, at_least(1))
     """Per rank, for evaluation (no gradients: larger than batch_size fits)."""
-    grad_accum: Optional[int] = at_least_or_null(1)
+    grad_accum: int | None = key(None, FREE, at_least_or_null(1))
     """Micro-batches per optimizer step; gradients are all-reduced on the last one only.
     null: 1, or what global_batch makes it (set one of the two)."""
-    max_steps: Optional[int] = at_least_or_null(1)
+    max_steps: int | None = key(None, EXTEND, at_least_or_null(1))
     """Optimizer steps. Set exactly one of max_steps and epochs."""
-    epochs: Optional[int] = at_least_or_null(1)
+    epochs: int | None = key(None, EXTEND, at_least_or_null(1))
     """Passes over the training data; the steps follow from the data size and the global
     batch (a last partial global batch of each epoch is dropped). The LR schedule and the
     progress bar count the derived steps."""
-    lr: float = fraction(2e-5, closed_at_zero=False)
+    lr: float = key(2e-5, FIXED, fraction(closed_at_zero=False))
     """Peak learning rate of AdamW, after linear warmup, then decaying linearly to 0."""
-    weight_decay: float = at_least(0, default=0.01)
+    weight_decay: float = key(0.01, FIXED, at_least(0))
     """AdamW's decoupled weight decay."""
-    warmup_ratio: float = fraction(0.06, closed_at_zero=True)
+    warmup_ratio: float = key(0.06, FIXED, fraction(closed_at_zero=True))
     """Share of max_steps spent warming the learning rate up from 0."""
-    max_grad_norm: float = at_least(0, default=1.0)
+    max_grad_norm: float = key(1.0, FIXED, at_least(0))
     """Gradient clipping by global L2 norm; 0 turns it off."""
-    fused_adamw: bool = True
+    fused_adamw: bool = key(True, FREE)
     """AdamW as one fused kernel over all parameters (CPU and GPU); on the CPU benchmark the
     optimizer phase drops from 120 to 33 ms per step."""
-    device: Literal["auto", "cuda", "cpu"] = "auto"
+    device: Literal["auto", "cuda", "cpu"] = key("auto", FIXED)
     """auto: the GPU of this rank's LOCAL_RANK when CUDA works, else the CPU; but a job that
     was granted GPUs (SLURM_GPUS_ON_NODE, CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES) that
     CUDA cannot use is an error, not a silent run on CPU hundreds of times slower. cpu: the
     CPU even when GPUs work (with dist.backend gloo or auto). cuda: a GPU, or an error."""
-    precision: Literal["fp32", "bf16", "fp16", "auto"] = "auto"
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = key("auto", FIXED)
     """Autocast precision of the forward and backward; weights and optimizer stay fp32.
     auto: bf16 on GPUs with native bf16 (Ampere and newer: A100, H100, L4, L40S), fp16 with
     a loss scaler (torch.amp.GradScaler, saved in checkpoints) on older GPUs (V100, T4),
     bf16 on CPUs with native bf16 matmuls (AVX512-BF16, AMX), fp32 on other CPUs. bf16 on a
     GPU without native bf16 is emulated, and slow."""
-    strategy: Literal["ddp", "dp"] = "ddp"
+    strategy: Literal["ddp", "dp"] = key("ddp", FIXED)
     """ddp: DistributedDataParallel, one process per device. dp: nn.DataParallel, one process."""
-    compile: bool = False
+    compile: bool = key(False, FREE)
     """torch.compile the model: 1.33x on an H100 for bert-base, but ~30 s more before the
     first step, and recompiles as batch shapes change (benchmarks/RESULTS.md)."""
-    eval_every: Union[int, str] = steps_or_epoch(0)
+    eval_every: int | str = key(0, FIXED, STEPS_OR_EPOCH)
     """Evaluate every N steps, or at each epoch's end (`epoch`); 0 evaluates only at the
     end. The end of the run is always evaluated."""
-    early_stopping_patience: int = at_least(0, default=0)
+    early_stopping_patience: int = key(0, FIXED, at_least(0))
     """Stop after this many evaluations in a row without an improvement of
     checkpoint.best_metric (every rank at the same step; the run then ends as usual: saves,
     selects the best, exports, exit 0). 0: off."""
-    early_stopping_threshold: float = at_least(0, default=0.0)
+    early_stopping_threshold: float = key(0.0, FIXED, at_least(0))
     """The smallest change of checkpoint.best_metric that counts as an improvement."""
-    log_every: int = at_least(1, default=10)
+    log_every: int = key(10, FREE, at_least(1))
     """Log global loss, rates and step-time phases every N steps (one all-reduce each)."""
-    threads: Optional[int] = at_least_or_null(1)
+    threads: int | None = key(None, FREE, at_least_or_null(1))
     """torch intra-op threads per rank; None: the CPUs this process may use / local ranks."""
-    peak_tflops: Optional[float] = above_or_null(0)
+    peak_tflops: float | None = key(None, FREE, above_or_null(0))
     """The peak dense TFLOP/s of one device in the run's precision, the denominator of MFU.
     null: the data sheet's, for GPUs the trainer knows by exact name (H100, H200, A100, L4,
     L40, L40S, A10, A10G, V100, T4); a 1024^3 matmul measured at start-up on a CPU; and
     MFU is reported as unknown (null) on any other GPU."""
-    deterministic: bool = False
+    deterministic: bool = key(False, FREE)
     """Bitwise-reproducible kernels: torch.use_deterministic_algorithms with
     CUBLAS_WORKSPACE_CONFIG, which also makes scaled_dot_product_attention use only its
     deterministic backends. On GPU, without it, kernels such as the embedding backward add
@@ -203,14 +216,14 @@ class TrainConfig:
 
 @dataclass
 class DDPConfig:
-    bucket_cap_mb: float = above(0, default=25.0)
+    bucket_cap_mb: float = key(25.0, FREE, above(0))
     """Gradient bucket size: each bucket's all-reduce starts as soon as its gradients are ready."""
-    gradient_as_bucket_view: bool = True
+    gradient_as_bucket_view: bool = key(True, FREE)
     """Gradients live inside the communication buckets: no copy, less memory."""
-    static_graph: bool = False
+    static_graph: bool = key(False, FREE)
     """Promise DDP the same graph every step (it may then skip some bookkeeping); off by
     default because it forbids models whose graph changes."""
-    sparse_embedding_grad: bool = True
+    sparse_embedding_grad: bool = key(True, FREE)
     """All-reduce the word embedding's gradient as sparse rows (the tokens in the batch)
     instead of a dense matrix: on MiniLM over half of all gradient bytes, and the last
     bucket, which no backward compute can hide. gloo on CPU only: NCCL has no sparse
@@ -219,49 +232,49 @@ class DDPConfig:
 
 @dataclass
 class DistConfig:
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = key("auto", FREE)
     """auto: nccl when CUDA is present, gloo otherwise."""
-    init_timeout_s: float = above(0, default=1800.0)
+    init_timeout_s: float = key(1800.0, FREE, above(0))
     """Rendezvous and the first step (data loading, compilation) may take this long."""
-    timeout_s: float = above(0, default=300.0)
+    timeout_s: float = key(300.0, FREE, above(0))
     """Any collective after the first step that waits longer than this fails the job."""
 
 
 @dataclass
 class FaultConfig:
-    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
+    preempt_signals: list[str] = key(resume=FREE, factory=lambda: ["SIGTERM"])
     """Signals that mean "save and stop": at the next step boundary every rank saves, then
     the job exits with code 75. torchrun forwards SIGTERM (and SIGINT, SIGHUP) to workers."""
-    slow_step_factor: float = above(1, default=10.0)
+    slow_step_factor: float = key(10.0, FREE, above(1))
     """The watchdog reports a step slower than this many times the recent median..."""
-    slow_step_min_s: float = above(0, default=60.0)
+    slow_step_min_s: float = key(60.0, FREE, above(0))
     """...and slower than this, with every rank's Python stacks, before dist.timeout_s fires."""
-    heartbeat_s: float = above(0, default=5.0)
+    heartbeat_s: float = key(5.0, FREE, above(0))
     """How often each rank records its step in the rendezvous store, for those reports."""
 
 
 @dataclass
 class CheckpointConfig:
-    every: Union[int, str] = steps_or_epoch(500)
+    every: int | str = key(500, FREE, STEPS_OR_EPOCH)
     """Save every N optimizer steps, or at each epoch's end (`epoch`), and always at the
     end; 0 saves only at the end."""
-    keep: int = at_least(1, default=3)
+    keep: int = key(3, FREE, at_least(1))
     """Keep the newest k complete checkpoints, and the best one besides (best_metric)."""
-    best_metric: Optional[Literal["accuracy", "f1_macro", "loss"]] = None
+    best_metric: Literal["accuracy", "f1_macro", "loss"] | None = key(None, FIXED)
     """The validation metric that picks the best checkpoint, which pruning keeps beside the
     newest `keep`. Every evaluation then also saves a checkpoint, so the best one exists.
     Ties go to the earlier step. null: no selection."""
-    best_mode: Optional[Literal["max", "min"]] = None
+    best_mode: Literal["max", "min"] | None = key(None, FIXED)
     """Whether higher or lower is better; null: min for loss, max otherwise."""
-    load_best_at_end: bool = False
+    load_best_at_end: bool = key(False, FIXED)
     """final/ exports the best checkpoint's weights instead of the last step's."""
-    allow_changes: list[str] = field(default_factory=list)
+    allow_changes: list[str] = key(resume=FREE, factory=list)
     """Keys (or sections, `data`) whose change from the resumed checkpoint's config the
     user accepts; they are logged and take effect. Any other change that alters the run is
-    refused on resume (see `FREE_ON_RESUME` for those that don't)."""
-    resume: str = "auto"
+    refused on resume (the keys marked FIXED)."""
+    resume: str = key("auto", FREE)
     """auto: latest valid checkpoint in output_dir, if any. never: start fresh. Or a step-N path."""
-    async_save: Optional[bool] = None
+    async_save: bool | None = key(None, FREE)
     """True: training waits only while the state is copied to host memory, and a background
     thread writes, checksums and renames the checkpoint (a failed write stops every rank at
     the next save or at the end). False: training waits for the whole write. None (auto):
@@ -271,15 +284,15 @@ class CheckpointConfig:
 
 @dataclass
 class WandbConfig:
-    mode: Literal["offline", "online", "disabled"] = "offline"
+    mode: Literal["offline", "online", "disabled"] = key("offline", FREE)
     """offline: runs in output_dir/wandb, to `wandb sync` later. online needs WANDB_API_KEY."""
-    project: str = "ddp-finetune"
+    project: str = key("ddp-finetune", FREE)
     """The wandb project the run belongs to."""
-    entity: Optional[str] = None
+    entity: str | None = key(None, FREE)
     """The wandb user or team; None: the API key's default."""
-    name: Optional[str] = None
+    name: str | None = key(None, FREE)
     """The run's display name; None: wandb picks one."""
-    tags: list[str] = field(default_factory=list)
+    tags: list[str] = key(resume=FREE, factory=list)
     """Tags to filter runs by in the wandb UI."""
 
 
@@ -301,22 +314,27 @@ class Config:
     """Preemption signals and the stall watchdog."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Experiment tracking on rank 0."""
-    seed: int = 42
+    seed: int = key(42, FIXED)
     """Seeds the new classification head, the data order and dropout: same seed, same run."""
-    output_dir: str = not_empty()
+    output_dir: str = key(MISSING, FREE, NOT_EMPTY)
     """Checkpoints, metrics.jsonl, summary.json, final/ and wandb's offline runs."""
 
 
-def _field_checks(schema: type = Config, prefix: str = "") -> list[tuple[str, Callable[[Any], bool], str]]:
-    """(key, predicate, what the value must be) for every checked field, in schema order."""
+def _keys(schema: type = Config, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """Every key of the schema, dotted, in schema order, with its field."""
     types = typing.get_type_hints(schema)
-    checks = []
+    keys = {}
     for f in dataclasses.fields(schema):
         if dataclasses.is_dataclass(types[f.name]):
-            checks += _field_checks(types[f.name], f"{prefix}{f.name}.")
-        elif "check" in f.metadata:
-            checks.append((f"{prefix}{f.name}", *f.metadata["check"]))
-    return checks
+            keys.update(_keys(types[f.name], f"{prefix}{f.name}."))
+        else:
+            keys[f"{prefix}{f.name}"] = f
+    return keys
+
+
+KEYS = _keys()
+RESUME_RULES = {name: f.metadata["resume"] for name, f in KEYS.items()}
+"""Each key's rule on resume: FREE, EXTEND or FIXED."""
 
 
 def _package_path(spec: str) -> str:
@@ -331,13 +349,9 @@ def _package_path(spec: str) -> str:
 OmegaConf.register_resolver("pkg", _package_path, replace=True)
 
 
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split("\n")[0].split())
-
-
 def _omegaconf_error(e: OmegaConfBaseException) -> ConfigError:
     key = getattr(e, "full_key", None)
-    message = re.sub(r"^\w+ raised while resolving interpolation: ", "", _one_line(e))
+    message = re.sub(r"^\w+ raised while resolving interpolation: ", "", one_line(e))
     if "Key '" in message and "not in" in message:
         message = "unknown key"
     elif "Missing mandatory value" in message:
@@ -353,7 +367,7 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
-        raise ConfigError(f"override: {_one_line(e)}") from None
+        raise ConfigError(f"override: {one_line(e)}") from None
 
 
 def _read_yaml(path: str) -> DictConfig:
@@ -367,28 +381,30 @@ def _read_yaml(path: str) -> DictConfig:
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise ConfigError(f"config file {path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path}: cannot read: {_one_line(e)}") from None
+        raise ConfigError(f"config file {path}: cannot read: {one_line(e)}") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
     return loaded
 
 
-def load(path: str | None, overrides: list[str] = ()) -> DictConfig:
+def load(path: str | None, overrides: Sequence[str] = ()) -> DictConfig:
     """Schema defaults, then the YAML file, then the overrides; resolved and checked."""
     cfg = OmegaConf.structured(Config)
     try:
+        # Merged onto a DictConfig, the result is one (OmegaConf's type says any container).
         if path is not None:
-            cfg = OmegaConf.merge(cfg, _read_yaml(path))
-        cfg = OmegaConf.merge(cfg, _parse_overrides(list(overrides)))
+            cfg = cast(DictConfig, OmegaConf.merge(cfg, _read_yaml(path)))
+        cfg = cast(DictConfig, OmegaConf.merge(cfg, _parse_overrides(list(overrides))))
         OmegaConf.resolve(cfg)
         # Touch every value, so a missing mandatory one fails here rather than mid-run.
         OmegaConf.to_container(cfg, throw_on_missing=True)
     except OmegaConfBaseException as e:
         raise _omegaconf_error(e) from None
-    for key, ok, must in _field_checks():
-        value = OmegaConf.select(cfg, key)
-        if not ok(value):
-            raise ConfigError(f"{key}: {must}, got {value!r}")
+    for name, f in KEYS.items():
+        value = OmegaConf.select(cfg, name)
+        ok, must = f.metadata.get("check", (None, ""))
+        if ok is not None and not ok(value):
+            raise ConfigError(f"{name}: {must}, got {value!r}")
     _check_cross_field(cfg)
     return cfg
 
@@ -447,53 +463,20 @@ def _has_netrc_login() -> bool:
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
-# --- what a resumed run may change --------------------------------------------------------
-
-FREE_ON_RESUME = (
-    # how the run is observed, stored and launched
-    "output_dir", "wandb", "dist", "fault", "train.log_every", "train.eval_batch_size", "train.peak_tflops",
-    "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.async_save",
-    "checkpoint.allow_changes", "data.num_workers", "data.pin_memory", "data.label_names", "data.test_split",
-    # the same math by other kernels or layouts (the last bits may differ; so does a GPU's run with itself)
-    "train.threads", "train.compile", "train.deterministic", "train.fused_adamw", "ddp", "model.attn_implementation",
-    # how each global batch is split into micro-batches; the global batch itself is checked on
-    # resume against the checkpoint's (state.json), whatever keys gave it
-    "train.batch_size", "train.grad_accum", "train.global_batch",
-)
-"""Keys a resumed run may change freely. Any other key alters the weights, the data order or
-the model selection, and a change is refused unless checkpoint.allow_changes names it."""
-
-EXTENSIBLE = ("train.max_steps", "train.epochs")
-"""Keys a resume may raise (extending the run) without allow_changes."""
-
-
-def _flat(container: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(container, dict):
-        return {k: v for key, value in container.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: container}
-
-
-def _covered(key: str, entries) -> bool:
-    return any(key == entry or key.startswith(entry + ".") for entry in entries)
-
-
-def resume_changes(saved: DictConfig, cfg: DictConfig) -> tuple[list[str], list[str]]:
-    """(refused, accepted): each key of `cfg` that differs from the resumed checkpoint's
-    config `saved`, as `key: old -> new`, split by whether this run may make the change.
-    Keys the saved config doesn't have (a checkpoint from an older schema) are not changes."""
-    old = _flat(OmegaConf.to_container(saved, resolve=True))
-    new = _flat(OmegaConf.to_container(cfg, resolve=True))
-    refused, accepted = [], []
-    for key in sorted(old.keys() & new.keys()):
-        if old[key] == new[key] or _covered(key, FREE_ON_RESUME):
-            continue
-        change = f"{key}: {old[key]} -> {new[key]}"
-        extended = key in EXTENSIBLE and None not in (old[key], new[key]) and new[key] > old[key]
-        if extended or _covered(key, cfg.checkpoint.allow_changes):
-            accepted.append(change)
+def flatten(nested: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: config keys as dotted names."""
+    flat = {}
+    for name, value in nested.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{name}."))
         else:
-            refused.append(change)
-    return refused, accepted
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def to_dict(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain nested dicts (OmegaConf's type says any container)."""
+    return cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True))
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -14,9 +14,9 @@ import logging
 import os
 import signal
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from trainer.distributed import DistEnv, local_rank_zero_first
-from trainer.errors import CheckpointError, ConfigError, DataError, TrainerError
+from trainer.errors import CheckpointError, ConfigError, DataError, TrainerError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class BatchPlan:
     """Micro-batches per rank per optimizer step."""
 
     @classmethod
-    def of(cls, train_cfg: DictConfig, world_size: int, resumed: int | None = None) -> "BatchPlan":
+    def of(cls, train_cfg: DictConfig, world_size: int, resumed: int | None = None) -> BatchPlan:
         """From train.global_batch, else the resumed checkpoint's global batch (`resumed`: a
         run keeps its global batch), else train.batch_size x grad_accum x world size. With a
         global batch, each rank accumulates the fewest micro-batches of at most
@@ -73,7 +73,7 @@ class BatchPlan:
 class Data:
     train_loader: DataLoader
     eval_loader: DataLoader
-    train_sampler: "GlobalBatchSampler"
+    train_sampler: GlobalBatchSampler
     num_train: int
     num_eval: int
     test_loader: DataLoader | None = None
@@ -93,22 +93,34 @@ class Data:
         They would otherwise outlive a failed run: at interpreter exit, multiprocessing
         SIGTERMs its daemonic children and joins them, but these ignore SIGTERM (see
         _init_worker), and the traceback still holds their iterator, so the join would
-        wait forever. torch has no public way to stop persistent workers, hence the
-        iterator's own shutdown; a worker stuck in a batch is then SIGKILLed.
+        wait forever.
         """
         for loader in (self.train_loader, self.eval_loader, self.test_loader):
-            iterator = getattr(loader, "_iterator", None)  # None: no loader, or never iterated
-            if iterator is None:
-                continue
-            loader._iterator = None
-            if not hasattr(iterator, "_workers"):
-                continue
-            workers = list(iterator._workers)
-            iterator._shutdown_workers()  # tells each worker to finish, joins it briefly
-            for worker in workers:
-                if worker.is_alive():
-                    worker.kill()
-                    worker.join()
+            stop_workers(loader)
+
+
+def stop_workers(loader: DataLoader | None) -> list:
+    """End `loader`'s persistent workers now; returns the worker processes it found (none: no
+    loader, never iterated, or no workers).
+
+    torch has no public way to stop persistent workers, hence the iterator's own shutdown; a
+    worker stuck in a batch is then SIGKILLed. This is the one place that touches DataLoader
+    internals: tests/unit/test_loader_internals.py fails, naming the attribute, if torch
+    renames one, which would otherwise leave the workers running without a word.
+    """
+    iterator = getattr(loader, "_iterator", None)  # a persistent-workers loader keeps its own
+    if loader is None or iterator is None:
+        return []
+    loader._iterator = None
+    if not hasattr(iterator, "_workers"):  # an iterator in this process: nothing to stop
+        return []
+    workers = list(iterator._workers)
+    iterator._shutdown_workers()  # tells each worker to finish, joins it briefly
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+    return workers
 
 
 def _load_split(data_cfg: DictConfig, split: str, key: str):
@@ -128,14 +140,10 @@ def _load_split(data_cfg: DictConfig, split: str, key: str):
         raise
     except ValueError as e:
         if "split" in str(e).lower():
-            raise ConfigError(f"{key}: {split!r}: {_first_line(e)}") from None
-        raise DataError(f"data.path: {data_cfg.path}: {_first_line(e)}") from None
-    except Exception as e:  # datasets raises many types for an unreadable or unknown source
+            raise ConfigError(f"{key}: {split!r}: {one_line(e)}") from None
+        raise DataError(f"data.path: {data_cfg.path}: {one_line(e)}") from None
+    except Exception as e:  # datasets raises many types for an unreadable or unknown source  # noqa: BLE001
         raise DataError(f"data.path: {data_cfg.path}: {_describe(e)}") from None
-
-
-def _first_line(e: Exception) -> str:
-    return " ".join(str(e).strip().split("\n")[0].split())[:300]
 
 
 def _describe(e: BaseException) -> str:
@@ -143,7 +151,7 @@ def _describe(e: BaseException) -> str:
     wrappers raised from it ("An error occurred while generating the dataset") don't."""
     while e.__cause__ is not None:
         e = e.__cause__
-    return f"{type(e).__name__}: {_first_line(e) or 'no rows could be read (is the file empty?)'}"
+    return f"{type(e).__name__}: {one_line(e) or 'no rows could be read (is the file empty?)'}"
 
 
 def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
@@ -253,7 +261,8 @@ class GlobalBatchSampler(DistributedSampler):
     def __init__(self, lengths: np.ndarray, labels: np.ndarray, global_batch: int, dist_env: DistEnv, seed: int,
                  group_by_length: bool):
         super().__init__(
-            range(len(lengths)), num_replicas=dist_env.world_size, rank=dist_env.rank,
+            # Typed for a Dataset, but reads only its len(): the positions stand in for the samples.
+            range(len(lengths)), num_replicas=dist_env.world_size, rank=dist_env.rank,  # type: ignore[arg-type]
             shuffle=True, seed=seed, drop_last=True,
         )
         self.lengths, self.labels = lengths, labels
@@ -371,7 +380,7 @@ def build_eval(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.devi
     return _eval_loader(eval_ds, cfg, dist_env, _loader_options(cfg, tokenizer, device)), len(eval_ds), names
 
 
-def collate(cfg: DictConfig, tokenizer, device: torch.device) -> "Collate":
+def collate(cfg: DictConfig, tokenizer, device: torch.device) -> Collate:
     # Each batch padded to its own longest sample (rounded up on GPU: see the config key).
     return Collate(tokenizer, cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None))
 
@@ -379,12 +388,12 @@ def collate(cfg: DictConfig, tokenizer, device: torch.device) -> "Collate":
 def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
     data_cfg = cfg.data
     workers = data_cfg.num_workers
-    return dict(
-        collate_fn=collate(cfg, tokenizer, device),
-        num_workers=workers, pin_memory=device.type == "cuda" and data_cfg.pin_memory,
-        persistent_workers=workers > 0,
-        worker_init_fn=functools.partial(_init_worker, tuple(cfg.fault.preempt_signals)),
-    )
+    return {
+        "collate_fn": collate(cfg, tokenizer, device),
+        "num_workers": workers, "pin_memory": device.type == "cuda" and data_cfg.pin_memory,
+        "persistent_workers": workers > 0,
+        "worker_init_fn": functools.partial(_init_worker, tuple(cfg.fault.preempt_signals)),
+    }
 
 
 def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -> DataLoader:
@@ -470,17 +479,17 @@ def position(data: Data, step: int) -> dict:
     return {"epoch": epoch, "samples_in_epoch": consumed, "ledger": ledger}
 
 
-def check_position(data: Data, saved: dict | None, step: int, where: Path) -> None:
+def check_position(data: Data, saved: dict | None, step: int) -> None:
     """A resume's ledger: before the first step, the sampler (at this run's world size) must
     give the checkpoint's position exactly: the same samples consumed so far in the epoch,
     nothing lost, nothing repeated. Every rank checks alone: the same files, the same answer."""
-    if saved is None:  # a checkpoint from before ledgers
-        log.warning("checkpoint %s has no data ledger: its data position is not verified", where)
+    if saved is None:
+        log.warning("the checkpoint has no data ledger: its data position is not verified")
         return
     here = position(data, step)
     if here != saved:
         raise CheckpointError(
-            f"checkpoint.resume: {where}: the data position does not reproduce: the checkpoint consumed "
+            f"the data position does not reproduce: the checkpoint consumed "
             f"{saved['samples_in_epoch']} samples of epoch {saved['epoch']} (ledger {saved['ledger'][:12]}), "
             f"this run's sampler gives {here['samples_in_epoch']} of epoch {here['epoch']} (ledger "
             f"{here['ledger'][:12]}): the dataset, the seed, the global batch or the code changed; resume with "

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from trainer import errors
-from trainer.errors import ConfigError, LaunchError, TrainerError
+from trainer.errors import ConfigError, LaunchError, TrainerError, one_line
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ _control_group: dist.ProcessGroup | None = None
 def flight_recorder_env(backend: str, output_dir: Path) -> dict[str, str]:
     """PyTorch's NCCL flight recorder: each rank keeps its last collectives in a ring buffer
     and, when NCCL's watchdog times one out, dumps them to output_dir/nccl-trace/rank_N,
-    which says which collective each rank was in (README, "Hangs and lost nodes"). NCCL
+    which says which collective each rank was in (docs/faults.md, "Hangs and lost nodes"). NCCL
     only: under gloo these variables would do nothing, so they are left unset."""
     if backend != "nccl":
         return {}
@@ -349,17 +350,13 @@ def rank_zero_does(dist_env: DistEnv, what: str, action: Callable[[], T]) -> T |
             result = action()
         except TrainerError as e:
             error = (type(e).__name__, str(e))
-        except Exception as e:  # a full or read-only disk, a service that refuses: one line
-            error = (LaunchError.__name__, f"{what}: {type(e).__name__}: {_one_line(e)}")
+        except Exception as e:  # a full or read-only disk, a service that refuses: one line  # noqa: BLE001
+            error = (LaunchError.__name__, f"{what}: {type(e).__name__}: {one_line(e)}")
     error = broadcast_from_rank_zero(dist_env, error)
     if error is not None:
         kind, message = error
         raise getattr(errors, kind)(message)
     return result
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).strip().split("\n")[0].split())[:500]
 
 
 def any_rank_async(flag: bool) -> tuple[dist.Work, torch.Tensor]:

@@ -224,7 +224,7 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, backend: str) 
         return 1
     try:
         distributed.init(dist_env, device, backend, timeout_s, Path(cfg.output_dir))
-    except Exception as e:
+    except Exception as e:  # whatever init raised, the rank reports it and exits 1  # noqa: BLE001
         print(f"error: rank {dist_env.rank} on {host}: could not form the process group through the store at "
               f"{dist_env.master_addr}:{dist_env.master_port} within {timeout_s:g}s ({type(e).__name__}); "
               "a rank failed its own checks, never started, or cannot reach that address", flush=True)
@@ -263,11 +263,10 @@ def _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, 
     world = len(gathered)
     problems = [p for f in findings for p in f.problems]
     warnings = sorted({w for f in findings for w in f.warnings})
-    out = [f"trainer doctor: {_count(world, 'rank')} on {_count(len(hosts), 'host')} ({', '.join(hosts)}), "
-           f"backend {backend}", "",
+    out = [(f"trainer doctor: {_count(world, 'rank')} on {_count(len(hosts), 'host')} ({', '.join(hosts)}), "
+            f"backend {backend}"), "",
            "ranks", f"  {'rank':>4}  {'host':<24} {'local':>5}  device"]
-    for f in gathered:
-        out.append(f"  {f['rank']:>4}  {f['host']:<24} {f['local_rank']:>5}  {f['device']}")
+    out += [f"  {f['rank']:>4}  {f['host']:<24} {f['local_rank']:>5}  {f['device']}" for f in gathered]
     for host in hosts:
         on_host = [f for f in gathered if f["host"] == host]
         local = sorted(f["local_rank"] for f in on_host)
@@ -291,13 +290,14 @@ def _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, 
         out.append("  (none set)")
 
     slowest_rtt = max(gathered, key=lambda f: f["rtt"])
-    out += ["", f"rendezvous store {dist_env.master_addr}:{dist_env.master_port}: reached by all {world} ranks, "
-            f"round trip up to {slowest_rtt['rtt'] * 1e3:.1f} ms (rank {slowest_rtt['rank']} on {slowest_rtt['host']})"]
+    out += ["", (f"rendezvous store {dist_env.master_addr}:{dist_env.master_port}: reached by all {world} ranks, "
+                 f"round trip up to {slowest_rtt['rtt'] * 1e3:.1f} ms "
+                 f"(rank {slowest_rtt['rank']} on {slowest_rtt['host']})")]
 
     algorithm = "ring, gloo's default" if backend == "gloo" else os.environ.get("NCCL_ALGO", "chosen by NCCL per size")
     out += ["", f"all-reduce, fp32 ({backend}, algorithm: {algorithm})",
             f"  {'size':>9}  {'time':>10}  {'algbw':>12}  {'busbw':>12}  slowest rank"]
-    for numel, per_rank in zip(sizes, results):
+    for numel, per_rank in zip(sizes, results, strict=True):
         nbytes = numel * 4
         times = [t for t, _ in per_rank]
         slowest = max(range(world), key=lambda r: times[r])
@@ -327,7 +327,8 @@ def _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, 
             warnings.append(message)
         out.append("  writable, NOT shared between hosts")
     else:
-        out.append(f"  writable by all {_count(world, 'rank')}, one shared filesystem across {_count(len(hosts), 'host')}")
+        out.append(f"  writable by all {_count(world, 'rank')}, "
+                   f"one shared filesystem across {_count(len(hosts), 'host')}")
 
     wandb_line, wandb_found = check_wandb(cfg, output_dir)
     problems += wandb_found.problems

@@ -8,6 +8,8 @@ be resumed from or written). Anything else is a bug or a crash, and keeps its tr
 import sys
 
 EXIT_USAGE = 2
+ONE_LINE_LIMIT = 300
+"""The most characters of another library's message that an error line repeats."""
 
 
 def report(message: object) -> int:
@@ -16,6 +18,16 @@ def report(message: object) -> int:
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     return EXIT_USAGE
+
+
+def one_line(e: BaseException) -> str:
+    """Another library's exception as a part of our one-line messages: its first line (where
+    Python and the libraries put the reason; what follows is context, hints or a dump of the
+    input), runs of whitespace collapsed, cut at ONE_LINE_LIMIT characters ending in "...",
+    which keeps a long path with its reason and a log of every rank reporting readable.
+    "" for an exception without a message."""
+    line = " ".join(str(e).strip().split("\n")[0].split())
+    return line if len(line) <= ONE_LINE_LIMIT else line[:ONE_LINE_LIMIT - 3] + "..."
 
 
 class TrainerError(Exception):

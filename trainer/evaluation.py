@@ -3,7 +3,8 @@
 The training loop evaluates its validation and test splits with `evaluate`; the
 `python -m trainer evaluate` command (`run`) does the same on a trained model and writes the
 full report: per-class precision, recall, F1 and support, and the confusion matrix, as a
-table on stdout, JSON and a PNG next to the model.
+table on stdout, JSON and a PNG next to the model. `confusion_metrics` and
+`per_class_metrics` turn the summed confusion matrix into accuracy and F1.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +22,12 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainer import data, distributed, metrics, model
+from trainer import data, distributed, model
 from trainer.distributed import DistEnv
 from trainer.parallel import LogitsUnderAutocast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +62,49 @@ def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, num_lab
     distributed.all_reduce_sum(dist_env, loss_sum)
     logits_of.train(was_training)
     confusion = confusion.cpu()
-    results = {**metrics.confusion_metrics(confusion), "loss": (loss_sum / num_samples).item()}
+    results = {**confusion_metrics(confusion), "loss": (loss_sum / num_samples).item()}
     # Model selection and early stopping decide on these: every rank must hold the same bits.
     return Evaluation(distributed.broadcast_from_rank_zero(dist_env, results), confusion)
+
+
+def confusion_metrics(confusion: torch.Tensor) -> dict[str, float]:
+    """Accuracy and macro F1 from a [true, predicted] count matrix.
+
+    Macro F1 averages over the classes present in the labels or the predictions, as
+    scikit-learn's f1_score(average="macro") does.
+    """
+    confusion = confusion.double()
+    true_pos = confusion.diag()
+    support, predicted = confusion.sum(1), confusion.sum(0)
+    present = (support + predicted) > 0
+    f1 = 2 * true_pos / (support + predicted).clamp(min=1)
+    return {
+        "accuracy": (true_pos.sum() / confusion.sum().clamp(min=1)).item(),
+        "f1_macro": f1[present].mean().item(),
+    }
+
+
+def per_class_metrics(confusion: torch.Tensor, names: list[str]) -> list[dict]:
+    """Precision, recall, F1 and support of each class, as scikit-learn's
+    classification_report(zero_division=0) gives them: 0 where a ratio is undefined."""
+    confusion = confusion.double()
+    true_pos = confusion.diag()
+    support, predicted = confusion.sum(1), confusion.sum(0)
+    precision = torch.where(predicted > 0, true_pos / predicted.clamp(min=1), 0.0)
+    recall = torch.where(support > 0, true_pos / support.clamp(min=1), 0.0)
+    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300), 0.0)
+    return [
+        {"label": i, "name": name, "precision": precision[i].item(), "recall": recall[i].item(),
+         "f1": f1[i].item(), "support": int(support[i])}
+        for i, name in enumerate(names)
+    ]
 
 
 # --- `python -m trainer evaluate` ----------------------------------------------------------
 
 
-def trained_logits(cfg: DictConfig, folder: Path, device: torch.device) -> tuple[nn.Module, object, nn.Module]:
+def trained_logits(cfg: DictConfig, folder: Path,
+                   device: torch.device) -> tuple[PreTrainedModel, object, nn.Module]:
     """(model, tokenizer, its logits in the run's precision) of a `model.trained_folder`."""
     trained, tokenizer = model.load_trained(cfg, folder, device)
     amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
@@ -78,12 +117,12 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) 
     the report on rank 0."""
     trained, tokenizer, logits_of = trained_logits(cfg, folder, device)
     loader, num_samples, names = data.build_eval(cfg, dist_env, tokenizer, device)
-    names = names or [trained.config.id2label.get(i, f"LABEL_{i}") for i in range(cfg.data.num_labels)]
+    names = names or model.config_label_names(trained, cfg.data.num_labels)
     result = evaluate(logits_of, loader, num_samples, cfg.data.num_labels, device, dist_env)
     split = cfg.data.eval_split
     report = {
         "model": str(folder), "split": split, "samples": num_samples, **result.metrics,
-        "per_class": metrics.per_class_metrics(result.confusion, names),
+        "per_class": per_class_metrics(result.confusion, names),
         "confusion_matrix": result.confusion.tolist(), "labels": names,
     }
 
@@ -100,16 +139,15 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) 
 
 def format_report(report: dict) -> str:
     width = max(12, *(len(name) for name in report["labels"]))
-    lines = [f"{report['model']} on {report['split']} ({report['samples']} samples): "
-             f"accuracy {report['accuracy']:.4f}, macro F1 {report['f1_macro']:.4f}, loss {report['loss']:.4f}",
+    lines = [(f"{report['model']} on {report['split']} ({report['samples']} samples): "
+              f"accuracy {report['accuracy']:.4f}, macro F1 {report['f1_macro']:.4f}, loss {report['loss']:.4f}"),
              "",
              f"{'':<{width}}  precision  recall      f1  support"]
-    for row in report["per_class"]:
-        lines.append(f"{row['name']:<{width}}  {row['precision']:9.4f}  {row['recall']:6.4f}  "
-                     f"{row['f1']:6.4f}  {row['support']:7d}")
+    lines += [f"{row['name']:<{width}}  {row['precision']:9.4f}  {row['recall']:6.4f}  "
+              f"{row['f1']:6.4f}  {row['support']:7d}" for row in report["per_class"]]
     lines += ["", "confusion matrix (rows: true, columns: predicted)"]
     lines += [f"{name:<{width}}  " + " ".join(f"{count:6d}" for count in counts)
-              for name, counts in zip(report["labels"], report["confusion_matrix"])]
+              for name, counts in zip(report["labels"], report["confusion_matrix"], strict=True)]
     return "\n".join(lines)
 
 
@@ -128,7 +166,7 @@ def plot_confusion(confusion: torch.Tensor, names: list[str], title: str, path: 
     ax.set_yticklabels(names)
     half = confusion.max().item() / 2
     for (true, predicted), count in zip(torch.cartesian_prod(*[torch.arange(len(names))] * 2).tolist(),
-                                        confusion.flatten().tolist()):
+                                        confusion.flatten().tolist(), strict=True):
         ax.text(predicted, true, str(count), ha="center", va="center",
                 color="white" if count > half else "black")
     fig.tight_layout()

@@ -8,13 +8,14 @@ Python builds it here.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 """The torchrun of this Python environment (not whichever is first on PATH)."""
 
 
-def trainer_program(command: str = "train", config: str | None = None, overrides: list[str] = ()) -> list[str]:
+def trainer_program(command: str = "train", config: str | None = None, overrides: Sequence[str] = ()) -> list[str]:
     """`-m trainer COMMAND [-c CONFIG] key=value ...`"""
     return ["-m", "trainer", command, *(["-c", config] if config else []), *overrides]
 

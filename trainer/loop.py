@@ -8,20 +8,39 @@ import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import cast
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from trainer import checkpoint, config, data, distributed, evaluation, faults, metrics, model, parallel, tracking
+from trainer import (
+    checkpoint,
+    config,
+    data,
+    distributed,
+    evaluation,
+    flops,
+    inject,
+    metrics,
+    model,
+    optim,
+    parallel,
+    preemption,
+    resume,
+    tracking,
+    watchdog,
+)
 from trainer.distributed import DistEnv
-from trainer.errors import ConfigError
+from trainer.errors import one_line
 from trainer.policy import Policy, Selection
+from trainer.startup import StartupClock
+from trainer.train_state import TrainState
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, dist_env: DistEnv, device: torch.device, startup: metrics.StartupClock):
+    def __init__(self, cfg: DictConfig, dist_env: DistEnv, device: torch.device, startup: StartupClock):
         self.cfg, self.dist_env, self.device, self.startup = cfg, dist_env, device, startup
         self.output_dir = Path(cfg.output_dir)
         if cfg.train.deterministic:
@@ -34,20 +53,10 @@ class Trainer:
             cfg.output_dir, cfg.checkpoint.keep, dist_env,
             async_save=device.type == "cuda" if async_save is None else async_save,
         )
-        # Chosen and checked first: a resume the config can't make is refused in seconds.
-        self.resume_from = self.checkpointer.find_resume(cfg.checkpoint.resume)
-        resumed = None if self.resume_from is None else checkpoint.read_state(self.resume_from)
-        self.resumed_state = resumed
-        """The resumed checkpoint's state.json, or None."""
-        self.config_changes = [] if resumed is None else self._check_config_changes(self.resume_from, resumed)
-        self.plan = data.BatchPlan.of(cfg.train, dist_env.world_size, resumed and resumed["global_batch"])
-        """The global batch (on resume, the checkpoint's: a run keeps its own), split over this run's ranks."""
-        if resumed and cfg.train.global_batch is None:
-            by_old_keys = data.BatchPlan.of(cfg.train, dist_env.world_size).global_batch
-            if by_old_keys != self.plan.global_batch:
-                log.warning("the global batch stays the checkpoint's, %d, not train.batch_size x train.grad_accum x "
-                            "world size = %d (train.global_batch=%d says so)", self.plan.global_batch, by_old_keys,
-                            self.plan.global_batch)
+        # Decided first: a resume the config can't make is refused in seconds.
+        self.resume_plan = resume.decide(cfg, dist_env, self.checkpointer)
+        self.batch = self.resume_plan.batch
+        """The global batch, split over this run's ranks."""
 
         splits = data.load(cfg, dist_env)  # checked first: a data mistake costs no model download
         startup.mark("data")
@@ -60,7 +69,7 @@ class Trainer:
         """The bare model: checkpoints, evaluation and the export read it."""
         model.check_max_length(cfg.model, cfg.data.max_length, self.model, self.tokenizer)
         startup.mark("model")
-        self.data = data.build(cfg, dist_env, splits, self.tokenizer, device, self.plan)
+        self.data = data.build(cfg, dist_env, splits, self.tokenizer, device, self.batch)
         model.set_label_names(self.model, self.data.label_names)
         startup.mark("tokenize")
         self.policy = Policy.from_config(cfg, self.data.steps_per_epoch)
@@ -69,56 +78,54 @@ class Trainer:
         self.parallel = parallel.Parallel(self.model, cfg, dist_env, device, self.amp_dtype)
         """The model as the training step runs it: DDP, DataParallel, compiled."""
 
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-            fused=cfg.train.fused_adamw,
-        )
-        from transformers import get_linear_schedule_with_warmup
-
+        self.optimizer = optim.optimizer(self.model, cfg.train)
         max_steps = self.policy.max_steps  # given, or train.epochs' worth
-        self.scheduler = get_linear_schedule_with_warmup(
-            self.optimizer, round(cfg.train.warmup_ratio * max_steps), max_steps
-        )
+        self.scheduler = optim.lr_schedule(self.optimizer, cfg.train, max_steps)
         # fp16 only: gradients too small for fp16 would flush to zero unless the loss is scaled
         # up first. A no-op (scale 1, an empty state) for fp32 and bf16.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
-        self.peak_flops, self.peak_source = metrics.peak_flops(device, self.amp_dtype, cfg.train.peak_tflops)
-        self.meter = metrics.Meter(dist_env, device, self.plan.global_batch, metrics.FlopModel.of(self.model),
+        self.state = TrainState(self.batch, self.data, self.selection, self.scaler, dist_env, tracking.new_run_id())
+        """Where the run is: step, data position, run id, selection, ..."""
+        self.peak_flops, self.peak_source = flops.peak_flops(device, self.amp_dtype, cfg.train.peak_tflops)
+        self.meter = metrics.Meter(dist_env, device, self.batch.global_batch, flops.FlopModel.of(self.model),
                                    self.peak_flops, max_steps)
         self.tracker: tracking.Tracker | None = None
-        self.run_id = ""
         self.first_step_end_unix: float | None = None
-        self.last_eval: tuple[int, dict] | None = None
-        """The latest validation (step, metrics): the end of the run reuses it if it is the last
-        step's (an early stop), also after a resume from that step."""
-        self.injected = faults.StepFaults(dist_env)
-        self.preemption = faults.Preemption(cfg.fault.preempt_signals, dist_env)
-        self.watchdog = faults.Watchdog(cfg, dist_env, self.output_dir)
+        inject.configure(dist_env)
+        self.preemption = preemption.Preemption(cfg.fault.preempt_signals, dist_env)
+        self.watchdog = watchdog.Watchdog(cfg, dist_env, self.output_dir)
         startup.mark("setup")
 
     # --- the run ----------------------------------------------------------------------
 
     def train(self) -> dict:
-        start_step = self.resume()
-        self.tracker = tracking.Tracker(self.cfg, self.dist_env, self.run_id, start_step)
+        start_step = self.restore()
+        self.tracker = tracking.Tracker(self.cfg, self.dist_env, self.state.run_id, start_step)
         self._log_plan()
-        steps = data.micro_batches(self.data, self.plan.grad_accum, start_step)
+        steps = data.micro_batches(self.data, self.batch.grad_accum, start_step)
         self.meter.begin(start_step)
         self.watchdog.start()
         step = start_step
         while step < self.policy.max_steps and not self.selection.stop:
             step += 1
             self.watchdog.step_started(step)
-            self.injected.at_step(step)
+            inject.point("step", step)
             self.meter.phase("data")
             epoch, batches = next(steps)
             self.train_step(batches)
+            self.state.step, self.state.epoch = step, epoch
             self.watchdog.step_done()
             if step == start_step + 1:
                 with self.watchdog.phase("first-step", step):
                     self._first_step_done()
             self._between_steps(step, epoch)
         return self._end_of_run(start_step, step)
+
+    @property
+    def _run_tracker(self) -> tracking.Tracker:
+        """The tracker, which train() starts before anything is logged, evaluated or saved."""
+        assert self.tracker is not None, "train() starts the tracker first"
+        return self.tracker
 
     def _between_steps(self, step: int, epoch: int) -> None:
         """Log, evaluate, save and stop as the policy says. Each phase enters collectives,
@@ -134,15 +141,15 @@ class Trainer:
             saved = self.policy.save(step)
             if saved:
                 with watch("save", step):
-                    self.save(step, epoch)
+                    self.save()
             with watch("preemption", step):
                 preempted_by = self.preemption.agreed()
-            if self.policy.stop_early(step, preempted_by):
+            if preempted_by is not None and self.policy.stop_for_preemption(step, preempted_by):
                 with watch("save", step):
                     if not saved:
-                        self.save(step, epoch)
+                        self.save()
                     self.checkpointer.finish()  # on disk, or every rank fails with why
-                raise faults.Preempted(step, preempted_by)
+                raise preemption.Preempted(step, preempted_by)
 
     def _end_of_run(self, start_step: int, last: int) -> dict:
         """The last step (max_steps, or where early stopping stopped) is saved already;
@@ -152,7 +159,8 @@ class Trainer:
         with watch("save", last):
             self.checkpointer.finish()  # the last checkpoint is on disk before anything reports done
         with watch("final-eval", last):
-            last_eval = self.last_eval[1] if self.last_eval and self.last_eval[0] == last else self._validate(last)
+            evaluated = self.state.last_eval
+            last_eval = evaluated[1] if evaluated and evaluated[0] == last else self._validate(last)
         if self.cfg.checkpoint.load_best_at_end and self.selection.step not in (None, last):
             with watch("load-best", last):
                 self.checkpointer.load_weights(self.selection.step, self.model)
@@ -162,7 +170,7 @@ class Trainer:
         if self.data.test_loader is not None:
             with watch("test-eval", last):
                 test_eval = self.evaluate(self.data.test_loader, self.data.num_test)
-            self.tracker.log(_prefixed("test", test_eval), last)
+            self._run_tracker.log(_prefixed("test", test_eval), last)
         with watch("export", last):
             self.export_final()
         with watch("gather", last):
@@ -185,7 +193,7 @@ class Trainer:
             self.meter.loss(loss)
         self.meter.phase("optimizer")
         self.parallel.gradients_ready()
-        self.injected.gradients_ready(self.model)
+        inject.point("gradients", self.state.step + 1, model=self.model)  # the step in progress
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         grad_norm = None
         if self.cfg.train.max_grad_norm > 0:
@@ -206,9 +214,9 @@ class Trainer:
     def _validate(self, step: int) -> dict[str, float]:
         """Evaluate the validation split, log it, and let the selection see it."""
         results = self.evaluate(self.data.eval_loader, self.data.num_eval)
-        self.tracker.log(_prefixed("eval", results), step)
+        self._run_tracker.log(_prefixed("eval", results), step)
         self.selection.observe(step, results)
-        self.last_eval = (step, results)
+        self.state.last_eval = (step, results)  # a resume at an evaluated step doesn't evaluate it twice
         if self.selection.stop and step < self.policy.max_steps:  # every rank says so: all stop here
             log.warning("early stopping at step %d: %d evaluations without an improvement of %s by more "
                         "than %g; best step %d", step, self.selection.patience, self.selection.metric,
@@ -217,70 +225,26 @@ class Trainer:
 
     # --- checkpoints ------------------------------------------------------------------
 
-    def resume(self) -> int:
-        """The step to continue after: from the latest valid checkpoint, or 0. Sets the wandb
-        run id: the checkpoint's, so a resumed job continues the same wandb run."""
-        path = self.resume_from
-        if path is None:
+    def restore(self) -> int:
+        """The step to continue after: the resume plan's checkpoint loaded into every
+        stateful object, or 0 for a fresh run, which starts output_dir."""
+        plan = self.resume_plan
+        if plan.path is None:
             distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir}", self._start_output_dir)
-            self.run_id, start_step = tracking.new_run_id(), 0
         else:
-            state = self.resumed_state
-            self.checkpointer.load(path, state, self.model, self._training_state(), self.cfg.seed)
-            if self.config_changes:
-                self._apply_optimizer_config()
-            data.check_position(self.data, state.get("data"), state["step"], path)
-            log.info("resumed from %s (step %d, epoch %d)", path, state["step"], state["epoch"])
-            if state["world_size"] != self.dist_env.world_size:
-                log.info("resumed at world size %d from a checkpoint of world size %d: the same global batch of "
-                         "%d, now %d rank(s) x %d micro-batch(es) of %d; each rank's RNGs are seeded from (seed, "
-                         "step, rank)", self.dist_env.world_size, state["world_size"], self.plan.global_batch,
-                         self.dist_env.world_size, self.plan.grad_accum, self.plan.micro_batch)
-            self.run_id, start_step = state["wandb_run_id"], state["step"]
-            self.selection.load_state_dict(state.get("selection", {}))
-            self.last_eval = tuple(state["last_eval"]) if state.get("last_eval") else None
+            assert plan.saved is not None, "a plan with a checkpoint has its saved state"
+            self.checkpointer.load(plan.path, self.states, plan.saved, self.cfg.seed)
+            if plan.accepted_changes:
+                self.scheduler = optim.reconfigure(self.optimizer, self.cfg.train, self.policy.max_steps, plan.step)
+            resume.describe(plan, self.dist_env)
         if self.watchdog.nccl_dump is not None:  # torch writes its dump into this folder blindly
             Path(self.watchdog.nccl_dump).parent.mkdir(parents=True, exist_ok=True)
-        return start_step
+        return plan.step
 
-    def _check_config_changes(self, path: Path, state: dict) -> list[str]:
-        """Refuse a resume whose config would silently change the run; return the changes
-        it accepts (checkpoint.allow_changes, or a longer run), logged. Every rank reads the
-        same file and decides alike, so every rank refuses alone, with no collective."""
-        cfg = self.cfg
-        saved = OmegaConf.load(path / "config.yaml")
-        refused, accepted = config.resume_changes(saved, cfg)
-        global_batch = cfg.train.global_batch
-        if global_batch is not None and global_batch != state["global_batch"]:
-            # Not even with allow_changes: the data position is counted in global batches.
-            refused.append(f"train.global_batch: {state['global_batch']} -> {global_batch} (the data position is "
-                           "counted in global batches: a run keeps its own)")
-        if refused:
-            raise ConfigError(
-                f"checkpoint.resume: {path} was written with another config: {'; '.join(refused)}. Resume with "
-                "the checkpoint's values, accept a change with checkpoint.allow_changes=[KEY,...], or start "
-                "over with checkpoint.resume=never")
-        for change in accepted:
-            log.warning("resuming with a changed config: %s", change)
-        if any(change.startswith(config.EXTENSIBLE) for change in accepted):
-            log.warning("the run's length changed: the LR schedule is rebuilt for the new step count and continues "
-                        "from its value at this step (warmup over train.warmup_ratio of all steps, then linear "
-                        "decay to 0 at the new end; a longer run's lr is above the old schedule's)")
-        return accepted
-
-    def _apply_optimizer_config(self) -> None:
-        """The optimizer's state holds the lr, weight decay and fusion it was saved with; after
-        an accepted change, this run's values (and its schedule's lr at this step) take effect."""
-        train = self.cfg.train
-        for group, lr_lambda in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
-            group.update(initial_lr=train.lr, weight_decay=train.weight_decay, fused=train.fused_adamw,
-                         lr=train.lr * lr_lambda(self.scheduler.last_epoch))
-        self.scheduler.base_lrs = [train.lr for _ in self.optimizer.param_groups]
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
-
-    def _training_state(self) -> dict:
-        """What a checkpoint holds beside the model, for an exact resume."""
-        return {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
+    @property
+    def states(self) -> dict:
+        """What a checkpoint holds (checkpoint.Stateful)."""
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "train": self.state}
 
     def _start_output_dir(self) -> None:
         # Through any link first: in the image, runs/ links to /workspace/runs, which a fresh
@@ -288,27 +252,12 @@ class Trainer:
         Path(os.path.realpath(self.output_dir)).mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(config.to_yaml(self.cfg))
 
-    def save(self, step: int, epoch: int) -> None:
-        state = {
-            "step": step,
-            "epoch": epoch,
-            "step_in_epoch": step - epoch * self.data.steps_per_epoch,
-            "samples_seen": step * self.plan.global_batch,
-            "data": data.position(self.data, step),  # the global position, and its ledger
-            "world_size": self.dist_env.world_size,
-            "global_batch": self.plan.global_batch,
-            "micro_batch": self.plan.micro_batch,
-            "grad_accum": self.plan.grad_accum,
-            "wandb_run_id": self.run_id,
-            "selection": self.selection.state_dict(),
-            "last_eval": self.last_eval,  # a resume at an evaluated step doesn't evaluate it twice
-        }
+    def save(self) -> None:
         started = time.perf_counter()
-        self.checkpointer.save(step, self.model, self._training_state(), state, config.to_yaml(self.cfg),
-                               keep_also=self.selection.step)
+        self.checkpointer.save(self.state.step, self.states, config.to_yaml(self.cfg), keep_also=self.selection.step)
         # What training paused for (every rank waits for rank 0's snapshot or write);
         # benchmarks/RESULTS.md puts it against the default checkpoint interval.
-        self.tracker.log({"checkpoint/save_s": time.perf_counter() - started}, step)
+        self._run_tracker.log({"checkpoint/save_s": time.perf_counter() - started}, self.state.step)
 
     def export_final(self) -> None:
         """output_dir/final: save_pretrained model and tokenizer, loadable by plain transformers.
@@ -330,8 +279,7 @@ class Trainer:
         """What a failed step tells the user: the step, the error, every peer's state and
         this rank's stacks. Each rank reports for itself, so every local rank's stacks land
         in the log even when only one of them hit the timeout."""
-        first_line = (str(error).splitlines() or [""])[0]
-        self.watchdog.report(f"step {self.watchdog.step} failed: {type(error).__name__}: {first_line}")
+        self.watchdog.report(f"step {self.watchdog.step} failed: {type(error).__name__}: {one_line(error)}")
 
     def close(self, exit_code: int) -> None:
         """On every exit path: nothing this rank started may outlive it, or hold its exit."""
@@ -351,7 +299,7 @@ class Trainer:
             "training %s on %s (%s): world size %d, global batch %d (per rank %d x %d micro-batches), %d steps "
             "(%d per epoch), precision %s, attention %s, peak %s (%s)",
             cfg.model.name, self.device, distributed.backend(self.dist_env), self.dist_env.world_size,
-            self.plan.global_batch, self.plan.micro_batch, self.plan.grad_accum, self.policy.max_steps,
+            self.batch.global_batch, self.batch.micro_batch, self.batch.grad_accum, self.policy.max_steps,
             self.data.steps_per_epoch,
             str(self.amp_dtype).removeprefix("torch."), self.model.config._attn_implementation, peak,
             self.peak_source,
@@ -368,10 +316,11 @@ class Trainer:
                  ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in phases.items()))
 
     def _log(self, step: int, epoch: int) -> None:
-        window = self.meter.take_window(epoch, self.scheduler.get_last_lr()[0])
+        lr = cast(float, self.scheduler.get_last_lr()[0])  # a Tensor only for a Tensor lr; train.lr is a float
+        window = self.meter.take_window(epoch, lr)
         if self.scaler.is_enabled():  # fp16: a falling scale means overflowing gradients, skipped steps
             window["loss_scale"] = self.scaler.get_scale()
-        self.tracker.log(window, step)
+        self._run_tracker.log(window, step)
         log.info("%s", self.meter.log_line(step, window))
 
     def _summarize(self, start_step: int, last: int, last_eval: dict, test_eval: dict | None, totals: dict) -> dict:
@@ -386,16 +335,16 @@ class Trainer:
             "resumed_from_step": start_step,
             "epochs": round(last / self.data.steps_per_epoch, 3),
             "world_size": self.dist_env.world_size,
-            "global_batch": self.plan.global_batch,
+            "global_batch": self.batch.global_batch,
             **totals,
             "first_step_end_unix": self.first_step_end_unix,
             "startup_s": self.startup.phases(),
             "checkpoint_write_s": self.checkpointer.write_seconds,
             "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),
-            "wandb_run_id": self.run_id,
+            "wandb_run_id": self.state.run_id,
             "hosts": sorted(set(distributed.all_gather(self.dist_env, _hostname()))),
         }
-        self.tracker.summary(summary)
+        self._run_tracker.summary(summary)
         log.info("done: accuracy %.4f, macro F1 %.4f", last_eval["accuracy"], last_eval["f1_macro"])
         return summary
 

@@ -8,17 +8,19 @@ This is the bare model: checkpoints, evaluation and the final export use it, so 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from omegaconf import DictConfig
-from torch import nn
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, one_line
+
+if TYPE_CHECKING:  # transformers is imported where a model is loaded: it is slow to import
+    from transformers import PreTrainedModel
 
 
 def _load_error(name: str, e: Exception) -> ConfigError:
-    message = " ".join(str(e).strip().split("\n")[0].split())[:300]
-    return ConfigError(f"model.name: {name}: {type(e).__name__}: {message}")
+    return ConfigError(f"model.name: {name}: {type(e).__name__}: {one_line(e)}")
 
 
 def from_hub(model_cfg: DictConfig) -> bool:
@@ -45,7 +47,7 @@ def load_tokenizer(model_cfg: DictConfig):
     return tokenizer
 
 
-def check_max_length(model_cfg: DictConfig, max_length: int, model: nn.Module, tokenizer) -> None:
+def check_max_length(model_cfg: DictConfig, max_length: int, model: PreTrainedModel, tokenizer) -> None:
     """data.max_length within the model's positions: beyond them the position embedding
     lookup fails on the first sample that long, mid-epoch. The tokenizer's model_max_length
     can be tighter (RoBERTa: 514 embeddings, 512 usable); tokenizers without a limit report 1e30."""
@@ -63,7 +65,7 @@ def attention_for(model_cfg: DictConfig, device: torch.device) -> str:
 
 
 def load_model(model_cfg: DictConfig, num_labels: int, seed: int, device: torch.device,
-               pad_token_id: int) -> nn.Module:
+               pad_token_id: int) -> PreTrainedModel:
     """The bare classifier on `device`. Seeded, so the new head is the same in every process
     and run. `pad_token_id` is the tokenizer's: a decoder-only classifier (GPT-2, Llama)
     reads each row's logits at its last token that is not a pad, and without the id it
@@ -87,12 +89,20 @@ def load_model(model_cfg: DictConfig, num_labels: int, seed: int, device: torch.
         raise _load_error(model_cfg.name, e) from None
 
 
-def set_label_names(model: nn.Module, names: list[str] | None) -> None:
+def set_label_names(model: PreTrainedModel, names: list[str] | None) -> None:
     """id2label/label2id in the model's config, and so in the exported final/: a
     `transformers` pipeline on it then answers with names, not LABEL_3."""
     if names is not None:
         model.config.id2label = dict(enumerate(names))
         model.config.label2id = {name: i for i, name in enumerate(names)}
+
+
+def config_label_names(model: PreTrainedModel, num_labels: int) -> list[str]:
+    """The class names in the model's config, in id order; LABEL_i for an id it lacks."""
+    # A loaded config's id2label has int keys (transformers converts config.json's strings),
+    # and a classifier's config always has one; the attribute's type admits both and None.
+    id2label = cast("dict[int, str]", model.config.id2label)
+    return [id2label.get(i, f"LABEL_{i}") for i in range(num_labels)]
 
 
 def trained_folder(cfg: DictConfig, source: str) -> Path:
@@ -113,7 +123,7 @@ def trained_folder(cfg: DictConfig, source: str) -> Path:
     return path
 
 
-def load_trained(cfg: DictConfig, folder: Path, device: torch.device) -> tuple[nn.Module, object]:
+def load_trained(cfg: DictConfig, folder: Path, device: torch.device) -> tuple[PreTrainedModel, object]:
     """(model, tokenizer) from a `trained_folder`, in eval mode. A model folder has its own
     tokenizer and config; a checkpoint's weights go into the architecture and tokenizer that
     model.name gives, as in training."""

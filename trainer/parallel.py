@@ -9,7 +9,9 @@ measures exposed communication, and the sparse embedding gradient on CPU.
 from __future__ import annotations
 
 import inspect
+import time
 from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,9 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.data import BatchPlan
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
-from trainer.metrics import CommClock
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class SparseEmbeddingGrad:
@@ -39,7 +43,7 @@ class SparseEmbeddingGrad:
         self.written_rows = torch.zeros(0, dtype=torch.long, device=self.weight.device)
 
     @classmethod
-    def maybe(cls, model: nn.Module, cfg: DictConfig, device: torch.device) -> "SparseEmbeddingGrad | None":
+    def maybe(cls, model: PreTrainedModel, cfg: DictConfig, device: torch.device) -> SparseEmbeddingGrad | None:
         embedding = model.get_input_embeddings()
         if cfg.ddp.sparse_embedding_grad and device.type == "cpu" and isinstance(embedding, nn.Embedding):
             return cls(embedding)
@@ -103,6 +107,8 @@ def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.de
         wrapped: nn.Module = nn.DataParallel(model) if torch.cuda.device_count() > 1 else model
     elif dist_env.is_distributed:
         ddp = cfg.ddp
+        # Buffers (position ids) never change: no broadcast before each forward.
+        no_buffer_sync: dict[str, Any] = {_FORWARD_SYNC_BUFFERS: False}
         wrapped = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
@@ -112,22 +118,51 @@ def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.de
             # Every parameter of a sequence classifier gets a gradient; searching for unused
             # ones costs a graph traversal per step.
             find_unused_parameters=False,
-            # Buffers (position ids) never change: no broadcast before each forward.
-            **{_FORWARD_SYNC_BUFFERS: False},
+            **no_buffer_sync,
         )
     else:
         wrapped = model
     if cfg.train.compile:
-        wrapped = torch.compile(wrapped)
+        wrapped = cast(nn.Module, torch.compile(wrapped))  # of a Module: an OptimizedModule, a Module
     return wrapped
 
 
+class CommClock:
+    """A DDP comm hook: the default all-reduce, noting when each bucket became ready.
+
+    The last bucket is ready when backward's compute is done, so whatever backward() still
+    takes after that is communication that did not overlap with compute (exposed). Exact
+    on CPU, where backward() blocks until the all-reduce ends. On GPU the host runs ahead
+    of the kernels, and the wait shows up in the next phase that synchronizes. Its times
+    are time.perf_counter's, the clock of the Meter's phases.
+    """
+
+    def __init__(self, allreduce_hook) -> None:
+        self.allreduce_hook = allreduce_hook
+        self.last_ready: float | None = None
+
+    @classmethod
+    def attach(cls, ddp: torch.nn.parallel.DistributedDataParallel) -> CommClock:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        clock = cls(allreduce_hook)
+        ddp.register_comm_hook(None, clock._hook)
+        return clock
+
+    def _hook(self, process_group, bucket):
+        self.last_ready = time.perf_counter()
+        return self.allreduce_hook(process_group, bucket)
+
+    def take(self) -> float | None:
+        """When the last bucket of the latest backward became ready (None without one)."""
+        taken, self.last_ready = self.last_ready, None
+        return taken
 
 
 class Parallel:
     """The model as the training step runs it on this rank."""
 
-    def __init__(self, model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.device,
+    def __init__(self, model: PreTrainedModel, cfg: DictConfig, dist_env: DistEnv, device: torch.device,
                  amp_dtype: torch.dtype):
         # Before DDP is built: DDP reads `sparse` to put the embedding's gradient in its own bucket.
         self.sparse_embedding = SparseEmbeddingGrad.maybe(model, cfg, device)

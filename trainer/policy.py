@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Union
+from typing import Literal
 
 from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
-Interval = Union[int, str]
+Interval = int | Literal["epoch"]
 """A step count (0: never during the run) or "epoch": at the end of each epoch."""
 
 
@@ -35,7 +35,7 @@ class Policy:
     """With a best_metric: the best checkpoint must exist, whichever eval turns out best."""
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, steps_per_epoch: int) -> "Policy":
+    def from_config(cls, cfg: DictConfig, steps_per_epoch: int) -> Policy:
         train = cfg.train
         max_steps = train.max_steps if train.max_steps is not None else train.epochs * steps_per_epoch
         return cls(max_steps, steps_per_epoch, train.log_every, train.eval_every, cfg.checkpoint.every,
@@ -57,7 +57,7 @@ class Policy:
         return (self._due(self.save_every, step) or step == self.max_steps
                 or (self.save_at_every_eval and self.evaluate(step)))
 
-    def stop_early(self, step: int, preempted_by: str | None) -> bool:
+    def stop_for_preemption(self, step: int, preempted_by: str | None) -> bool:
         """Stop before max_steps: the ranks agreed that one of them got a preemption signal."""
         return preempted_by is not None and step < self.max_steps
 
@@ -85,7 +85,7 @@ class Selection:
     evals_without_improvement: int = 0
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> "Selection":
+    def from_config(cls, cfg: DictConfig) -> Selection:
         ckpt, train = cfg.checkpoint, cfg.train
         return cls(ckpt.best_metric, ckpt.best_mode != "min", train.early_stopping_patience,
                    train.early_stopping_threshold)

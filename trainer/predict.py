@@ -11,11 +11,12 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 from omegaconf import DictConfig
 
-from trainer import data, distributed, evaluation
+from trainer import data, distributed, evaluation, model
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError, DataError
 
@@ -45,8 +46,7 @@ def read_rows(path: Path, data_cfg: DictConfig) -> list[dict[str, str]]:
                         rows.append(_fields(path, line_no, _json_object(path, line_no, line), fields))
             else:
                 reader = csv.DictReader(f)
-                for record in reader:
-                    rows.append(_fields(path, reader.line_num, record, fields))
+                rows += [_fields(path, reader.line_num, record, fields) for record in reader]
     except UnicodeDecodeError as e:
         raise DataError(f"input: {path}: not UTF-8 text: {e.reason} at byte {e.start}") from None
     except csv.Error as e:
@@ -82,9 +82,13 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path, 
     end = len(rows) * (dist_env.rank + 1) // dist_env.world_size
     probs = _probabilities(cfg, tokenizer, logits_of, rows[start:end], device)
     shards = distributed.gather_to_rank_zero(dist_env, probs)
-    names = [trained.config.id2label.get(i, f"LABEL_{i}") for i in range(cfg.data.num_labels)]
-    distributed.rank_zero_does(dist_env, f"output: {output}",
-                               lambda: write(output, [p for shard in shards for p in shard], names))
+    names = model.config_label_names(trained, cfg.data.num_labels)
+
+    def write_all() -> None:
+        assert shards is not None, "rank_zero_does runs this on rank 0, which gathered the shards"
+        write(output, [p for shard in shards for p in shard], names)
+
+    distributed.rank_zero_does(dist_env, f"output: {output}", write_all)
 
 
 def _probabilities(cfg: DictConfig, tokenizer, logits_of, rows: list[dict[str, str]], device) -> list[list[float]]:
@@ -102,9 +106,9 @@ def _probabilities(cfg: DictConfig, tokenizer, logits_of, rows: list[dict[str, s
     for begin in range(0, len(order), size):
         indices = order[begin:begin + size]
         batch = {k: v.to(device) for k, v in collate([features[i] for i in indices]).items()}
-        for i, p in zip(indices, torch.softmax(logits_of(**batch).float(), dim=-1).cpu().tolist()):
+        for i, p in zip(indices, torch.softmax(logits_of(**batch).float(), dim=-1).cpu().tolist(), strict=True):
             probs[i] = p
-    return probs
+    return cast("list[list[float]]", probs)  # every slot is filled: `order` is a permutation of the rows
 
 
 def write(path: Path, probs: list[list[float]], names: list[str]) -> None:
@@ -114,11 +118,11 @@ def write(path: Path, probs: list[list[float]], names: list[str]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", newline="", encoding="utf-8") as f:
         if file_format("output", path) == "jsonl":
-            for row, (label, p) in enumerate(zip(labels, probs)):
+            for row, (label, p) in enumerate(zip(labels, probs, strict=True)):
                 f.write(json.dumps({"row": row, "label": label, "label_name": names[label], "probs": p}) + "\n")
         else:
             writer = csv.writer(f)
             writer.writerow(["row", "label", "label_name", *(f"prob_{i}" for i in range(len(names)))])
             writer.writerows([row, label, names[label], *map(repr, p)]
-                             for row, (label, p) in enumerate(zip(labels, probs)))
+                             for row, (label, p) in enumerate(zip(labels, probs, strict=True)))
     tmp.replace(path)

@@ -6,7 +6,7 @@ pyproject.toml. It behaves like c10d, with two differences:
   instead of a bare `RendezvousTimeoutError` after ten silent minutes;
 - each rendezvous round gets a fresh worker store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
   With torchrun's shared one, workers it restarts can read their dead predecessors'
-  addresses and fail again until --max-restarts runs out (README, "Elastic restarts").
+  addresses and fail again until --max-restarts runs out (docs/faults.md, "Elastic restarts").
   Every multi-node launcher (Slurm, compose, the tests) goes through this plugin, so this is
   the one place the switch is set.
 """

@@ -14,9 +14,9 @@ import logging
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from trainer import distributed
+from trainer import config, distributed
 from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Tracker:
             id=run_id,
             resume="allow",  # the same id after a restart continues the same run
             dir=str(self.output_dir),
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=config.to_dict(cfg),
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False),
         )
 
@@ -86,7 +86,7 @@ class Tracker:
         tmp = self.output_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, self.output_dir / "summary.json")
-        self._to_wandb(lambda run: run.summary.update(_flatten(summary)))
+        self._to_wandb(lambda run: run.summary.update(config.flatten(summary)))
 
     def close(self, exit_code: int = 0) -> None:
         self._to_wandb(lambda run: run.finish(exit_code=exit_code))
@@ -104,17 +104,7 @@ class Tracker:
             return
         try:
             send(self._wandb_run)
-        except Exception as e:
+        except Exception as e:  # wandb's service may die in any way; training goes on  # noqa: BLE001
             log.warning("wandb: run %s lost its service (%s: %s); continuing without wandb, "
                         "metrics.jsonl has every step", self._wandb_run.id, type(e).__name__, e)
             self._wandb_run = None
-
-
-def _flatten(nested: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in nested.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

@@ -1,0 +1,80 @@
+"""The speed figures in the trainer's own logs add up: step-time phases to the measured step
+time, tokens/s to the real tokens of the batches, start-up phases to launch-to-first-step.
+
+Speed itself is measured by `python -m benchmarks`, not here: these check the accounting.
+"""
+
+import json
+import time
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import run, tiny_overrides, trainer_command
+from support import read_metrics, read_summary
+from trainer.config import Config
+from trainer.data import GlobalBatchSampler
+from trainer.distributed import DistEnv
+
+STEPS, LOG_EVERY, PER_RANK = 8, 4, 8
+PHASES = ["data", "forward", "backward", "comm", "optimizer"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tiny_model, reviews, tmp_path_factory):
+    out = tmp_path_factory.mktemp("perf")
+    overrides = tiny_overrides(tiny_model, reviews, out, **{
+        "train.batch_size": PER_RANK, "train.max_steps": STEPS, "train.log_every": LOG_EVERY, "checkpoint.every": 4,
+    })
+    launched = time.time()
+    result = run(trainer_command(overrides, nproc=2))
+    assert result.returncode == 0, result.output[-6000:]
+    return launched, result.output, read_metrics(out), read_summary(out)
+
+
+def test_step_phases_cover_the_step(two_rank_run):
+    _, output, records, _ = two_rank_run
+    windows = [r for r in records if "samples_per_s" in r]
+    assert [w["step"] for w in windows] == [4, 8]
+    for window in windows:
+        assert sorted(k for k in window if k.startswith("time/")) == sorted(f"time/{p}_s" for p in PHASES)
+        step_s = 2 * PER_RANK / window["samples_per_s"]
+        phases_s = sum(window[f"time/{p}_s"] for p in PHASES)
+        # The phases are the step: what is left is the loop's bookkeeping (well under 20%).
+        assert 0.8 * step_s <= phases_s <= step_s, window
+        assert window["time/comm_s"] > 0 and 0 < window["mfu"] < 1
+    assert "ms/step: data" in output and "comm" in output
+    assert "(measured: 1024^3 matmul on cpu)" in output  # where the MFU's peak comes from
+
+
+def test_tokens_per_s_counts_real_tokens(two_rank_run, tiny_model, reviews):
+    """tokens/s x window time == the unpadded tokens of exactly the samples trained on."""
+    _, _, records, _ = two_rank_run
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [json.loads(line) for line in (reviews / "train.jsonl").read_text().splitlines()]
+    lengths = np.array([len(ids) for ids in tokenizer([r["text"] for r in rows], truncation=True,
+                                                       max_length=64)["input_ids"]])
+    # The global order does not depend on the world size: rebuild it in this process.
+    labels = np.zeros(len(lengths), dtype=np.int64)  # the order doesn't read them
+    order = GlobalBatchSampler(lengths, labels, 2 * PER_RANK, DistEnv(), Config().seed,
+                               group_by_length=True).global_order(0)
+    windows = [r for r in records if "samples_per_s" in r]
+    for i, window in enumerate(windows):
+        samples = order[i * LOG_EVERY * 2 * PER_RANK: (i + 1) * LOG_EVERY * 2 * PER_RANK]
+        seconds = LOG_EVERY * 2 * PER_RANK / window["samples_per_s"]
+        assert window["tokens_per_s"] * seconds == pytest.approx(int(lengths[samples].sum()), rel=1e-6)
+
+
+def test_startup_phases_add_up_to_launch_to_first_step(two_rank_run):
+    launched, output, records, summary = two_rank_run
+    phases = summary["startup_s"]
+    assert list(phases) == ["launcher", "imports", "rendezvous", "data", "model", "tokenize", "setup",
+                            "first_step"]
+    assert all(seconds >= 0 for seconds in phases.values())
+    # The launch is torchrun's process start (/proc, 10 ms ticks), just after this test's clock read.
+    assert summary["first_step_end_unix"] - launched - 0.5 <= sum(phases.values()) \
+        <= summary["first_step_end_unix"] - launched + 0.02
+    assert "launch to first step" in output
+    saves = [r for r in records if "checkpoint/save_s" in r]
+    assert [r["step"] for r in saves] == [4, 8] and all(r["checkpoint/save_s"] > 0 for r in saves)

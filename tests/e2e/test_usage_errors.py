@@ -1,0 +1,139 @@
+"""The CLI's contract for a user mistake: one `error:` line naming the key, exit code 2, no
+traceback, nothing written to output_dir, and on every rank, before the rendezvous.
+
+A few mistakes of each kind prove the contract as `python -m trainer` runs: an override, a
+config file, the launcher's environment, the world size; every other mistake of those kinds
+is tests/unit/test_config_errors.py's, checked in process. The mistakes here that only real
+data or a model show are each a run of their own. Each case is a `python -m trainer` process
+of its own, forked from a server that has imported the trainer's dependencies once
+(conftest.usage_run); those that run under torchrun, or train, start afresh.
+"""
+
+import json
+
+import pytest
+
+from conftest import assert_usage_error, previous_run, run, snapshot, tiny_overrides, trainer_command
+from support import read_summary
+
+# (id, extra overrides, text the one-line error must contain)
+BAD_OVERRIDES = [
+    ("unknown-key", ["train.bogus=1"], "train.bogus: unknown key"),  # the config's, for the contract
+    # The tiny model has 128 positions: a longer sample would fail mid-epoch, at the lookup.
+    ("max-length-beyond-positions", ["data.max_length=512"],
+     "data.max_length: 512 is more than the 128 positions of model.name"),
+    ("text-column", ["data.text_field=body"], "data.text_field: column 'body'"),
+    ("labels-out-of-range", ["data.num_labels=3"], "data.num_labels: data.train_split has labels in [0, 4]"),
+    ("missing-split", ["data.eval_split=validation"], "data.eval_split"),
+    ("label-column", ["data.label_field=stars"], "data.label_field: column 'stars'"),
+]
+
+
+@pytest.mark.parametrize("case, extra, expected", BAD_OVERRIDES, ids=[c[0] for c in BAD_OVERRIDES])
+def test_bad_override(usage_run, tiny_model, reviews, tmp_path, case, extra, expected):
+    out = tmp_path / "run"
+    before = previous_run(out)
+    result = usage_run(tiny_overrides(tiny_model, reviews, out, **{"train.max_steps": 2}) + extra)
+    assert_usage_error(result, expected)
+    assert snapshot(out) == before
+
+
+GOOD_ROWS = "".join(json.dumps({"text": f"review {i}", "label": i % 5}) + "\n" for i in range(40))
+BAD_DATA = [
+    ("not-json", GOOD_ROWS + "{not json\n", "JSON parse error"),
+    ("empty-file", "", "no rows could be read"),
+    ("negative-label", GOOD_ROWS + json.dumps({"text": "x", "label": -1}) + "\n",
+     "data.num_labels: data.train_split has labels in [-1, 4]"),
+    ("text-labels", GOOD_ROWS.replace('"label": 1}', '"label": "good"}'), "data.label_field: column 'label'"),
+    ("null-text", GOOD_ROWS + json.dumps({"text": None, "label": 1}) + "\n",
+     "data.text_field: column 'text' in data.train_split has a non-text value in row 40: None"),
+]
+
+
+@pytest.mark.parametrize("case, train_rows, expected", BAD_DATA, ids=[c[0] for c in BAD_DATA])
+def test_bad_data_file(usage_run, tiny_model, tmp_path, case, train_rows, expected):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text(train_rows)
+    (data / "test.jsonl").write_text(GOOD_ROWS)
+    out = tmp_path / "run"
+    before = previous_run(out)
+    assert_usage_error(usage_run(tiny_overrides(tiny_model, data, out)), expected)
+    assert snapshot(out) == before
+
+
+def test_bad_config_file(usage_run, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("train: [1, 2\n")
+    assert_usage_error(usage_run([], config=str(config)), "invalid YAML (line 2)")
+
+
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_inconsistent_launcher_environment(usage_run, tiny_model, reviews, tmp_path):
+    """Never a silent world of one: a half-set environment is refused before any rendezvous."""
+    out = tmp_path / "run"
+    result = usage_run(tiny_overrides(tiny_model, reviews, out), env={"RANK": "0", "WORLD_SIZE": "2"})
+    assert_usage_error(result, "environment: RANK, WORLD_SIZE set but LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_every_rank_refuses_granted_gpus_before_the_rendezvous(usage_run, tiny_model, reviews, tmp_path, rank):
+    """Each rank of a torchrun job decides alone, before it would wait for its peers: here
+    with nobody at MASTER_ADDR, a rank that went on to the rendezvous would hang there."""
+    env = {**TORCHRUN_ENV, "RANK": rank, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "9",
+           "CUDA_VISIBLE_DEVICES": "0,1"}
+    result = usage_run(tiny_overrides(tiny_model, reviews, tmp_path / "run"), env=env, timeout=60)
+    assert_usage_error(result, "train.device: CUDA_VISIBLE_DEVICES=0,1 grants this job GPUs")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_global_batch_the_world_size_cannot_split_is_refused_before_the_rendezvous(usage_run, tiny_model, reviews,
+                                                                                      tmp_path):
+    """Rank 2 of 3, with nobody at MASTER_ADDR: a rank that went on to the rendezvous would
+    hang there. 16 samples per step can't be dealt evenly to 3 ranks."""
+    env = {**TORCHRUN_ENV, "RANK": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3", "WORLD_SIZE": "3",
+           "MASTER_PORT": "9"}
+    result = usage_run(tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"train.global_batch": 16}), env=env,
+                       timeout=60)
+    assert_usage_error(result, "train.global_batch: 16 samples per step cannot be split evenly over world size 3")
+    assert not (tmp_path / "run").exists()
+
+
+def test_cpu_on_purpose_trains_where_gpus_are_granted(tiny_model, reviews, tmp_path):
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{
+        "train.device": "cpu", "dist.backend": "gloo", "train.max_steps": 2}), nproc=None),
+        env={"SLURM_GPUS_ON_NODE": "1", "CUDA_VISIBLE_DEVICES": "0"})
+    assert result.returncode == 0, result.output[-3000:]
+    assert "on cpu (no process group)" in result.output
+
+
+def test_dp_refuses_several_ranks(tiny_model, reviews, tmp_path):
+    """Under torchrun, 2 ranks. Each refuses as it starts, but torchrun ends the other rank
+    as soon as one has exited, maybe before it printed: the line is there once or twice."""
+    out = tmp_path / "run"
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, out, **{"train.strategy": "dp"}), nproc=2))
+    assert result.returncode != 0
+    assert result.output.count("error: train.strategy: dp (nn.DataParallel) runs in one process") in (1, 2), \
+        result.output[-3000:]
+    assert not out.exists()
+
+
+def test_check_prints_resolved_config(usage_run, tiny_model, reviews, tmp_path):
+    result = usage_run(tiny_overrides(tiny_model, reviews, tmp_path, **{"train.lr": 3e-4}), command="check",
+                       config="configs/demo.yaml")
+    assert result.returncode == 0, result.output
+    assert "lr: 0.0003" in result.output and f"name: {tiny_model}" in result.output
+    assert "${" not in result.output  # interpolations are resolved
+    assert not tmp_path.joinpath("config.yaml").exists()
+
+
+def test_strategy_dp_single_process_trains(tiny_model, reviews, tmp_path):
+    """dp runs in one process (nn.DataParallel on 2+ GPUs; the bare model on CPU)."""
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{"train.strategy": "dp",
+                                                                                 "train.max_steps": 3}), nproc=None))
+    assert result.returncode == 0, result.output[-3000:]
+    assert read_summary(tmp_path)["world_size"] == 1

@@ -1,0 +1,82 @@
+"""What tests of every tier do alike: read a run's outputs, wait against a deadline, and end a
+process group. Plain functions, no fixtures (those are conftest.py's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+
+def read_summary(output_dir: Path) -> dict:
+    """The run's summary.json: what rank 0 writes once the run has ended."""
+    return json.loads((Path(output_dir) / "summary.json").read_text())
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl, one record per line, in the order written."""
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_for(predicate, timeout: float, what, procs: dict[str, subprocess.Popen] | None = None,
+             interval: float = 0.2):
+    """Poll until `predicate()` returns something truthy, and return it. Fails at `timeout`
+    saying `what` it waited for (a string, or a callable that describes the state then), and
+    fails early if one of `procs` has already exited."""
+    deadline = time.monotonic() + timeout
+    while not (found := predicate()):
+        if procs and any(p.poll() is not None for p in procs.values()):
+            raise AssertionError(f"a process exited while waiting for {_text(what)}: "
+                                 f"{ {name: p.returncode for name, p in procs.items()} }")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {_text(what)}")
+        time.sleep(interval)
+    return found
+
+
+def _text(what) -> str:
+    return what() if callable(what) else what
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """The exit codes of `procs` in order, all waited for against one deadline `timeout`
+    seconds from now; None for each still running then (left running)."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    return codes
+
+
+def killpg(pgid: int) -> None:
+    """SIGKILL the process group `pgid` (a process started with start_new_session=True has
+    its pid as its group's), if anything of it is left."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group and every descendant: torchrun starts each worker in a
+    session of its own, and a hung worker would hold the output pipe open forever."""
+    descendants = []
+    if proc.poll() is None:  # once it is reaped, its pid may be another process's
+        try:
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    killpg(proc.pid)
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -1,0 +1,170 @@
+"""docker-compose.yml: valid Compose, two one-GPU nodes, and a job that really runs.
+
+podman-compose merges and interpolates the files, and the merged file is validated against
+the Compose Specification's schema. The CPU variant then runs under `podman-compose up` in two
+real containers of our image, as the file's header tells users to, with one test-only
+override: each service joins a network namespace of tests/netns.py, named as on a compose
+network (podman-compose would otherwise create a bridge network, which adds firewall rules
+to this machine).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from conftest import REPO
+from image import APP_TAG
+from netns import Network
+from support import read_summary
+from users import UID
+
+SCHEMA = jsonschema.Draft7Validator(json.loads((REPO / "tests/schemas/compose-spec.json").read_text()))
+PODMAN_COMPOSE = Path(sys.executable).with_name("podman-compose")
+CPU = ("docker-compose.yml", "docker-compose.cpu.yml")
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """`config` prints the x- fragments as written, `!reset` tags and all."""
+
+
+ConfigLoader.add_constructor("!reset", lambda loader, node: None)
+
+
+def compose(*files: str) -> dict:
+    """The files merged and interpolated, as podman-compose will run them."""
+    argv = [PODMAN_COMPOSE, *[arg for name in files for arg in ("-f", REPO / name)], "config"]
+    config = yaml.load(subprocess.run(argv, capture_output=True, text=True, check=True).stdout, Loader=ConfigLoader)
+    SCHEMA.validate(config)
+    return config
+
+
+def gpu_devices(service: dict) -> list[dict]:
+    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+def option(command: list[str], name: str) -> str:
+    (value,) = [arg.split("=", 1)[1] for arg in command if arg.startswith(f"{name}=")]
+    return value
+
+
+def test_compose_files_are_valid_and_describe_two_one_gpu_nodes():
+    gpu = compose("docker-compose.yml")
+    assert set(gpu["services"]) == {"node0", "node1"}
+    device_ids = []
+    for service in gpu["services"].values():
+        (device,) = gpu_devices(service)
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        assert len(device["device_ids"]) == 1 and "count" not in device
+        device_ids += device["device_ids"]
+        command = service["command"]
+        assert command[0] == "torchrun" and option(command, "--nnodes") == "2"
+        assert option(command, "--nproc-per-node") == "1"  # one process per reserved GPU
+        assert option(command, "--rdzv-backend") == "trainer-c10d"
+        assert option(command, "--rdzv-conf") == "join_timeout=300"
+        assert option(command, "--rdzv-endpoint").split(":")[0] == "node0"
+        assert service["shm_size"] or service.get("ipc") == "host"
+        assert any(volume.startswith("runs:") for volume in service["volumes"])
+    assert len(set(device_ids)) == 2, "each node needs its own GPU"
+
+    cpu = compose(*CPU)
+    assert set(cpu["services"]) == {"node0", "node1"}
+    assert all(not gpu_devices(service) for service in cpu["services"].values())
+    for name in ("node0", "node1"):  # the CPU variant changes nothing but the GPU request
+        gpu_service, cpu_service = gpu["services"][name], cpu["services"][name]
+        # The CUDA base image asks the NVIDIA runtime for every GPU (NVIDIA_VISIBLE_DEVICES=all).
+        assert cpu_service["environment"] == {**gpu_service["environment"], "NVIDIA_VISIBLE_DEVICES": "void"}
+        assert {**gpu_service, "deploy": None, "environment": None} == \
+            {**cpu_service, "deploy": None, "environment": None}
+
+
+def test_compose_rejects_what_compose_rejects():
+    """The validation above can fail: Compose's schema refuses an unknown service key."""
+    config = compose("docker-compose.yml")
+    config["services"]["node0"]["gpus_per_node"] = 1
+    with pytest.raises(jsonschema.ValidationError, match="gpus_per_node"):
+        SCHEMA.validate(config)
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen
+    project: str
+    files: list
+    started: float
+
+
+def compose_up(engine, network: Network, tmp: Path, services: dict | None = None) -> Up:
+    """Start `podman-compose up --abort-on-container-exit --exit-code-from node0` of the CPU
+    variant, each service on its host of `network` (and `services` merged over it), as its
+    own project; `ended` waits for it."""
+    override = {"x-podman": {"in_pod": False}, "services": {
+        name: {"network_mode": f"ns:/run/netns/{network.namespaces[name]}", "cpuset": network.cpus[name],
+               "extra_hosts": [f"{host}:{network.addresses[host]}" for host in network.namespaces],
+               **(services or {}).get(name, {})}
+        for name in network.namespaces}}
+    (tmp / "docker-compose.test.yml").write_text(yaml.safe_dump(override))
+    project = f"{tmp.name}-{engine.run_dir.name}".lower()
+    files = [arg for name in CPU for arg in ("-f", REPO / name)] + ["-f", tmp / "docker-compose.test.yml"]
+    proc = subprocess.Popen([PODMAN_COMPOSE, "-p", project, *files, "up", "--no-build", "--abort-on-container-exit",
+                             "--exit-code-from", "node0"], env={**engine.env, "TRAINER_IMAGE": APP_TAG},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return Up(proc, project, files, time.monotonic())
+
+
+def ended(engine, up: Up) -> tuple[int, str, float, Path]:
+    """The exit code, the output, the seconds it took and the `runs` volume's folder; the
+    project's containers are removed."""
+    try:
+        output, _ = up.proc.communicate(timeout=400)
+        elapsed = time.monotonic() - up.started
+        volume = engine("volume", "inspect", "--format", "{{.Mountpoint}}", f"{up.project}_runs").stdout.strip()
+        return up.proc.returncode, output, elapsed, Path(volume)
+    finally:
+        up.proc.kill()
+        subprocess.run([PODMAN_COMPOSE, "-p", up.project, *up.files, "down", "--timeout=0"], env=engine.env,
+                       capture_output=True)
+
+
+def test_compose_cpu_variant_runs_a_two_node_job_and_a_node_that_cannot_join_ends_it(engine, app_image, tmp_path):
+    """The CPU variant as shipped: two containers, node0 and node1, complete the job with world
+    size 2, written to the shared `runs` volume by the image's user.
+
+    At the same time, the same files with node1's rendezvous pointed at itself (a wrong
+    endpoint): node1 gives up after its join timeout, and --abort-on-container-exit stops
+    node0, which would otherwise wait 300 s for a peer that never comes; the command's exit
+    code says the job failed. (Side by side because that pair never gets past its torchrun
+    agents' rendezvous: it costs the other job next to nothing.)"""
+    command = compose(*CPU)["services"]["node1"]["command"]
+    join_timeout = 8
+    wrong = [{"--rdzv-endpoint=node0:29500": "--rdzv-endpoint=node1:29500",
+              "--rdzv-conf=join_timeout=300": f"--rdzv-conf=join_timeout={join_timeout}"}.get(arg, arg)
+             for arg in command]
+    assert wrong != command
+    (tmp_path / "good").mkdir()
+    (tmp_path / "bad").mkdir()
+    with Network({"node0": [], "node1": []}) as network, Network({"node0": [], "node1": []}) as other:
+        good = compose_up(engine, network, tmp_path / "good")
+        bad = compose_up(engine, other, tmp_path / "bad", {"node1": {"command": wrong}})
+        try:
+            code, output, elapsed, _ = ended(engine, bad)
+        finally:
+            good_code, good_output, _, runs = ended(engine, good)
+        assert code != 0, output[-5000:]
+        assert f"{join_timeout}s: 1 of 2 nodes arrived" in output, output[-5000:]
+        assert elapsed < 120, f"took {elapsed:.0f}s"
+
+        assert good_code == 0, good_output[-5000:]
+        assert (runs / "smoke/summary.json").stat().st_uid == UID  # the image's user, not root
+        summary = read_summary(runs / "smoke")
+    assert summary["world_size"] == 2
+    assert sorted(summary["hosts"]) == ["node0", "node1"]
+    assert summary["steps"] == 12

@@ -1,0 +1,173 @@
+"""The Checkpointer on a temp dir, in-process: save, verify, prune, choose, load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainer import checkpoint
+from trainer.checkpoint import Checkpointer, verify
+from trainer.distributed import DistEnv
+from trainer.errors import CheckpointError, ConfigError
+
+
+class Position:
+    """A stand-in for the train state: JSON in, JSON out."""
+
+    def __init__(self, step: int = 0, world_size: int = 1):
+        self.step, self.world_size, self.loaded = step, world_size, None
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("poisoned"):
+            raise CheckpointError("the data position does not reproduce")
+        self.loaded = state
+
+
+def make_states(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "train": Position()}
+
+
+def train_one_step(states: dict) -> None:
+    states["model"](torch.ones(3, 4)).sum().backward()
+    states["optimizer"].step()
+    states["scheduler"].step()
+    states["optimizer"].zero_grad()
+    states["train"].step += 1
+
+
+def save_steps(ckpt: Checkpointer, states: dict, steps, keep_also=None) -> None:
+    for step in steps:
+        states["train"].step = step
+        ckpt.save(step, states, "seed: 1\n", keep_also=keep_also)
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Checkpointer:
+    return Checkpointer(str(tmp_path), keep=2, dist_env=DistEnv())
+
+
+def steps_on_disk(ckpt: Checkpointer) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in ckpt.root.glob("step-*"))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_then_load_restores_every_state(tmp_path, async_save):
+    ckpt = Checkpointer(str(tmp_path), keep=3, dist_env=DistEnv(), async_save=async_save)
+    states = make_states()
+    train_one_step(states)
+    ckpt.save(1, states, "seed: 1\n")
+    ckpt.finish()
+    path = ckpt.root / "step-1"
+    assert verify(path) is None
+    assert sorted(p.name for p in path.iterdir()) == sorted([*checkpoint.FILES, checkpoint.MARKER])
+
+    fresh = make_states(seed=1)
+    assert not torch.equal(fresh["model"].weight, states["model"].weight)
+    ckpt.load(path, fresh, checkpoint.read_state(path), seed=0)
+    for name in ("weight", "bias"):
+        assert torch.equal(getattr(fresh["model"], name), getattr(states["model"], name))
+    assert fresh["scheduler"].last_epoch == 1
+    assert torch.equal(fresh["optimizer"].state_dict()["state"][0]["exp_avg"],
+                       states["optimizer"].state_dict()["state"][0]["exp_avg"])
+    assert fresh["train"].loaded == {"step": 1, "world_size": 1}
+
+
+def test_rng_restored_at_the_same_world_size_and_reseeded_at_another(ckpt):
+    states = make_states()
+    save_steps(ckpt, states, [3])
+    expected = torch.rand(4)  # the stream right after the save
+    path = ckpt.root / "step-3"
+    torch.manual_seed(1234)
+    ckpt.load(path, make_states(), checkpoint.read_state(path), seed=7)
+    assert torch.equal(torch.rand(4), expected)
+
+    other_world = {**checkpoint.read_state(path), "world_size": 2}
+    ckpt.load(path, make_states(), other_world, seed=7)
+    reseeded = torch.rand(4)
+    checkpoint.reseed_rngs(7, 3, 0)
+    assert torch.equal(torch.rand(4), reseeded)
+    assert not torch.equal(reseeded, expected)
+
+
+def test_a_train_state_that_refuses_names_the_checkpoint(ckpt):
+    states = make_states()
+    save_steps(ckpt, states, [2])
+    path = ckpt.root / "step-2"
+    with pytest.raises(CheckpointError, match=rf"^checkpoint.resume: {path}: the data position does not reproduce"):
+        ckpt.load(path, make_states(), {**checkpoint.read_state(path), "poisoned": True}, seed=0)
+
+
+def test_prune_keeps_the_newest_and_the_best(ckpt):
+    states = make_states()
+    save_steps(ckpt, states, [1, 2, 3, 4, 5], keep_also=2)
+    assert steps_on_disk(ckpt) == [2, 4, 5]
+    save_steps(ckpt, states, [6])  # step 2 is no longer the best: pruned
+    assert steps_on_disk(ckpt) == [5, 6]
+
+
+def test_auto_resume_skips_torn_and_corrupt_checkpoints(ckpt, caplog):
+    states = make_states()
+    save_steps(ckpt, states, [1, 2])
+    assert ckpt.find_resume("auto") == ckpt.root / "step-2"
+
+    (ckpt.root / "step-2" / "optimizer.pt").write_bytes(b"garbage")
+    assert verify(ckpt.root / "step-2") == "optimizer.pt does not match its checksum (truncated or corrupted)"
+    assert ckpt.find_resume("auto") == ckpt.root / "step-1"
+    assert "skipping checkpoint" in caplog.text
+
+    (ckpt.root / "step-1" / checkpoint.MARKER).unlink()
+    assert verify(ckpt.root / "step-1") == "no completion marker (the save did not finish)"
+    assert ckpt.find_resume("auto") is None
+    assert ckpt.find_resume("never") is None
+
+
+def test_missing_file_and_unreadable_marker(ckpt):
+    save_steps(ckpt, make_states(), [1])
+    path = ckpt.root / "step-1"
+    (path / "rng.pt").unlink()
+    assert verify(path) == "rng.pt is missing"
+    (path / checkpoint.MARKER).write_text("{")
+    assert verify(path) == "unreadable completion marker"
+
+
+def test_an_explicit_checkpoint_must_verify(ckpt):
+    save_steps(ckpt, make_states(), [1])
+    path = ckpt.root / "step-1"
+    assert ckpt.find_resume(str(path)) == path
+    (path / "state.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"checkpoint.resume: .*step-1: state.json does not match its checksum"):
+        ckpt.find_resume(str(path))
+
+
+def test_saving_an_earlier_step_moves_later_timelines_aside(tmp_path):
+    ckpt = Checkpointer(str(tmp_path), keep=3, dist_env=DistEnv())
+    states = make_states()
+    save_steps(ckpt, states, [1, 2, 3])
+    save_steps(ckpt, states, [2])  # a run resumed from step 1 reaches step 2 again
+    assert steps_on_disk(ckpt) == [1, 2]
+    assert [p.name.split("-")[:3] for p in ckpt.root.glob("abandoned-*")] == [["abandoned", "step", "3"]]
+    assert json.loads((ckpt.root / "step-2" / "state.json").read_text())["step"] == 2
+
+
+def test_a_failed_write_raises_and_keeps_the_previous_checkpoint(ckpt):
+    states = make_states()
+    save_steps(ckpt, states, [1])
+
+    class Unsaveable(Position):
+        def state_dict(self):
+            return {"step": 2, "world_size": 1, "not json": object()}
+
+    states["train"] = Unsaveable()
+    with pytest.raises(CheckpointError, match=r"checkpoint step-2: save failed: TypeError: .*MB free in"):
+        ckpt.save(2, states, "seed: 1\n")
+    assert steps_on_disk(ckpt) == [1]
+    assert not list(ckpt.root.glob(".tmp-*"))

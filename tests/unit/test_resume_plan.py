@@ -1,0 +1,116 @@
+"""The resume plan, in-process: which checkpoint, which config changes, which global batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from trainer import config, resume
+from trainer.checkpoint import Checkpointer
+from trainer.distributed import DistEnv
+from trainer.errors import ConfigError
+
+
+def load(tmp_path, *overrides: str):
+    return config.load(None, ["model.name=org/model", "data.path=org/data", "data.num_labels=2",
+                              f"output_dir={tmp_path}", "train.max_steps=10", *overrides])
+
+
+class SavedPosition:
+    def __init__(self, step: int, global_batch: int, world_size: int = 2):
+        self.saved = {"step": step, "epoch": 0, "world_size": world_size, "global_batch": global_batch}
+
+    def state_dict(self) -> dict:
+        return self.saved
+
+    def load_state_dict(self, state: dict) -> None:
+        raise AssertionError("the plan loads nothing")
+
+
+def checkpointed(tmp_path, *overrides: str, step: int = 4, global_batch: int = 32):
+    """A run's checkpoint at `step`, written with the config these overrides give."""
+    cfg = load(tmp_path, *overrides)
+    model = torch.nn.Linear(2, 2)
+    states = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+              "train": SavedPosition(step, global_batch)}
+    Checkpointer(str(tmp_path), keep=3, dist_env=DistEnv()).save(step, states, config.to_yaml(cfg))
+    return tmp_path / "checkpoints" / f"step-{step}"
+
+
+def plan(tmp_path, *overrides: str, world_size: int = 1) -> resume.ResumePlan:
+    cfg = load(tmp_path, *overrides)
+    env = DistEnv(world_size=world_size)
+    return resume.decide(cfg, env, Checkpointer(cfg.output_dir, cfg.checkpoint.keep, env))
+
+
+def test_a_fresh_run_plans_from_its_config(tmp_path):
+    fresh = plan(tmp_path, "train.batch_size=8", "train.grad_accum=2", world_size=2)
+    assert (fresh.path, fresh.saved, fresh.step, fresh.accepted_changes) == (None, None, 0, [])
+    assert (fresh.batch.global_batch, fresh.batch.micro_batch, fresh.batch.grad_accum) == (32, 8, 2)
+
+
+def test_a_resume_keeps_the_checkpoints_global_batch_at_any_world_size(tmp_path, caplog):
+    path = checkpointed(tmp_path, global_batch=32)
+    resumed = plan(tmp_path, "train.batch_size=8", world_size=2)
+    assert (resumed.path, resumed.step) == (path, 4)
+    assert (resumed.batch.global_batch, resumed.batch.micro_batch, resumed.batch.grad_accum) == (32, 8, 2)
+    assert "the global batch stays the checkpoint's, 32, not train.batch_size x train.grad_accum x world size = 16" \
+        in caplog.text
+    with pytest.raises(ConfigError, match=r"train.global_batch: 32 \(the resumed checkpoint's\) samples per step "
+                                          r"cannot be split evenly over world size 3"):
+        plan(tmp_path, world_size=3)
+
+
+def test_free_keys_change_silently(tmp_path):
+    checkpointed(tmp_path)
+    resumed = plan(tmp_path, "train.log_every=3", "wandb.mode=disabled", "ddp.bucket_cap_mb=5", "train.batch_size=4")
+    assert resumed.accepted_changes == []
+
+
+def test_a_fixed_key_is_refused_in_one_line_naming_old_and_new(tmp_path):
+    path = checkpointed(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        plan(tmp_path, "train.lr=0.001", "seed=7")
+    assert str(refused.value) == (
+        f"checkpoint.resume: {path} was written with another config: seed: 42 -> 7; train.lr: 2e-05 -> 0.001. "
+        "Resume with the checkpoint's values, accept a change with checkpoint.allow_changes=[KEY,...], or start "
+        "over with checkpoint.resume=never")
+
+
+def test_allow_changes_accepts_a_key_or_a_section(tmp_path):
+    checkpointed(tmp_path)
+    accepted = plan(tmp_path, "train.lr=0.001", "data.max_length=64", "checkpoint.allow_changes=[train.lr,data]")
+    assert list(map(str, accepted.accepted_changes)) == ["data.max_length: 128 -> 64", "train.lr: 2e-05 -> 0.001"]
+
+
+def test_a_run_may_grow_but_not_shrink_without_allow_changes(tmp_path):
+    checkpointed(tmp_path)
+    assert plan(tmp_path, "train.max_steps=20").accepted_changes == [("train.max_steps", 10, 20)]
+    with pytest.raises(ConfigError, match="train.max_steps: 10 -> 5"):
+        plan(tmp_path, "train.max_steps=5")
+
+
+def test_the_global_batch_is_refused_even_when_allowed(tmp_path):
+    checkpointed(tmp_path, "train.global_batch=32", global_batch=32)
+    with pytest.raises(ConfigError, match=r"train.global_batch: 32 -> 16 \(the data position is counted in global "
+                                          r"batches: a run keeps its own\)"):
+        plan(tmp_path, "train.global_batch=16", "checkpoint.allow_changes=[train.global_batch]")
+
+
+def test_keys_an_older_schema_lacked_are_not_changes(tmp_path):
+    saved = OmegaConf.create({"train": {"lr": 2e-5}})
+    assert resume.config_changes(saved, load(tmp_path, "train.lr=2e-5")) == ([], [])
+
+
+def test_every_key_says_what_a_resume_may_do_with_it():
+    assert config.RESUME_RULES  # the schema's every leaf
+    assert set(config.RESUME_RULES.values()) == {config.FREE, config.EXTEND, config.FIXED}
+    assert {k for k, rule in config.RESUME_RULES.items() if rule == config.EXTEND} == {"train.max_steps",
+                                                                                       "train.epochs"}
+    with pytest.raises(TypeError, match="resume must be FREE, EXTEND or FIXED"):
+        @dataclasses.dataclass
+        class Undecided:
+            new_key: int = config.key(1)

@@ -1,0 +1,100 @@
+"""MFU's two halves: the model's training FLOPs (`FlopModel`) and the device's peak FLOP/s
+(`peak_flops`: a GPU's from its data sheet, a CPU's from a matmul measured at start-up)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Dense (non-sparse) peak FLOP/s from the vendors' data sheets, by the exact name that
+# torch.cuda.get_device_name() reports: matching by fragment would take an "NVIDIA L40" for
+# an "L4". None: the GPU has no fast kernels in that precision (bf16 before Ampere).
+_GPU_PEAKS: dict[str, tuple[float | None, float, float]] = {  # name: (bf16, fp16, fp32 without TF32)
+    "NVIDIA H200": (989e12, 989e12, 67e12),
+    "NVIDIA H100 80GB HBM3": (989e12, 989e12, 67e12),
+    "NVIDIA H100 NVL": (835e12, 835e12, 60e12),
+    "NVIDIA H100 PCIe": (756e12, 756e12, 51e12),
+    **dict.fromkeys(("NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe",
+                     "NVIDIA A100-PCIE-40GB"), (312e12, 312e12, 19.5e12)),
+    "NVIDIA L40S": (362e12, 362e12, 91.6e12),
+    "NVIDIA L40": (181e12, 181e12, 90.5e12),
+    "NVIDIA L4": (121e12, 121e12, 30.3e12),
+    "NVIDIA A10": (125e12, 125e12, 31.2e12),
+    "NVIDIA A10G": (70e12, 70e12, 31.2e12),
+    **dict.fromkeys(("Tesla V100-SXM2-16GB", "Tesla V100-SXM2-32GB"), (None, 125e12, 15.7e12)),
+    **dict.fromkeys(("Tesla V100-PCIE-16GB", "Tesla V100-PCIE-32GB"), (None, 112e12, 14e12)),
+    "Tesla T4": (None, 65e12, 8.1e12),
+}
+_PRECISION_COLUMN = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, given_tflops: float | None = None
+               ) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device in `dtype`, where the figure comes from). None: unknown,
+    and MFU with it; a guessed denominator would make MFU a number nobody can compare.
+
+    A GPU's comes from its data sheet; a CPU's from a 1024^3 matmul measured at start-up
+    (CPUs have no agreed peak; fp16, which has no fast CPU kernels, is measured in fp32).
+    """
+    if given_tflops is not None:
+        return given_tflops * 1e12, "train.peak_tflops"
+    if device.type != "cuda":
+        measured = torch.float32 if dtype == torch.float16 else dtype
+        return _measured_matmul_peak(device, measured), f"measured: {1024}^3 matmul on {device.type}"
+    name = torch.cuda.get_device_name(device)
+    peaks = _GPU_PEAKS.get(name)
+    peak = peaks[_PRECISION_COLUMN[dtype]] if peaks else None
+    if peak is None:
+        precision = str(dtype).removeprefix("torch.")
+        return None, f"unknown for {name} in {precision}: set train.peak_tflops from its data sheet"
+    return peak, f"data sheet for {name}"
+
+
+def _measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 3) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(reps + 1):  # the first one warms up the kernels
+        _sync(device)
+        started = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    """Training FLOPs of a transformer encoder, counted on real (unpadded) tokens.
+
+    Per token: 6 x the parameters of the linear layers (forward 2, backward 4). Per
+    sequence of length s, attention scores and the weighted sum add 12 x layers x hidden x s^2.
+    Embedding lookups do no matmul work, so 6 x all parameters would overcount by ~2x.
+    """
+
+    linear_params: int
+    layers: int
+    hidden: int
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> FlopModel:
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers (transposed weights)
+
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Conv1D)))
+        config = model.config
+        return cls(linear, config.num_hidden_layers, config.hidden_size)
+
+    def train_flops(self, tokens: int, sum_squared_lengths: int) -> float:
+        return 6.0 * self.linear_params * tokens + 12.0 * self.layers * self.hidden * sum_squared_lengths

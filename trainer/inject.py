@@ -1,0 +1,95 @@
+"""Fault injection: real faults at chosen points of a run, for the tests and drills.
+
+The product marks each place a fault can be injected with one line, `inject.point(NAME,
+step, ...)`. Which faults fire is read once from the environment by `configure(dist_env)`,
+when the Trainer is built; with no TRAINER_FAULT_* variable set, a point is a dict lookup.
+
+    variable                                point (where in the run)                      fault
+    TRAINER_FAULT_SIGKILL=RANK:STEP         "step": a train step begins                    SIGKILL
+    TRAINER_FAULT_RAISE=RANK:STEP           "step"                                         InjectedFault
+    TRAINER_FAULT_OVERFLOW=RANK:STEP        "gradients": all-reduced, not yet unscaled     an inf in them
+    TRAINER_FAULT_SIGSTOP=RANK:PHASE:STEP   "phase:PHASE": the watchdog starts watching    SIGSTOP
+                                            PHASE (a key of watchdog.PHASES)
+    TRAINER_FAULT_SIGKILL_IN_SAVE=STEP      "checkpoint-files-written": rank 0's files     SIGKILL
+                                            are written, the completion marker is not
+
+RANK is a global rank or `*` (every rank). A RANK fault fires only in a launch's first
+attempt, so that the workers torchrun restarts get past it, unless RANK says `RANK@N`: in the
+workers of torchrun's restart N. TRAINER_FAULT_SIGKILL_IN_SAVE has no RANK: only rank 0
+writes, in every attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Mapping
+
+from trainer.distributed import DistEnv
+
+_armed: dict[tuple[str, int], list[Callable[..., None]]] = {}
+"""(point, step): the faults to run there, in the order the table above lists them."""
+
+
+def point(name: str, step: int, **context) -> None:
+    """A fault-injection point: run the faults armed for `name` at `step`. `context` is what
+    a fault there works on (`model=` at "gradients")."""
+    for fault in _armed.get((name, step), ()):
+        fault(step, **context)
+
+
+class InjectedFault(RuntimeError):
+    """What TRAINER_FAULT_RAISE raises: any crash of a rank mid-run."""
+
+
+def _sigkill(step: int, **_) -> None:
+    # A real, unannounced death: kill-and-resume runs are compared with uninterrupted ones.
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _sigstop(step: int, **_) -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)  # as a node that stops answering
+
+
+def _raise(step: int, **_) -> None:
+    raise InjectedFault(f"TRAINER_FAULT_RAISE: injected at step {step}")
+
+
+def _overflow(step: int, model, **_) -> None:
+    # As an fp16 loss scale too high for the gradients makes; give it every rank (`*`): a real
+    # overflow reaches all of them through the all-reduce. The classifier's gradient: the word
+    # embedding's may live in a buffer that outlives the step (parallel.SparseEmbeddingGrad
+    # clears only the rows a step wrote).
+    [p for p in model.parameters() if p.grad is not None][-1].grad.view(-1)[0] = float("inf")
+
+
+def configure(dist_env: DistEnv, environ: Mapping[str, str] = os.environ) -> None:
+    """Arm the faults the TRAINER_FAULT_* variables give this rank in this attempt, and
+    disarm all others."""
+    _armed.clear()
+
+    def arm(name: str, step: str, fault: Callable[..., None]) -> None:
+        _armed.setdefault((name, int(step)), []).append(fault)
+
+    if args := _for_this_rank(environ, "TRAINER_FAULT_SIGKILL", dist_env):
+        arm("step", args[0], _sigkill)
+    if args := _for_this_rank(environ, "TRAINER_FAULT_RAISE", dist_env):
+        arm("step", args[0], _raise)
+    if args := _for_this_rank(environ, "TRAINER_FAULT_OVERFLOW", dist_env):
+        arm("gradients", args[0], _overflow)
+    if args := _for_this_rank(environ, "TRAINER_FAULT_SIGSTOP", dist_env):
+        arm(f"phase:{args[0]}", args[1], _sigstop)
+    if spec := environ.get("TRAINER_FAULT_SIGKILL_IN_SAVE"):
+        arm("checkpoint-files-written", spec, _sigkill)
+
+
+def _for_this_rank(environ: Mapping[str, str], variable: str, dist_env: DistEnv) -> list[str] | None:
+    """`VARIABLE=RANK[@N]:ARGS...`'s ARGS, if the fault is this rank's in this attempt."""
+    spec = environ.get(variable)
+    if not spec:
+        return None
+    rank, *args = spec.split(":")
+    rank, _, attempt = rank.partition("@")
+    if int(attempt or 0) != dist_env.restart_count:
+        return None
+    return args if rank in ("*", str(dist_env.rank)) else None

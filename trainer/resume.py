@@ -1,0 +1,131 @@
+"""Resume: which checkpoint, which config changes it accepts, which global batch.
+
+Decided once, by `decide`, before the data and the model load, so a resume the config can't
+make is refused in seconds. Every rank decides alone from the same files (rank 0 chooses the
+checkpoint and broadcasts it), so every rank refuses alike, with no other collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, cast
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import checkpoint, config
+from trainer.data import BatchPlan
+from trainer.distributed import DistEnv
+from trainer.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class Change(NamedTuple):
+    """A config key whose value differs from the resumed checkpoint's."""
+
+    key: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.old} -> {self.new}"
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    batch: BatchPlan
+    """The global batch (on resume, the checkpoint's: a run keeps its own), split over this run's ranks."""
+    path: Path | None = None
+    """The checkpoint to resume from; None: a fresh run."""
+    saved: dict | None = None
+    """Its train state (state.json: train_state.TrainState)."""
+    accepted_changes: list[Change] = field(default_factory=list)
+    """Config changes the resume accepted (checkpoint.allow_changes, a longer run): they take effect."""
+
+    @property
+    def step(self) -> int:
+        """The step the run continues after."""
+        return 0 if self.saved is None else self.saved["step"]
+
+
+def decide(cfg: DictConfig, dist_env: DistEnv, checkpointer: checkpoint.Checkpointer) -> ResumePlan:
+    path = checkpointer.find_resume(cfg.checkpoint.resume)
+    if path is None:
+        return ResumePlan(BatchPlan.of(cfg.train, dist_env.world_size))
+    saved = checkpoint.read_state(path)
+    accepted = _check_config_changes(path, saved, cfg)
+    batch = BatchPlan.of(cfg.train, dist_env.world_size, saved["global_batch"])
+    if cfg.train.global_batch is None:
+        by_keys = BatchPlan.of(cfg.train, dist_env.world_size).global_batch
+        if by_keys != batch.global_batch:
+            log.warning("the global batch stays the checkpoint's, %d, not train.batch_size x train.grad_accum x "
+                        "world size = %d (train.global_batch=%d says so)", batch.global_batch, by_keys,
+                        batch.global_batch)
+    return ResumePlan(batch, path, saved, accepted)
+
+
+def describe(plan: ResumePlan, dist_env: DistEnv) -> None:
+    """Log what the resume did, once its checkpoint is loaded."""
+    saved = plan.saved
+    assert saved is not None, "describe() is called for a resume, whose plan has the saved state"
+    log.info("resumed from %s (step %d, epoch %d)", plan.path, saved["step"], saved["epoch"])
+    if saved["world_size"] != dist_env.world_size:
+        batch = plan.batch
+        log.info("resumed at world size %d from a checkpoint of world size %d: the same global batch of %d, now "
+                 "%d rank(s) x %d micro-batch(es) of %d; each rank's RNGs are seeded from (seed, step, rank)",
+                 dist_env.world_size, saved["world_size"], batch.global_batch, dist_env.world_size,
+                 batch.grad_accum, batch.micro_batch)
+
+
+def _check_config_changes(path: Path, saved: dict, cfg: DictConfig) -> list[Change]:
+    """Refuse a resume whose config would silently change the run; return the changes it
+    accepts, logged."""
+    saved_cfg = cast(DictConfig, OmegaConf.load(path / "config.yaml"))  # written by config.to_yaml: a mapping
+    refused, accepted = config_changes(saved_cfg, cfg)
+    reasons = [str(change) for change in refused]
+    global_batch = cfg.train.global_batch
+    if global_batch is not None and global_batch != saved["global_batch"]:
+        # Not even with allow_changes: the data position is counted in global batches.
+        reasons.append(f"train.global_batch: {saved['global_batch']} -> {global_batch} (the data position is "
+                       "counted in global batches: a run keeps its own)")
+    if reasons:
+        raise ConfigError(
+            f"checkpoint.resume: {path} was written with another config: {'; '.join(reasons)}. Resume with "
+            "the checkpoint's values, accept a change with checkpoint.allow_changes=[KEY,...], or start "
+            "over with checkpoint.resume=never")
+    for change in accepted:
+        log.warning("resuming with a changed config: %s", change)
+    if any(config.RESUME_RULES[change.key] == config.EXTEND for change in accepted):
+        log.warning("the run's length changed: the LR schedule is rebuilt for the new step count and continues "
+                    "from its value at this step (warmup over train.warmup_ratio of all steps, then linear "
+                    "decay to 0 at the new end; a longer run's lr is above the old schedule's)")
+    return accepted
+
+
+def config_changes(saved: DictConfig, cfg: DictConfig) -> tuple[list[Change], list[Change]]:
+    """(refused, accepted): each key of `cfg` that differs from the resumed checkpoint's
+    config `saved`, split by the key's rule (config.RESUME_RULES) and
+    checkpoint.allow_changes. Keys the saved config doesn't have (an older schema) are not
+    changes."""
+    old = config.flatten(config.to_dict(saved))
+    new = config.flatten(config.to_dict(cfg))
+    refused: list[Change] = []
+    accepted: list[Change] = []
+    for key in sorted(old.keys() & new.keys()):
+        rule = config.RESUME_RULES.get(key, config.FIXED)
+        if old[key] == new[key] or rule == config.FREE:
+            continue
+        change = Change(key, old[key], new[key])
+        extended = rule == config.EXTEND and None not in (old[key], new[key]) and new[key] > old[key]
+        if extended or _named(key, cfg.checkpoint.allow_changes):
+            accepted.append(change)
+        else:
+            refused.append(change)
+    return refused, accepted
+
+
+def _named(key: str, entries) -> bool:
+    """`key` is one of `entries`, or inside a section among them (`data`)."""
+    return any(key == entry or key.startswith(entry + ".") for entry in entries)

@@ -1,0 +1,54 @@
+"""`StartupClock`: launch to first optimizer step, phase by phase, from the processes' start
+times in /proc."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from pathlib import Path
+
+
+class StartupClock:
+    """Launch to first optimizer step, phase by phase: where a job's first seconds go.
+
+    Each mark names the phase that ends there. The launch is the launcher's start when
+    under torchrun (its agent's own start-up is the "launcher" phase), else this process's.
+    """
+
+    def __init__(self) -> None:
+        started = _process_start(os.getpid())
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is the parent
+            self.marks = [("launch", _process_start(os.getppid())), ("launcher", started)]
+        else:
+            self.marks = [("launch", started)]
+
+    def mark(self, phase: str) -> float:
+        """End `phase` now; returns now as Unix time."""
+        now = time.time()
+        self.marks.append((phase, now))
+        return now
+
+    def phases(self) -> dict[str, float]:
+        """Seconds per phase; phases whose start is unknown are left out."""
+        return {
+            phase: end - start
+            for (_, start), (phase, end) in itertools.pairwise(self.marks)
+            if start is not None and end is not None
+        }
+
+
+def _process_start(pid: int) -> float | None:
+    """A process's start as Unix time, to the kernel's 10 ms tick, or None off Linux.
+
+    Not psutil's create_time(): it adds the start tick to /proc/stat's boot time, which is
+    whole seconds, so a phase measured from it is off by up to a second. The age of the
+    process on the boot clock, subtracted from now, has no such rounding.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        started_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, after "pid (comm)"
+    except (OSError, ValueError, IndexError):
+        return None
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - age

@@ -1,0 +1,60 @@
+"""Where the run is: what a checkpoint holds beside the model, optimizer and LR schedule.
+
+One `Stateful` object (state_dict / load_state_dict), saved as the checkpoint's state.json
+and read back only through it: the step and epoch, the global data position with its
+ledger, the batch plan, the wandb run id, the model selection and early stopping's count,
+the last validation, and the fp16 loss scaler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer import data
+from trainer.data import BatchPlan, Data
+from trainer.distributed import DistEnv
+from trainer.policy import Selection
+
+
+class TrainState:
+    def __init__(self, batch: BatchPlan, run_data: Data, selection: Selection, scaler: torch.amp.GradScaler,
+                 dist_env: DistEnv, run_id: str):
+        self.batch, self.data, self.selection, self.scaler = batch, run_data, selection, scaler
+        self.world_size = dist_env.world_size
+        self.step = 0
+        """The last optimizer step done."""
+        self.epoch = 0
+        self.run_id = run_id
+        """The wandb run's id: a resumed job continues the same wandb run."""
+        self.last_eval: tuple[int, dict] | None = None
+        """The latest validation (step, metrics): the end of the run reuses it if it is the
+        last step's (an early stop), also after a resume from that step."""
+
+    def state_dict(self) -> dict:
+        step, batch = self.step, self.batch
+        return {
+            "step": step,
+            "epoch": self.epoch,
+            "step_in_epoch": step - self.epoch * self.data.steps_per_epoch,
+            "samples_seen": step * batch.global_batch,
+            "data": data.position(self.data, step),  # the global position, and its ledger
+            "world_size": self.world_size,
+            "global_batch": batch.global_batch,
+            "micro_batch": batch.micro_batch,
+            "grad_accum": batch.grad_accum,
+            "wandb_run_id": self.run_id,
+            "selection": self.selection.state_dict(),
+            "last_eval": self.last_eval,
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Raises CheckpointError if this run's sampler does not reproduce the saved data position."""
+        data.check_position(self.data, state.get("data"), state["step"])
+        self.step, self.epoch, self.run_id = state["step"], state["epoch"], state["wandb_run_id"]
+        self.selection.load_state_dict(state.get("selection", {}))
+        self.last_eval = tuple(state["last_eval"]) if state.get("last_eval") else None
+        # A disabled scaler (fp32, bf16) saves an empty state, which an enabled one refuses:
+        # then the scaler starts from its default.
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
