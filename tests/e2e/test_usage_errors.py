@@ -16,20 +16,21 @@ import pytest
 from conftest import assert_usage_error, previous_run, run, snapshot, tiny_overrides, trainer_command
 from support import read_summary
 
-# (id, extra overrides, text the one-line error must contain)
-BAD_OVERRIDES = [
-    ("unknown-key", ["train.bogus=1"], "train.bogus: unknown key"),  # the config's, for the contract
+# id: (extra overrides, text the one-line error must contain)
+BAD_OVERRIDES = {
+    "unknown-key": (["train.bogus=1"], "train.bogus: unknown key"),  # the config's, for the contract
     # The tiny model has 128 positions: a longer sample would fail mid-epoch, at the lookup.
-    ("max-length-beyond-positions", ["data.max_length=512"],
-     "data.max_length: 512 is more than the 128 positions of model.name"),
-    ("text-column", ["data.text_field=body"], "data.text_field: column 'body'"),
-    ("labels-out-of-range", ["data.num_labels=3"], "data.num_labels: data.train_split has labels in [0, 4]"),
-    ("missing-split", ["data.eval_split=validation"], "data.eval_split"),
-    ("label-column", ["data.label_field=stars"], "data.label_field: column 'stars'"),
-]
+    "max-length-beyond-positions": (["data.max_length=512"],
+                                    "data.max_length: 512 is more than the 128 positions of model.name"),
+    "text-column": (["data.text_field=body"], "data.text_field: column 'body'"),
+    "labels-out-of-range": (["data.num_labels=3"], "data.num_labels: data.train_split has labels in [0, 4]"),
+    "missing-split": (["data.eval_split=validation"], "data.eval_split"),
+    "label-column": (["data.label_field=stars"], "data.label_field: column 'stars'"),
+}
 
 
-@pytest.mark.parametrize("case, extra, expected", BAD_OVERRIDES, ids=[c[0] for c in BAD_OVERRIDES])
+@pytest.mark.parametrize("case, extra, expected", [(case, *args) for case, args in BAD_OVERRIDES.items()],
+                         ids=list(BAD_OVERRIDES))
 def test_bad_override(usage_run, tiny_model, reviews, tmp_path, case, extra, expected):
     out = tmp_path / "run"
     before = previous_run(out)
