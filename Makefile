@@ -32,10 +32,10 @@ test:
 	$(MAKE) --no-print-directory lint
 	$(BIN)/python -m pytest
 
-# ruff (lint and import order) and mypy over trainer/, as configured in pyproject.toml; also the
-# pre-commit hooks (.pre-commit-config.yaml).
+# ruff (lint and import order) over trainer/, tests/ and docs/, and mypy over trainer/, as
+# configured in pyproject.toml; the pre-commit hooks (.pre-commit-config.yaml) run the same.
 lint: install
-	$(BIN)/ruff check trainer
+	$(BIN)/ruff check trainer tests docs
 	$(BIN)/mypy
 
 # No `system` step and nothing that needs root: the unit tier never builds the image either.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import itertools
 import sys
 import types
 import typing
@@ -36,7 +37,7 @@ def field_docstrings(source: str) -> dict[str, dict[str, str]]:
         if not isinstance(node, ast.ClassDef):
             continue
         fields = docs.setdefault(node.name, {})
-        for stmt, after in zip(node.body, node.body[1:]):
+        for stmt, after in itertools.pairwise(node.body):
             if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
                     and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
                     and isinstance(after.value.value, str)):

@@ -15,15 +15,16 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-import pytest
+from typing import Any
 
 import image
 import preloaded
+import pytest
 from support import kill_tree
+
 from trainer.launch import torchrun_argv, trainer_program
 
 TESTS = Path(__file__).resolve().parent
@@ -127,11 +128,17 @@ def make_tiny_model(out: Path, dropout: float, family: str = "bert") -> Path:
     byte-level BPE tokenizer trained here on generated reviews, and, as on the hub, no pad
     token; llama's pads on the left and starts every sequence with <s>, as Llama's do."""
     import torch
-    from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2ForSequenceClassification,
-                              LlamaConfig, LlamaForSequenceClassification)
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2ForSequenceClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+    )
 
     tokenizer = _tiny_tokenizer(family)
-    size = dict(vocab_size=len(tokenizer), num_labels=5)
+    size = {"vocab_size": len(tokenizer), "num_labels": 5}
     if family == "bert":
         config = BertConfig(**size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                             max_position_embeddings=128, hidden_dropout_prob=dropout,

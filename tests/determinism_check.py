@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import REPO, compare_weights, make_tiny_model, run, tiny_overrides, trainer_command  # noqa: E402
-from support import read_summary  # noqa: E402
+from conftest import REPO, compare_weights, make_tiny_model, run, tiny_overrides, trainer_command
+from support import read_summary
 
 STEPS = 40
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "train.log_every": 5,

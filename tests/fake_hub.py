@@ -33,7 +33,7 @@ class FakeHub:
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         self._thread.start()
         return self
 
@@ -105,7 +105,8 @@ class FakeHub:
                     repo = match.group(1)
                     if repo not in hub.repos:
                         return self._send_json({"error": "Repository not found"}, 404)
-                    files = sorted(str(p.relative_to(hub.repos[repo])) for p in hub.repos[repo].rglob("*") if p.is_file())
+                    root = hub.repos[repo]
+                    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
                     return self._send_json({"id": repo, "modelId": repo, "sha": COMMIT,
                                             "siblings": [{"rfilename": f} for f in files]})
                 self._resolve(with_body=True)

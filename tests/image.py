@@ -20,6 +20,7 @@ there before) are removed when it ends, and containers a killed run left, at the
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -41,7 +42,8 @@ STATE = CACHE / "state"
 BASE_RECIPE = Path(__file__).with_name("cpu-base.Containerfile")
 APP_TAG = "localhost/ddp-trainer-test:latest"
 TOOLS = {"buildah": "apt-get install buildah", "podman": "apt-get install podman", "runc": "apt-get install runc",
-         "debootstrap": "apt-get install debootstrap", "podman-compose": "pip install podman-compose (requirements.lock)"}
+         "debootstrap": "apt-get install debootstrap",
+         "podman-compose": "pip install podman-compose (requirements.lock)"}
 
 
 def dockerfile_env() -> dict[str, str]:
@@ -81,7 +83,7 @@ class Engine:
                     "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
 
     @classmethod
-    def create(cls) -> "Engine":
+    def create(cls) -> Engine:
         CACHE.mkdir(parents=True, exist_ok=True)
         run_dir = Path(tempfile.mkdtemp(prefix="trainer-podman-"))
         engine = cls(run_dir, cls.BLOB_INFO_CACHE.exists())
@@ -113,7 +115,7 @@ runroot = "{STATE}/storage"
 
     def lock(self) -> None:
         """Held until this process exits: one test run at a time uses the store."""
-        self._lock = open(CACHE / "lock", "w")
+        self._lock = open(CACHE / "lock", "w")  # noqa: SIM115 (the lock is this open file, held to exit)
         fcntl.flock(self._lock, fcntl.LOCK_EX)
 
     def __call__(self, *args: str, tool: str = "podman", check: bool = True,
@@ -143,11 +145,9 @@ def _remove_empty_cgroups() -> None:
     """podman's cgroupfs manager leaves libpod_parent (and its emptied children) in every
     hierarchy; a cgroup still holding a process stays."""
     for parent in Path("/sys/fs/cgroup").glob("*/libpod_parent"):
-        for path in sorted(parent.rglob("*/"), key=lambda p: len(p.parts), reverse=True) + [parent]:
-            try:
+        for path in [*sorted(parent.rglob("*/"), key=lambda p: len(p.parts), reverse=True), parent]:
+            with contextlib.suppress(OSError):
                 path.rmdir()
-            except OSError:
-                pass
 
 
 # ---------------------------------------------------------------------------- build
@@ -271,7 +271,7 @@ RUNTIME_FILES = {"/etc", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/ru
 
 
 def _pairs(items: list[str]) -> list[tuple[str, str]]:
-    return list(zip(items[::2], items[1::2]))
+    return list(zip(items[::2], items[1::2], strict=False))  # a last odd item has no pair
 
 
 def run_containers(engine: Engine, image: str, containers: list[Container], timeout: float,
@@ -285,7 +285,8 @@ def run_containers(engine: Engine, image: str, containers: list[Container], time
         for c in containers:
             argv = ["podman", "run", f"--name={names[c.name]}", f"--hostname={c.name}"]
             if network is not None:
-                argv += [f"--network=ns:/run/netns/{network.namespaces[c.name]}", f"--cpuset-cpus={network.cpus[c.name]}"]
+                argv += [f"--network=ns:/run/netns/{network.namespaces[c.name]}",
+                         f"--cpuset-cpus={network.cpus[c.name]}"]
                 argv += [f"--add-host={alias}:{network.addresses[host]}"
                          for host in network.namespaces for alias in [host, *network.aliases[host]]]
             argv += [f"--env={key}={value}" for key, value in c.env.items()]
@@ -295,7 +296,7 @@ def run_containers(engine: Engine, image: str, containers: list[Container], time
                 procs.append(subprocess.Popen(argv, env=engine.env, stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True))
         codes = wait_all(procs, timeout)
-        for c, proc, code in zip(containers, procs, codes):
+        for c, proc, code in zip(containers, procs, codes, strict=True):
             if code is None:
                 engine("kill", names[c.name], check=False)
                 proc.kill()

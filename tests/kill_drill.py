@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import multinode  # noqa: E402
-from conftest import REPO, compare_weights, make_tiny_model, tiny_overrides  # noqa: E402
-from netns import Network  # noqa: E402
-from support import read_summary  # noqa: E402
+import multinode
+from conftest import REPO, compare_weights, make_tiny_model, tiny_overrides
+from netns import Network
+from support import read_summary
 
 STEPS = 40
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "checkpoint.keep": 2,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from conftest import BASE_ENV, REPO
 from netns import Network
+
 from trainer.launch import torchrun_argv, trainer_program
 
 RDZV_PORT = 29400

@@ -17,6 +17,7 @@ the fixtures call even when a test fails.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shlex
@@ -104,7 +105,7 @@ class Network(TornDown):
         cmd = ["nsenter", f"--net=/run/netns/{self.namespaces[host]}",
                "unshare", "--uts", "--mount", "--propagation", "private",
                "sh", "-c", " && ".join(script), "sh", *argv]
-        out = open(log, "w") if log else subprocess.DEVNULL
+        out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (the child writes it after we return)
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs.append(proc)
@@ -137,15 +138,11 @@ class Network(TornDown):
             killpg(proc.pid)
         for host in self.namespaces:  # anything that escaped its process group
             for pid in self.pids(host):
-                try:
+                with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
         for proc in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         for i, ns in enumerate(self.namespaces.values()):
             # A namespace outlives its name while sockets of killed peers linger in it, and
             # its veth with it: delete our end, which deletes the pair.
@@ -153,8 +150,6 @@ class Network(TornDown):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
         for path in sorted(self.created_dirs, key=lambda p: len(p.parts), reverse=True):
-            try:
+            with contextlib.suppress(OSError):
                 path.unlink() if path.is_file() else path.rmdir()
-            except OSError:
-                pass
         subprocess.run(["rm", "-rf", str(self.workdir)], check=False)

@@ -2,13 +2,14 @@
 
 The e2e usage-error tests run the CLI some twenty-five times (the mistakes that need real data,
 a model or a checkpoint, and the CLI's contract; the rest are checked in process, in
-tests/unit), and each run would spend 3-8 s of a busy CI machine importing torch,
-transformers and datasets before it reads its first argument. Here one server process
-imports them once, then forks a child per run. The child takes the run's arguments, environment and working directory, runs `trainer`'s __main__ as
-`python -m trainer` does, and exits with its status; what it writes to stdout and stderr is
-the run's output. So each run is still a process of its own, with its own exit status, and
-nothing it does reaches the next run; only the interpreter's start and the imports are
-shared. Runs that train use conftest.run, a fresh interpreter as a user's is.
+tests/unit), and each run would spend 3-8 s of a busy CI machine importing torch, transformers
+and datasets before it reads its first argument. Here one server process imports them once,
+then forks a child per run. The child takes the run's arguments, environment and working
+directory, runs `trainer`'s __main__ as `python -m trainer` does, and exits with its status;
+what it writes to stdout and stderr is the run's output. So each run is still a process of its
+own, with its own exit status, and nothing it does reaches the next run; only the interpreter's
+start and the imports are shared. Runs that train use conftest.run, a fresh interpreter as a
+user's is.
 
 Server protocol (JSON lines): a request {args, env, cwd, output} on stdin; the reply
 {"pid"} as soon as the child exists, then {"returncode"} when it has ended.
@@ -78,7 +79,7 @@ def _child(request: dict) -> None:
                 code = e.code or 0
             else:
                 print(e.code, file=sys.stderr)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 (any failure is the run's output, as python -m would print it)
             traceback.print_exc()
     finally:
         sys.stdout.flush()

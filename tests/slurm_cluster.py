@@ -17,6 +17,7 @@ Settings that keep the suite fast, each worth minutes:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -131,7 +132,7 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
 
     def popen(self, argv: list[str], env: dict[str, str], cwd: Path | str, log: Path) -> subprocess.Popen:
         """Start a long-running client on `ctl`; it is killed in close() if still running."""
-        proc = subprocess.Popen(self._on_login_host(argv), env={**self.env, **env}, cwd=cwd, stdout=open(log, "w"),
+        proc = subprocess.Popen(self._on_login_host(argv), env={**self.env, **env}, cwd=cwd, stdout=open(log, "w"),  # noqa: SIM115 (the client writes it after we return)
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.net.procs.append(proc)
         return proc
@@ -160,10 +161,8 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
     def close(self) -> None:
         # Cancel jobs while the controller lives, then kill whatever is left on every host:
         # daemons, slurmstepd and job processes all live in the hosts' network namespaces.
-        try:
+        with contextlib.suppress(Exception):
             self.client(["scancel", "--full", "--user=root"], check=False, timeout=10)
-        except Exception:
-            pass
         self.net.close()
         if self._munged is not None:
             killpg(self._munged.pid)

@@ -3,6 +3,7 @@ process group. Plain functions, no fixtures (those are conftest.py's)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -59,10 +60,8 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
 def killpg(pgid: int) -> None:
     """SIGKILL the process group `pgid` (a process started with start_new_session=True has
     its pid as its group's), if anything of it is left."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -70,13 +69,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
     session of its own, and a hung worker would hold the output pipe open forever."""
     descendants = []
     if proc.poll() is None:  # once it is reaped, its pid may be another process's
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             descendants = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
     killpg(proc.pid)
     for child in descendants:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-        except psutil.NoSuchProcess:
-            pass

@@ -14,9 +14,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import compare_weights, locally, run, tiny_overrides, train, trainer_command, weights
 from support import read_summary
+
 from trainer.checkpoint import verify
 
 STEPS = 8

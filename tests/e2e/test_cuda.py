@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import compare_weights, locally, run, tiny_overrides, train, trainer_command, weights
 from support import read_metrics
 

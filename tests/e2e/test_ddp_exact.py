@@ -5,7 +5,6 @@ shuffling and length-grouped batches on, so sampler epochs and grouping are cove
 """
 
 import pytest
-
 from conftest import EXACT_STEPS, compare_weights, kill_then_resume, tiny_overrides, train, weights
 
 STEPS = EXACT_STEPS

@@ -8,11 +8,10 @@ of the trainer: plain transformers loads `final/`, and scikit-learn scores its p
 import datasets
 import numpy as np
 import torch
-from sklearn.metrics import accuracy_score, f1_score
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
 from conftest import tiny_overrides, train
+from sklearn.metrics import accuracy_score, f1_score
 from support import read_summary
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 
 def test_two_rank_eval_equals_single_process(tiny_model, reviews, tmp_path):

@@ -11,9 +11,16 @@ import json
 from pathlib import Path
 
 import pytest
-
-from conftest import (LABEL_NAMES, compare_weights, kill_then_resume, run, tiny_overrides, train, trainer_command,
-                      weights)
+from conftest import (
+    LABEL_NAMES,
+    compare_weights,
+    kill_then_resume,
+    run,
+    tiny_overrides,
+    train,
+    trainer_command,
+    weights,
+)
 from support import read_metrics, read_summary
 
 EPOCHS = 4
@@ -133,7 +140,7 @@ def test_evaluate_under_torchrun_equals_scikit_learn_on_one_process(selected, ti
 
     rows = [json.loads(line) for line in (reviews / "test.jsonl").read_text().splitlines()]
     assert len(rows) % 2 == 1  # 2 ranks get unequal shards
-    result = run(trainer_command(selection_overrides(tiny_model, labeled_reviews, selected) + ["split=test"],
+    result = run(trainer_command([*selection_overrides(tiny_model, labeled_reviews, selected), "split=test"],
                                  nproc=2, command="evaluate"))
     assert result.returncode == 0, result.output[-3000:]
     report = json.loads((selected / "final" / "eval-test.json").read_text())
@@ -164,15 +171,16 @@ def test_predict_under_torchrun_gives_each_row_once_in_input_order(selected, tin
         writer.writeheader()
         writer.writerows({"text": row["text"]} for row in rows)
     output = tmp_path / "out" / "predictions.jsonl"
-    result = run(trainer_command(selection_overrides(tiny_model, labeled_reviews, selected) + [
-        "checkpoint=final", f"input={source}", f"output={output}"], nproc=2, command="predict"))
+    settings = [*selection_overrides(tiny_model, labeled_reviews, selected),
+                "checkpoint=final", f"input={source}", f"output={output}"]
+    result = run(trainer_command(settings, nproc=2, command="predict"))
     assert result.returncode == 0, result.output[-3000:]
 
     predictions = [json.loads(line) for line in output.read_text().splitlines()]
     assert [p["row"] for p in predictions] == list(range(len(rows)))
     probs, labels = forward_one_process(selected / "final", [row["text"] for row in rows])
-    for prediction, expected, label in zip(predictions, probs.tolist(), labels):
-        assert max(abs(a - b) for a, b in zip(prediction["probs"], expected)) < 1e-5
+    for prediction, expected, label in zip(predictions, probs.tolist(), labels, strict=True):
+        assert max(abs(a - b) for a, b in zip(prediction["probs"], expected, strict=True)) < 1e-5
         assert prediction["label"] == label and prediction["label_name"] == LABEL_NAMES[label]
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import BASE_ENV, run, tiny_overrides, train, trainer_command
 from fake_hub import FakeHub
 from support import kill_tree, wait_for

@@ -9,10 +9,10 @@ import time
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
-
 from conftest import run, tiny_overrides, trainer_command
 from support import read_metrics, read_summary
+from transformers import AutoTokenizer
+
 from trainer.config import Config
 from trainer.data import GlobalBatchSampler
 from trainer.distributed import DistEnv

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 import wandb_log
 from conftest import compare_weights, kill_then_resume, locally, run, tiny_overrides, train, trainer_command
 from support import read_metrics, read_summary

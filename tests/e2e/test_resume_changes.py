@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_usage_error, snapshot, tiny_overrides, train
 from support import read_metrics, read_summary
 

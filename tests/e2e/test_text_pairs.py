@@ -3,7 +3,6 @@
 import csv
 
 import torch
-
 from conftest import train, weights
 from support import read_summary
 

@@ -12,7 +12,6 @@ of its own, forked from a server that has imported the trainer's dependencies on
 import json
 
 import pytest
-
 from conftest import assert_usage_error, previous_run, run, snapshot, tiny_overrides, trainer_command
 from support import read_summary
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-
 from conftest import REPO
 from image import APP_TAG
 from netns import Network

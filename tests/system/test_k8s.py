@@ -26,7 +26,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-
 from conftest import REPO
 from image import Container, Ended, run_containers
 from kubeflow import Pod, pytorchjob_pods, pytorchjob_webhook_violations, trainjob_pods
@@ -182,7 +181,8 @@ def test_manifests_follow_our_rules():
         mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
         assert mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
         assert "medium" not in mounts["/tmp"]["emptyDir"]  # the read-only root's scratch, on disk
-        assert mounts["/workspace"]["persistentVolumeClaim"]["claimName"] == objects["PersistentVolumeClaim"]["metadata"]["name"]
+        claim = objects["PersistentVolumeClaim"]["metadata"]["name"]
+        assert mounts["/workspace"]["persistentVolumeClaim"]["claimName"] == claim
         assert mounts["/etc/trainer"]["configMap"]["name"] == objects["ConfigMap"]["metadata"]["name"]
         (key,) = [e for e in container["env"] if e["name"] == "WANDB_API_KEY"]
         assert key["valueFrom"]["secretKeyRef"]["optional"] is True and "value" not in key
@@ -258,7 +258,7 @@ def test_image_override_renders_and_names_our_image():
 
     # The image the manifests name is the one the Dockerfile, compose and README build.
     version = re.search(r'^version = "(.+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
-    assert IMAGE == f"ddp-trainer:{version}"
+    assert f"ddp-trainer:{version}" == IMAGE
     assert f'org.opencontainers.image.version="{version}"' in (REPO / "Dockerfile").read_text()
     assert f"docker build -t {IMAGE} ." in (REPO / "k8s/README.md").read_text()
     assert f"${{TRAINER_IMAGE:-{IMAGE}}}" in (REPO / "docker-compose.yml").read_text()

@@ -24,10 +24,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import multinode
 import psutil
 import pytest
-
-import multinode
 from conftest import EXACT_STEPS, compare_weights, tiny_overrides, weights
 from netns import Network
 from support import read_summary, wait_for

@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 import wandb_log
 from conftest import BASE_ENV, PYTHON, REPO, compare_weights, failure_output, tiny_overrides
 from image import dockerfile_env
@@ -99,8 +98,8 @@ def test_a_two_node_checkpoint_resumes_in_a_one_node_job(cluster, uninterrupted,
     result = read_summary(run)
     assert (result["world_size"], result["resumed_from_step"], result["steps"]) == (1, STEPS, STEPS + 10), result
     assert re.search(r"1 node\(s\) node[12] x 1 process\(es\)", record["log"]), record["log"][-3000:]
-    assert "resumed at world size 1 from a checkpoint of world size 2: the same global batch of 16, now 1 rank(s) " \
-           "x 2 micro-batch(es) of 8" in record["log"]
+    assert ("resumed at world size 1 from a checkpoint of world size 2: the same global batch of 16, now 1 rank(s) "
+            "x 2 micro-batch(es) of 8") in record["log"]
     assert "data position verified: epoch 3, 144 samples consumed" in record["log"]
 
 
@@ -182,7 +181,8 @@ def test_scancel_of_a_submitit_job_saves_and_stays_cancelled(cluster, dropout_mo
     time-limit signal does, above; Slurm requeues a preempted job by itself)."""
     run = tmp_path / "run"
     argv = [PYTHON, "slurm/submit.py", "--nodes", "2", "--gpus-per-node", "1", "--cpus-per-task", "1",
-            "--time", "10", "--folder", str(tmp_path / "submitit"), *tiny_overrides(dropout_model, reviews, run, **OPTIONS)]
+            "--time", "10", "--folder", str(tmp_path / "submitit"),
+            *tiny_overrides(dropout_model, reviews, run, **OPTIONS)]
     submitted = cluster.client(argv, env=JOB_ENV, cwd=REPO)
     job_id = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
     wait_for(lambda: complete_steps(run), 120, "the first checkpoint")
@@ -224,7 +224,8 @@ def test_a_failing_rank_ends_the_job_without_waiting_for_the_timeout(cluster, ti
     (--gpus-per-node=0): one process per node, gloo."""
     options = {**OPTIONS, "dist.timeout_s": 600, "fault.slow_step_min_s": 600}
     job_id, log = submit(cluster, tmp_path, tiny_overrides(tiny_model, reviews, tmp_path / "run", **options),
-                         sbatch=["--gpus-per-node=0"], env={"TRAINER_FAULT_SIGKILL": "1:3", "TRAINER_MAX_RESTARTS": "0"})
+                         sbatch=["--gpus-per-node=0"],
+                         env={"TRAINER_FAULT_SIGKILL": "1:3", "TRAINER_MAX_RESTARTS": "0"})
     record = finished(cluster, job_id, log, timeout=90)
     assert record["JobState"] == "FAILED", explain(record, cluster)
     # srun saw node2's torchrun fail and ended the step on node1 (--kill-on-bad-exit).
@@ -251,12 +252,12 @@ def test_a_gpu_job_that_cuda_cannot_use_fails_at_once(cluster, tiny_model, revie
 
 
 @pytest.mark.parametrize("runtime, expected", [
-    ("pyxis", "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=1 "
-              "--container-image=registry#lab/trainer:0.1.0 --container-mounts={repo},{workspace}:/workspace "
-              "--container-workdir={repo} --no-container-mount-home bash -c"),
-    ("apptainer", "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=1 apptainer exec --nv "
-                  "--writable-tmpfs --bind {repo},{workspace}:/workspace --pwd {repo} registry#lab/trainer:0.1.0 "
-                  "bash -c"),
+    ("pyxis", ("srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=1 "
+               "--container-image=registry#lab/trainer:0.1.0 --container-mounts={repo},{workspace}:/workspace "
+               "--container-workdir={repo} --no-container-mount-home bash -c")),
+    ("apptainer", ("srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=1 apptainer exec --nv "
+                   "--writable-tmpfs --bind {repo},{workspace}:/workspace --pwd {repo} registry#lab/trainer:0.1.0 "
+                   "bash -c")),
 ])
 def test_container_launch_line(cluster, tmp_path, runtime, expected):
     """No pyxis or Apptainer here: check the exact srun line a container job runs (from a
@@ -279,7 +280,8 @@ def test_container_launch_line(cluster, tmp_path, runtime, expected):
         assert argv[:len(prefix)] == prefix, argv
         assert argv[len(prefix) + 1:] == [
             "node1", "torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=trainer-c10d",
-            f"--rdzv-endpoint=node1:{20000 + int(job_id) % 12000}", f"--rdzv-id={job_id}", "--rdzv-conf=join_timeout=60",
+            f"--rdzv-endpoint=node1:{20000 + int(job_id) % 12000}", f"--rdzv-id={job_id}",
+            "--rdzv-conf=join_timeout=60",
             "--max-restarts=0", "-m", "trainer", "train", "-c", "configs/demo.yaml"], argv
         cache_paths = {key: value for key, value in dockerfile_env().items() if value.startswith("/workspace/")}
         assert {"HF_HOME", "WANDB_DIR", "TRITON_CACHE_DIR"} <= set(cache_paths)

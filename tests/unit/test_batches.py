@@ -62,7 +62,7 @@ def global_batches(world_size: int, start_step: int, steps: int, group_by_length
     ranks = [micro_batches(*rank_data(world_size, rank, group_by_length=group_by_length), start_step)
              for rank in range(world_size)]
     batches = []
-    for per_rank in islice(zip(*ranks), steps):
+    for per_rank in islice(zip(*ranks, strict=True), steps):
         (epoch,) = {epoch for epoch, _ in per_rank}  # the ranks agree
         batches.append((epoch, sorted(i for _, micros in per_rank for micro in micros for i in micro.tolist())))
     return batches

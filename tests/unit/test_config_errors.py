@@ -11,8 +11,8 @@ with the mistakes only real data or a model show.
 from __future__ import annotations
 
 import pytest
-
 from conftest import tiny_overrides
+
 from trainer import config
 from trainer.__main__ import train_preflight
 from trainer.errors import TrainerError
@@ -36,7 +36,8 @@ BAD_OVERRIDES = [
     ("bad-choice", ["train.precision=fp8"], "train.precision:"),
     ("bad-device", ["train.device=tpu"], "train.device:"),
     ("cuda-without-cuda", ["train.device=cuda"], "train.device: cuda, but torch.cuda.is_available() is False"),
-    ("nccl-on-cpu", ["train.device=cpu", "dist.backend=nccl"], "dist.backend: nccl needs GPUs, and train.device is cpu"),
+    ("nccl-on-cpu", ["train.device=cpu", "dist.backend=nccl"],
+     "dist.backend: nccl needs GPUs, and train.device is cpu"),
     ("peak-tflops", ["train.peak_tflops=0"], "train.peak_tflops: must be > 0 or null"),
     ("not-key-value", ["train.lr"], "override 'train.lr'"),
     ("missing-data-file", ["data.path=./no/such.jsonl"], "data.path: ./no/such.jsonl"),
@@ -58,8 +59,10 @@ BAD_OVERRIDES = [
     ("bad-backend", ["dist.backend=mpi"], "dist.backend:"),
     ("bad-wandb-mode", ["wandb.mode=sometimes"], "wandb.mode:"),
     ("unknown-section", ["optimizer.lr=1"], "optimizer"),
-    ("epochs-and-max-steps", ["train.epochs=2"], "train.max_steps, train.epochs: set exactly one of them (both are set)"),
-    ("neither-steps-nor-epochs", ["train.max_steps=null"], "train.max_steps, train.epochs: set exactly one of them (neither"),
+    ("epochs-and-max-steps", ["train.epochs=2"],
+     "train.max_steps, train.epochs: set exactly one of them (both are set)"),
+    ("neither-steps-nor-epochs", ["train.max_steps=null"],
+     "train.max_steps, train.epochs: set exactly one of them (neither"),
     ("eval-every-word", ["train.eval_every=daily"], "train.eval_every: must be a step count >= 0 or `epoch`"),
     ("unknown-best-metric", ["checkpoint.best_metric=f1"], "checkpoint.best_metric: Invalid value 'f1'"),
     ("negative-patience", ["train.early_stopping_patience=-1"], "train.early_stopping_patience: must be >= 0"),

@@ -6,6 +6,8 @@ Deterministic kernels, which take a training run: tests/e2e/test_deterministic_k
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -108,7 +110,7 @@ def cpu_replica_threads(monkeypatch):
     import sys
     from contextlib import nullcontext
 
-    import torch.nn.parallel.parallel_apply  # noqa: F401  (the module, not the function)
+    import torch.nn.parallel.parallel_apply
 
     module = sys.modules["torch.nn.parallel.parallel_apply"]
     monkeypatch.setattr(module, "_get_device_index", lambda device, optional=False: -1)
@@ -129,7 +131,7 @@ def replica_batches(tiny_model, sizes: list[int]) -> tuple[dict, list[dict]]:
     batch = dict(tokenizer(texts, padding=True, return_tensors="pt"))
     batch["labels"] = torch.arange(sum(sizes)) % 5
     bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return batch, [{k: v[a:b] for k, v in batch.items()} for a, b in zip(bounds, bounds[1:])]
+    return batch, [{k: v[a:b] for k, v in batch.items()} for a, b in itertools.pairwise(bounds)]
 
 
 def test_each_replica_thread_computes_in_the_configured_dtype(tiny_model, cpu_replica_threads):

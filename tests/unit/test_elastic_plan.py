@@ -80,8 +80,8 @@ def test_the_ledger_changes_with_the_data_the_seed_and_the_global_batch():
     relabeled = labels.copy()
     relabeled[int(sampler(1, 0, lengths, labels).global_order(1)[5])] += 1  # one consumed sample's label
     changed = [sampler(2, 0, lengths, relabeled).ledger(1, 24), sampler(2, 0, lengths, labels, seed=1).ledger(1, 24),
-               sampler(2, 0, lengths, labels, global_batch=8).ledger(1, 24), sampler(2, 0, lengths, labels).ledger(1, 36),
-               sampler(2, 0, lengths, labels).ledger(0, 24)]
+               sampler(2, 0, lengths, labels, global_batch=8).ledger(1, 24),
+               sampler(2, 0, lengths, labels).ledger(1, 36), sampler(2, 0, lengths, labels).ledger(0, 24)]
     assert len({ledger, *changed}) == 6
 
 

@@ -74,7 +74,7 @@ def test_rank_at_n_fires_only_in_torchruns_restart_n(signals, spec, restart_coun
 def test_raise_as_the_step_begins(signals, spec, fires):
     inject.configure(RANK_1, {"TRAINER_FAULT_RAISE": spec})
     assert run_points() == ([("step", 4)] if fires else [])
-    expected = pytest.raises(inject.InjectedFault, match="^TRAINER_FAULT_RAISE: injected at step 4$")
+    expected = pytest.raises(inject.InjectedFault, match=r"^TRAINER_FAULT_RAISE: injected at step 4$")
     with expected if fires else nullcontext():
         inject.point("step", 4)
     assert signals == []
