@@ -2,10 +2,11 @@
 
 Layout: `output_dir/checkpoints/step-N/` holding
 - model.safetensors   the bare model's weights (no `module.` prefix)
-- optimizer.pt        the optimizer's and the LR schedule's state (loaded with weights_only=True)
+- optimizer.pt        the optimizer's, the LR schedule's and the fp16 loss scaler's state
+                      (loaded with weights_only=True)
 - rng.pt              RNG states of every rank (torch, CUDA, Python, NumPy)
 - state.json          where the run is (train_state.TrainState): step, epoch, data position and
-                      ledger, batch plan, wandb run id, model selection, fp16 loss scaler
+                      ledger, batch plan, wandb run id, model selection, last validation
 - config.yaml         the resolved config of the run
 - COMPLETE            written last: the sha256 of every file above
 
@@ -58,7 +59,8 @@ FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json", "config.ya
 
 # A checkpoint saves a dict of `Stateful`s (state_dict and load_state_dict, as DCP takes them):
 # the "model" (an nn.Module) as model.safetensors, the "train" state (JSON) as state.json,
-# and every other entry (the optimizer, the LR schedule) together in optimizer.pt.
+# and every other entry (the optimizer, the LR schedule, the fp16 loss scaler) together in
+# optimizer.pt.
 _OWN_FILE = ("model", "train")
 
 
@@ -380,17 +382,17 @@ class Checkpointer:
         """Restore `states` (as for save) in place, and this rank's RNG streams, from the
         checkpoint at `path` whose state.json is `state` (read once, by the resume plan).
         Nothing is unpickled."""
-        load_model(cast(nn.Module, states["model"]), str(path / "model.safetensors"))  # the bare model
-        saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-        for name, stateful in states.items():
-            if name not in _OWN_FILE:
-                stateful.load_state_dict(saved[name])
-        if "scaler" in saved and "scaler" not in state:  # a checkpoint that kept it in optimizer.pt
-            state = {**state, "scaler": saved["scaler"]}
-        try:
+        try:  # first: it verifies the data position, before the weights are read for nothing
             states["train"].load_state_dict(state)
         except CheckpointError as e:
             raise CheckpointError(f"checkpoint.resume: {path}: {e}") from None
+        load_model(cast(nn.Module, states["model"]), str(path / "model.safetensors"))  # the bare model
+        saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        for name, stateful in states.items():
+            # A disabled loss scaler (fp32, bf16) saves an empty state, which an enabled one
+            # refuses: it then starts from its default.
+            if name not in _OWN_FILE and saved.get(name):
+                stateful.load_state_dict(saved[name])
         if state["world_size"] == self.dist_env.world_size:
             set_rng_state(torch.load(path / "rng.pt", weights_only=True)[self.dist_env.rank])
         else:

@@ -84,7 +84,7 @@ class Trainer:
         # fp16 only: gradients too small for fp16 would flush to zero unless the loss is scaled
         # up first. A no-op (scale 1, an empty state) for fp32 and bf16.
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
-        self.state = TrainState(self.batch, self.data, self.selection, self.scaler, dist_env, tracking.new_run_id())
+        self.state = TrainState(self.batch, self.data, self.selection, dist_env, tracking.new_run_id())
         """Where the run is: step, data position, run id, selection, ..."""
         self.peak_flops, self.peak_source = flops.peak_flops(device, self.amp_dtype, cfg.train.peak_tflops)
         self.meter = metrics.Meter(dist_env, device, self.batch.global_batch, flops.FlopModel.of(self.model),
@@ -244,7 +244,8 @@ class Trainer:
     @property
     def states(self) -> dict:
         """What a checkpoint holds (checkpoint.Stateful)."""
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "train": self.state}
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler,
+                "train": self.state}
 
     def _start_output_dir(self) -> None:
         # Through any link first: in the image, runs/ links to /workspace/runs, which a fresh

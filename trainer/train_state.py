@@ -3,12 +3,11 @@
 One `Stateful` object (state_dict / load_state_dict), saved as the checkpoint's state.json
 and read back only through it: the step and epoch, the global data position with its
 ledger, the batch plan, the wandb run id, the model selection and early stopping's count,
-the last validation, and the fp16 loss scaler.
+and the last validation. The fp16 loss scaler, a torch Stateful of its own, is saved beside
+the optimizer.
 """
 
 from __future__ import annotations
-
-import torch
 
 from trainer import data
 from trainer.data import BatchPlan, Data
@@ -17,9 +16,9 @@ from trainer.policy import Selection
 
 
 class TrainState:
-    def __init__(self, batch: BatchPlan, run_data: Data, selection: Selection, scaler: torch.amp.GradScaler,
+    def __init__(self, batch: BatchPlan, run_data: Data, selection: Selection,
                  dist_env: DistEnv, run_id: str):
-        self.batch, self.data, self.selection, self.scaler = batch, run_data, selection, scaler
+        self.batch, self.data, self.selection = batch, run_data, selection
         self.world_size = dist_env.world_size
         self.step = 0
         """The last optimizer step done."""
@@ -45,7 +44,6 @@ class TrainState:
             "wandb_run_id": self.run_id,
             "selection": self.selection.state_dict(),
             "last_eval": self.last_eval,
-            "scaler": self.scaler.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -54,7 +52,3 @@ class TrainState:
         self.step, self.epoch, self.run_id = state["step"], state["epoch"], state["wandb_run_id"]
         self.selection.load_state_dict(state.get("selection", {}))
         self.last_eval = tuple(state["last_eval"]) if state.get("last_eval") else None
-        # A disabled scaler (fp32, bf16) saves an empty state, which an enabled one refuses:
-        # then the scaler starts from its default.
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])

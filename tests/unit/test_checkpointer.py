@@ -102,8 +102,11 @@ def test_a_train_state_that_refuses_names_the_checkpoint(ckpt):
     states = make_states()
     save_steps(ckpt, states, [2])
     path = ckpt.root / "step-2"
+    fresh = make_states(seed=1)
+    untouched = fresh["model"].weight.clone()
     with pytest.raises(CheckpointError, match=rf"^checkpoint.resume: {path}: the data position does not reproduce"):
-        ckpt.load(path, make_states(), {**checkpoint.read_state(path), "poisoned": True}, seed=0)
+        ckpt.load(path, fresh, {**checkpoint.read_state(path), "poisoned": True}, seed=0)
+    assert torch.equal(fresh["model"].weight, untouched)  # refused before the weights are read
 
 
 def test_prune_keeps_the_newest_and_the_best(ckpt):
