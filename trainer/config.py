@@ -181,7 +181,7 @@ class TrainConfig:
     auto: bf16 on GPUs with native bf16 (Ampere and newer: A100, H100, L4, L40S), fp16 with
     a loss scaler (torch.amp.GradScaler, saved in checkpoints) on older GPUs (V100, T4),
     bf16 on CPUs with native bf16 matmuls (AVX512-BF16, AMX), fp32 on other CPUs. bf16 on a
-    GPU without native bf16 is emulated, and slow."""
+    device without native bf16 is emulated, and slow (about 15x fp32 on a CPU): it warns."""
     strategy: Literal["ddp", "dp"] = key("ddp", FIXED)
     """ddp: DistributedDataParallel, one process per device. dp: nn.DataParallel, one process."""
     compile: bool = key(False, FREE)
@@ -203,8 +203,10 @@ class TrainConfig:
     peak_tflops: float | None = key(None, FREE, above_or_null(0))
     """The peak dense TFLOP/s of one device in the run's precision, the denominator of MFU.
     null: the data sheet's, for GPUs the trainer knows by exact name (H100, H200, A100, L4,
-    L40, L40S, A10, A10G, V100, T4); a 1024^3 matmul measured at start-up on a CPU; and
-    MFU is reported as unknown (null) on any other GPU."""
+    L40, L40S, A10, A10G, V100, T4); on a CPU, the best of a 1024^3 matmul in fp32 and in
+    the run's precision where the CPU has it natively, measured after the first step; and
+    MFU is reported as unknown (null) on any other GPU. MFU is never above 100%: a model that
+    beats the peak makes it unknown (null) from then on, with a warning."""
     deterministic: bool = key(False, FREE)
     """Bitwise-reproducible kernels: torch.use_deterministic_algorithms with
     CUBLAS_WORKSPACE_CONFIG, which also makes scaled_dot_product_attention use only its
@@ -267,7 +269,9 @@ class CheckpointConfig:
     best_mode: Literal["max", "min"] | None = key(None, FIXED)
     """Whether higher or lower is better; null: min for loss, max otherwise."""
     load_best_at_end: bool = key(False, FIXED)
-    """final/ exports the best checkpoint's weights instead of the last step's."""
+    """final/ exports the best checkpoint's weights instead of the last step's; the done line,
+    summary.json's final_eval and the test split then score that model, and the last step's
+    validation is reported beside it, labelled (last_step_eval)."""
     allow_changes: list[str] = key(resume=FREE, factory=list)
     """Keys (or sections, `data`) whose change from the resumed checkpoint's config the
     user accepts; they are logged and take effect. Any other change that alters the run is

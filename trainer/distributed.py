@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -174,7 +175,13 @@ def has_native_bf16(device: torch.device) -> bool:
         # Not torch.cuda.is_bf16_supported() as called by default: it also answers True where
         # bf16 is only emulated (V100, T4), far slower than fp16 there.
         return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
-    # AVX512-BF16 / AMX: bf16 matmuls ~2.5x fp32 (see benchmarks/RESULTS.md)
+    if platform.machine() in ("x86_64", "AMD64"):
+        # AVX512-BF16 or AMX: bf16 matmuls ~2.5x fp32 (benchmarks/RESULTS.md). Not mkldnn's own
+        # check, which answers True for any AVX-512 CPU, those without bf16 instructions too;
+        # and not where ATEN_CPU_CAPABILITY keeps torch's kernels below AVX-512.
+        return (torch.backends.cpu.get_cpu_capability() == "AVX512"
+                and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
+    # Arm: mkldnn checks the BF16 extension (Neoverse V1 and newer, Apple M2 and newer).
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
@@ -184,13 +191,23 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
     Volta, and fp32 on a CPU, where fp16 has no fast kernels."""
     explicit = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if precision in explicit:
-        if precision == "bf16" and device.type == "cuda" and not has_native_bf16(device):
-            log.warning("train.precision: bf16 is emulated on %s, and slow; fp16 (or auto) is fast there",
-                        torch.cuda.get_device_name(device))
+        if precision == "bf16" and not has_native_bf16(device):
+            if device.type == "cuda":
+                log.warning("train.precision: bf16 is emulated on %s, and slow; fp16 (or auto) is fast there",
+                            torch.cuda.get_device_name(device))
+            else:
+                log.warning("train.precision: bf16 is emulated on this CPU (%s), about 15x slower than fp32; "
+                            "fp32 (or auto) is fast here", _missing_cpu_bf16())
         return explicit[precision]
     if has_native_bf16(device):
         return torch.bfloat16
     return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def _missing_cpu_bf16() -> str:
+    if platform.machine() in ("x86_64", "AMD64"):
+        return "no AVX512-BF16, no AMX"
+    return f"{platform.machine()}: no BF16 extension"
 
 
 def cpu_threads(dist_env: DistEnv, threads: int | None) -> int:

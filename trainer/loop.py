@@ -86,9 +86,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState(self.batch, self.data, self.selection, dist_env, tracking.new_run_id())
         """Where the run is: step, data position, run id, selection, ..."""
-        self.peak_flops, self.peak_source = flops.peak_flops(device, self.amp_dtype, cfg.train.peak_tflops)
         self.meter = metrics.Meter(dist_env, device, self.batch.global_batch, flops.FlopModel.of(self.model),
-                                   self.peak_flops, max_steps)
+                                   max_steps)
         self.tracker: tracking.Tracker | None = None
         self.first_step_end_unix: float | None = None
         inject.configure(dist_env)
@@ -161,11 +160,13 @@ class Trainer:
         with watch("final-eval", last):
             evaluated = self.state.last_eval
             last_eval = evaluated[1] if evaluated and evaluated[0] == last else self._validate(last)
+        final_step, final_eval = last, last_eval
         if self.cfg.checkpoint.load_best_at_end and self.selection.step not in (None, last):
             with watch("load-best", last):
                 self.checkpointer.load_weights(self.selection.step, self.model)
-            log.info("final/ holds the best step, %d (%s %.6g)", self.selection.step, self.selection.metric,
-                     self.selection.value)
+            assert self.selection.eval is not None, "a selected step was evaluated"
+            # Exact: the same weights, evaluated by the same exact evaluation, at that step.
+            final_step, final_eval = self.selection.step, self.selection.eval
         test_eval = None
         if self.data.test_loader is not None:
             with watch("test-eval", last):
@@ -174,7 +175,7 @@ class Trainer:
         with watch("export", last):
             self.export_final()
         with watch("gather", last):
-            return self._summarize(start_step, last, last_eval, test_eval, totals)
+            return self._summarize(start_step, last, (final_step, final_eval), last_eval, test_eval, totals)
 
     def train_step(self, batches: list[dict]) -> None:
         """One optimizer step over grad_accum micro-batches; the result equals one big batch."""
@@ -295,15 +296,13 @@ class Trainer:
 
     def _log_plan(self) -> None:
         cfg = self.cfg
-        peak = "unknown" if self.peak_flops is None else f"{self.peak_flops:.3g} FLOP/s"
         log.info(
             "training %s on %s (%s): world size %d, global batch %d (per rank %d x %d micro-batches), %d steps "
-            "(%d per epoch), precision %s, attention %s, peak %s (%s)",
+            "(%d per epoch), precision %s, attention %s",
             cfg.model.name, self.device, distributed.backend(self.dist_env), self.dist_env.world_size,
             self.batch.global_batch, self.batch.micro_batch, self.batch.grad_accum, self.policy.max_steps,
             self.data.steps_per_epoch,
-            str(self.amp_dtype).removeprefix("torch."), self.model.config._attn_implementation, peak,
-            self.peak_source,
+            str(self.amp_dtype).removeprefix("torch."), self.model.config._attn_implementation,
         )
 
     def _first_step_done(self) -> None:
@@ -315,6 +314,12 @@ class Trainer:
         phases = self.startup.phases()
         log.info("launch to first step %.1fs: %s", sum(phases.values()),
                  ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in phases.items()))
+        # Here, not at start-up: a CPU's peak is measured (a matmul per precision), and the
+        # first log is the first to need it.
+        with self.meter.paused():
+            self.meter.peak, source = flops.peak_flops(self.device, self.amp_dtype, self.cfg.train.peak_tflops)
+        log.info("MFU's peak: %s (%s)", "unknown" if self.meter.peak is None else f"{self.meter.peak:.3g} FLOP/s",
+                 source)
 
     def _log(self, step: int, epoch: int) -> None:
         lr = cast(float, self.scheduler.get_last_lr()[0])  # a Tensor only for a Tensor lr; train.lr is a float
@@ -324,12 +329,16 @@ class Trainer:
         self._run_tracker.log(window, step)
         log.info("%s", self.meter.log_line(step, window))
 
-    def _summarize(self, start_step: int, last: int, last_eval: dict, test_eval: dict | None, totals: dict) -> dict:
+    def _summarize(self, start_step: int, last: int, final: tuple[int, dict], last_eval: dict,
+                   test_eval: dict | None, totals: dict) -> dict:
+        """summary.json: `final_eval` and `test_eval` score the model in final/, which with
+        load_best_at_end is the best step's; `last_step_eval` is the last step's."""
         summary = {
-            "final_eval": last_eval,
-            "best": self.selection.summary(),
+            "final_model_step": final[0],
+            "final_eval": final[1],
             "test_eval": test_eval,
-            "final_model_step": self.selection.step if self.cfg.checkpoint.load_best_at_end else last,
+            "last_step_eval": last_eval,
+            "best": self.selection.summary(),
             "steps": last,
             "max_steps": self.policy.max_steps,
             "stopped_early": last < self.policy.max_steps,
@@ -346,8 +355,24 @@ class Trainer:
             "hosts": sorted(set(distributed.all_gather(self.dist_env, _hostname()))),
         }
         self._run_tracker.summary(summary)
-        log.info("done: accuracy %.4f, macro F1 %.4f", last_eval["accuracy"], last_eval["f1_macro"])
+        log.info("%s", done_line(summary))
         return summary
+
+
+def done_line(summary: dict) -> str:
+    """What the run ends with: how the model in final/ scores, and which step it is."""
+    final_step, last = summary["final_model_step"], summary["steps"]
+    which = "the last step" if final_step == last else f"the best by {summary['best']['metric']}"
+    line = f"done: final/ holds step {final_step} ({which}): validation {_scores(summary['final_eval'])}"
+    if summary["test_eval"] is not None:
+        line += f", test {_scores(summary['test_eval'])}"
+    if final_step != last:
+        line += f"; the last step, {last}: validation {_scores(summary['last_step_eval'])}"
+    return line
+
+
+def _scores(metrics: dict) -> str:
+    return f"accuracy {metrics['accuracy']:.4f}, macro F1 {metrics['f1_macro']:.4f}"
 
 
 def _prefixed(prefix: str, values: dict) -> dict:

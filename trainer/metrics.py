@@ -9,6 +9,7 @@ say about speed and loss.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections import defaultdict
@@ -21,6 +22,8 @@ import torch
 from trainer import distributed
 from trainer.distributed import DistEnv
 from trainer.flops import FlopModel
+
+log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 """Seconds on a monotonic clock: time.perf_counter, or a test's fake."""
@@ -74,9 +77,11 @@ class Meter:
     """
 
     def __init__(self, dist_env: DistEnv, device: torch.device, global_batch: int, flop_model: FlopModel,
-                 peak: float | None, max_steps: int, clock: Clock = time.perf_counter):
+                 max_steps: int, peak: float | None = None, clock: Clock = time.perf_counter):
         self.dist_env, self.device, self.global_batch = dist_env, device, global_batch
-        self.flop_model, self.peak, self.max_steps = flop_model, peak, max_steps
+        self.flop_model, self.max_steps = flop_model, max_steps
+        self.peak = peak
+        """One device's peak FLOP/s, MFU's denominator; the Trainer sets it after the first step."""
         self.clock = clock
         self.timer = PhaseTimer(clock)
         self._window = self._new_window()
@@ -144,8 +149,7 @@ class Meter:
             "epoch": epoch,
             "samples_per_s": steps * self.global_batch / seconds,
             "tokens_per_s": tokens / seconds,
-            "mfu": self.flop_model.train_flops(tokens, sum_sq_len) / seconds / (self.peak * world)
-                   if self.peak else None,
+            "mfu": self._mfu(self.flop_model.train_flops(tokens, sum_sq_len) / seconds / world),
             **{f"time/{phase}_s": total / steps for phase, total in self.timer.take().items()},
         }
         if window.grad_norm is not None:
@@ -153,6 +157,20 @@ class Meter:
         if self.device.type == "cuda":  # how full the GPU is: the batch size's headroom
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics
+
+    def _mfu(self, flops_per_device: float) -> float | None:
+        """Model FLOP/s over the peak, at most 1 by construction: a device that beat its peak
+        shows the peak to be none (a CPU's measured one, slowed by a busy machine), and MFU is
+        unknown from then on."""
+        if not self.peak:
+            return None
+        if flops_per_device > self.peak:
+            log.warning("MFU unknown from here on: the model ran at %.3g FLOP/s per device, above the peak "
+                        "of %.3g, which is thus no peak; train.peak_tflops sets a true one", flops_per_device,
+                        self.peak)
+            self.peak = None
+            return None
+        return flops_per_device / self.peak
 
     def log_line(self, step: int, metrics: dict[str, float]) -> str:
         step_ms = ", ".join(f"{k.removeprefix('time/').removesuffix('_s')} {1000 * v:.0f}"

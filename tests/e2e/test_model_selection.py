@@ -62,7 +62,9 @@ def test_the_best_epoch_is_selected_kept_and_exported(selected):
     last_step = max(by_step)
     assert best_step != last_step, "the data no longer make the best epoch differ from the last"
     assert summary["best"] == {"step": best_step, "metric": "f1_macro", "value": best_f1, "eval": by_step[best_step]}
-    assert summary["final_eval"] == by_step[last_step] and summary["final_model_step"] == best_step
+    # final_eval scores what final/ holds, the best step; the last step's is labelled as such
+    assert summary["final_model_step"] == best_step and summary["final_eval"] == by_step[best_step]
+    assert summary["last_step_eval"] == by_step[last_step] and summary["steps"] == last_step
     # keep=1 keeps the newest checkpoint, and the best one besides
     assert {p.name for p in (selected / "checkpoints").iterdir()} == {f"step-{best_step}", f"step-{last_step}"}
     assert not compare_weights(weights(selected, best_step), selected / "final").differing
@@ -144,6 +146,9 @@ def test_evaluate_under_torchrun_equals_scikit_learn_on_one_process(selected, ti
                                  nproc=2, command="evaluate"))
     assert result.returncode == 0, result.output[-3000:]
     report = json.loads((selected / "final" / "eval-test.json").read_text())
+    # what the training run reported for the test split is what final/ scores on it
+    assert {k: report[k] for k in ("accuracy", "f1_macro")} == \
+        {k: read_summary(selected)["test_eval"][k] for k in ("accuracy", "f1_macro")}
 
     _, predicted = forward_one_process(selected / "final", [row["text"] for row in rows])
     labels = [row["label"] for row in rows]

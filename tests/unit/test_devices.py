@@ -7,12 +7,14 @@ Deterministic kernels, which take a training run: tests/e2e/test_deterministic_k
 from __future__ import annotations
 
 import itertools
+import platform
+from pathlib import Path
 
 import pytest
 import torch
 
 from trainer.checkpoint import host_copy
-from trainer.distributed import DistEnv, granted_gpus, pick_device, resolve_precision
+from trainer.distributed import DistEnv, granted_gpus, has_native_bf16, pick_device, resolve_precision
 from trainer.errors import LaunchError
 from trainer.flops import peak_flops
 from trainer.parallel import LogitsUnderAutocast, mean_loss
@@ -85,10 +87,43 @@ def test_auto_precision_on_gpus_is_native_bf16_or_fp16(monkeypatch, capability, 
     assert resolve_precision("auto", a_gpu(monkeypatch, capability)) == expected
 
 
+def a_cpu(monkeypatch, native_bf16: bool) -> torch.device:
+    """torch believes this CPU has (or lacks) bf16 instructions, whatever its architecture."""
+    for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, check, lambda: native_bf16)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512" if native_bf16 else "AVX2")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native_bf16)
+    return torch.device("cpu")
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["avx512-bf16", "avx2"])
 def test_auto_precision_on_cpus_is_native_bf16_or_fp32(monkeypatch, native):
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
-    assert resolve_precision("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    assert resolve_precision("auto", a_cpu(monkeypatch, native)) == (torch.bfloat16 if native else torch.float32)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's features as the kernel lists them: a source independent of torch's."""
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith(("flags", "Features")))
+    return set(flags.split(":", 1)[1].split())
+
+
+def test_native_cpu_bf16_follows_the_cpus_own_features():
+    """On whatever CPU runs this: AVX512-BF16 or AMX-BF16 on x86, the BF16 extension on Arm.
+    Not the AVX-512 foundation, which mkldnn's own check takes for bf16."""
+    wanted = {"avx512_bf16", "amx_bf16"} if platform.machine() == "x86_64" else {"bf16"}
+    assert has_native_bf16(torch.device("cpu")) == bool(wanted & cpu_flags())
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["avx512-bf16", "avx2"])
+def test_explicit_bf16_on_a_cpu_without_it_warns_naming_what_is_missing(monkeypatch, caplog, native):
+    assert resolve_precision("bf16", a_cpu(monkeypatch, native)) == torch.bfloat16
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if native:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and "bf16 is emulated on this CPU" in warnings[0]
+        assert ("AVX512-BF16" in warnings[0] and "AMX" in warnings[0]) or "BF16 extension" in warnings[0]
 
 
 @pytest.mark.parametrize("precision, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16),
@@ -197,7 +232,7 @@ def test_mfu_is_logged_as_unknown_without_a_peak():
     from trainer.flops import FlopModel
     from trainer.metrics import Meter
 
-    meter = Meter(DistEnv(), torch.device("cpu"), 16, FlopModel(1000, 2, 32), None, max_steps=1)
+    meter = Meter(DistEnv(), torch.device("cpu"), 16, FlopModel(1000, 2, 32), max_steps=1)
     meter.begin(0)
     meter.micro_batch(torch.ones(16, 8, dtype=torch.long))
     meter.loss(torch.tensor(1.0))

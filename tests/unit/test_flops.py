@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainer import flops
 from trainer.flops import FlopModel, peak_flops
 
 HIDDEN, LAYERS, INTERMEDIATE, LABELS = 32, 2, 37, 3
@@ -49,4 +50,20 @@ def test_a_given_peak_wins():
 
 def test_a_cpu_peak_is_measured():
     peak, source = peak_flops(torch.device("cpu"), torch.float32)
-    assert peak > 0 and source == "measured: 1024^3 matmul on cpu"
+    assert peak > 0 and source == "measured: 1024^3 matmul on cpu, fp32"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["avx512-bf16", "avx2"])
+def test_a_cpu_peak_bounds_bf16_with_the_fp32_units_and_measures_no_emulation(monkeypatch, native):
+    """An emulated bf16 matmul is a floor, not a peak (it gave an MFU of 363%), and slow to
+    time: the fp32 one is measured always, bf16 only where the CPU has it natively."""
+    measured = []
+    speeds = {torch.float32: 2e9, torch.bfloat16: 5e9}
+    monkeypatch.setattr(flops, "has_native_bf16", lambda device: native)
+    monkeypatch.setattr(flops, "_measured_matmul_peak", lambda device, dtype: measured.append(dtype) or speeds[dtype])
+    peak, source = peak_flops(torch.device("cpu"), torch.bfloat16)
+    if native:
+        assert measured == [torch.float32, torch.bfloat16] and peak == 5e9
+        assert source == "measured: 1024^3 matmul on cpu, fp32 and bf16"
+    else:
+        assert measured == [torch.float32] and peak == 2e9 and source == "measured: 1024^3 matmul on cpu, fp32"

@@ -30,7 +30,7 @@ def clock() -> FakeClock:
 
 
 def make_meter(clock: FakeClock, peak: float | None = 1e5) -> Meter:
-    meter = Meter(DistEnv(), torch.device("cpu"), GLOBAL_BATCH, FLOP_MODEL, peak, max_steps=10, clock=clock)
+    meter = Meter(DistEnv(), torch.device("cpu"), GLOBAL_BATCH, FLOP_MODEL, max_steps=10, peak=peak, clock=clock)
     meter.begin(0)
     return meter
 
@@ -117,3 +117,15 @@ def test_mfu_is_none_when_the_peak_is_unknown(clock):
     window = meter.take_window(epoch=0, lr=1e-3)
     assert window["mfu"] is None
     assert "MFU unknown" in meter.log_line(1, window)
+
+
+def test_mfu_cannot_exceed_100_percent(clock, caplog):
+    """A measured peak the model beats (a CPU's matmul timed on a busy machine) is no peak:
+    MFU is unknown from then on, not above 100%."""
+    meter = make_meter(clock, peak=1e5)
+    step(meter, clock, [8, 8], phases={"forward": 1e-3})  # ~1e8 FLOP/s against a "peak" of 1e5
+    window = meter.take_window(epoch=0, lr=1e-3)
+    assert window["mfu"] is None and "MFU unknown" in meter.log_line(1, window)
+    assert "above the peak of 1e+05" in caplog.text
+    step(meter, clock, [1, 1], phases={"forward": 1e3})  # slow enough for the old peak: still unknown
+    assert meter.take_window(epoch=0, lr=1e-3)["mfu"] is None
