@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +155,24 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {one_line(e) or 'no rows could be read (is the file empty?)'}"
 
 
+def _arrow_column(ds, column: str):
+    """`column` as an Arrow ChunkedArray, in `ds`'s row order (a shuffle/select's indices
+    applied). Not `ds[column]`: that is a lazy column which formats each row in Python when
+    iterated or handed to numpy, ~5 us a row: 2 s per column of 400,000 rows, where this
+    takes milliseconds (with a subsample's indices, ~2 us a row: datasets gathers by row)."""
+    return ds.with_format("arrow")[column]
+
+
+def _int_column(ds, column: str) -> np.ndarray:
+    """An integer column as an int64 array of its own: Arrow's is read-only, and
+    torch.from_numpy (the length grouping) warns on a read-only array."""
+    return np.asarray(_arrow_column(ds, column).to_numpy(), dtype=np.int64).copy()
+
+
 def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     for key in ("text_field", "text_pair_field", "label_field"):
         column = data_cfg[key]
         if column is not None and column not in ds.column_names:
@@ -164,18 +182,30 @@ def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
     for key in ("text_field", "text_pair_field"):
         column = data_cfg[key]
         if column is not None:
-            row = next((i for i, value in enumerate(ds[column]) if not isinstance(value, str)), None)
+            values = _arrow_column(ds, column)
+            if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+                # A string column's only values that are not str are its nulls: found by Arrow
+                # in milliseconds, where a Python loop over the rows took seconds.
+                first_null = pc.index(pc.is_null(values), True).as_py()
+                row = None if first_null < 0 else first_null
+            else:  # any other type: the first row that is not a str, found row by row
+                row = next((i for i, value in enumerate(ds[column]) if not isinstance(value, str)), None)
             if row is not None:
                 raise DataError(f"data.{key}: column {column!r} in {split_key} has a non-text value "
                                   f"in row {row}: {ds[row][column]!r}")
-    labels = np.asarray(ds[data_cfg.label_field])
-    if labels.size and not np.issubdtype(labels.dtype, np.integer):
+    labels = _arrow_column(ds, data_cfg.label_field)
+    # An integer class id in every row: a column with a null, or of floats, strings or lists,
+    # is refused.
+    if len(labels) and (labels.null_count or not pa.types.is_integer(labels.type)):
         raise DataError(f"data.label_field: column {data_cfg.label_field!r} must hold integer class ids")
-    if labels.size and (labels.min() < 0 or labels.max() >= data_cfg.num_labels):
-        raise DataError(
-            f"data.num_labels: {split_key} has labels in [{labels.min()}, {labels.max()}], "
-            f"outside [0, {data_cfg.num_labels - 1}]"
-        )
+    if len(labels):
+        extremes = pc.min_max(labels)
+        low, high = extremes["min"].as_py(), extremes["max"].as_py()
+        if low < 0 or high >= data_cfg.num_labels:
+            raise DataError(
+                f"data.num_labels: {split_key} has labels in [{low}, {high}], "
+                f"outside [0, {data_cfg.num_labels - 1}]"
+            )
 
 
 def label_names(ds, data_cfg: DictConfig) -> list[str] | None:
@@ -199,20 +229,65 @@ def _load_checked(data_cfg: DictConfig, split_key: str, limit: int | None, seed:
     return ds, label_names(ds, data_cfg)
 
 
-def _tokenize(ds, data_cfg: DictConfig, split_key: str, tokenizer):
-    text, pair, label = data_cfg.text_field, data_cfg.text_pair_field, data_cfg.label_field
+_ROWS_PER_PROCESS = 10_000
+"""Tokenizing with num_proc starts a process per share of the split (~0.1 s each: a fork,
+the tokenizer pickled, a shard written and joined); with at least this many rows (~0.6 s of
+tokenizing on one core) each share is worth its process. Measured on 2 cores, in process ->
+2 processes (benchmarks/startup_vs_data.py, RESULTS.md of 2026-11-24): 40,000 rows 2.6 ->
+1.8 s, 400,000 rows 26.7 -> 13.9 s; 10,000 rows 0.64 -> 0.40 s, but 1,000 rows 0.06 -> 0.15 s."""
+
+
+def tokenize_processes(rows: int, dist_env: DistEnv) -> int | None:
+    """num_proc for tokenizing `rows` rows on this rank: None (in process) for a small split.
+    Local rank 0 tokenizes while the node's other ranks wait for it (local_rank_zero_first),
+    so it takes every CPU it may use; the others read its cache, or, where nothing is cached
+    (an in-memory dataset), tokenize all at once, each on its share of the CPUs. The
+    processes are forks of the rank (datasets' pool): short-lived, they run the tokenizer and
+    write Arrow only, nothing (gloo, CUDA) whose lock another thread of the rank could hold."""
+    cpus = len(os.sched_getaffinity(0))
+    if not dist_env.is_local_rank_zero:
+        cpus //= dist_env.local_world_size
+    processes = min(cpus, rows // _ROWS_PER_PROCESS)
+    return processes if processes > 1 else None
+
+
+def _cache_files(ds) -> set[str] | None:
+    """The map cache files (cache-*.arrow) beside `ds`'s own, or None: `ds` is in memory."""
+    if not ds.cache_files:
+        return None
+    return {str(path) for path in Path(ds.cache_files[0]["filename"]).parent.glob("cache-*.arrow")}
+
+
+def _tokenize(ds, data_cfg: DictConfig, split_key: str, tokenizer, dist_env: DistEnv):
+    # A batched map writes an Arrow cache file named by a fingerprint of the data (`ds`'s
+    # own) and of `encode`: its code and everything it closes over, hashed by `datasets`
+    # (the tokenizer by its vocabulary and settings, not by the truncation state a call
+    # leaves in it). A rerun, or the node's other ranks, then read that file instead of
+    # tokenizing again. So `encode` closes over the tokenizer and plain values only, which
+    # are exactly what decides its output: a DictConfig node such as data_cfg would bring
+    # its parent along, the whole run config, and every run with another output_dir (or
+    # lr, seed, ...) would get a new fingerprint and tokenize the whole split again.
+    text, pair, label = str(data_cfg.text_field), data_cfg.text_pair_field, str(data_cfg.label_field)
+    pair = None if pair is None else str(pair)
+    max_length = int(data_cfg.max_length)
 
     def encode(batch):
-        encoded = tokenizer(
-            batch[text], batch[pair] if pair else None, truncation=True, max_length=data_cfg.max_length
-        )
+        encoded = tokenizer(batch[text], batch[pair] if pair else None, truncation=True, max_length=max_length)
         encoded["labels"] = batch[label]
         encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
         return encoded
 
-    # batched map writes an Arrow cache keyed by the data and the tokenizer's fingerprint:
-    # a rerun (or the other ranks of this node) reads it instead of tokenizing again.
-    return ds.map(encode, batched=True, remove_columns=ds.column_names, desc=f"tokenize {split_key}")
+    cached = _cache_files(ds)
+    processes = tokenize_processes(len(ds), dist_env)
+    started = time.perf_counter()
+    tokenized = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=processes,
+                       desc=f"tokenize {split_key}")
+    if cached is not None and {f["filename"] for f in tokenized.cache_files} <= cached:
+        log.info("%s: %d rows, tokenized before: read from the cache", split_key, len(tokenized))
+    else:
+        log.info("%s: tokenized %d rows in %.1f s (%s)", split_key, len(tokenized), time.perf_counter() - started,
+                 f"{processes} processes" if processes else "in process")
+    return tokenized
 
 
 @dataclass
@@ -346,9 +421,9 @@ def build(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device:
     """The loaders of the `load`ed splits: tokenized (once per node), batched by `plan`."""
     data_cfg = cfg.data
     with local_rank_zero_first(dist_env):
-        train_ds = _tokenize(splits.train, data_cfg, "train_split", tokenizer)
-        eval_ds = _tokenize(splits.eval, data_cfg, "eval_split", tokenizer)
-        test_ds = None if splits.test is None else _tokenize(splits.test, data_cfg, "test_split", tokenizer)
+        train_ds = _tokenize(splits.train, data_cfg, "train_split", tokenizer, dist_env)
+        eval_ds = _tokenize(splits.eval, data_cfg, "eval_split", tokenizer, dist_env)
+        test_ds = None if splits.test is None else _tokenize(splits.test, data_cfg, "test_split", tokenizer, dist_env)
 
     if len(train_ds) < plan.global_batch:
         key = "train.global_batch" if cfg.train.global_batch else "train.batch_size"
@@ -356,7 +431,7 @@ def build(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device:
                           "training samples")
     loader_options = _loader_options(cfg, tokenizer, device)
     train_sampler = GlobalBatchSampler(
-        np.asarray(train_ds["length"]), np.asarray(train_ds["labels"]), plan.global_batch, dist_env, cfg.seed,
+        _int_column(train_ds, "length"), _int_column(train_ds, "labels"), plan.global_batch, dist_env, cfg.seed,
         data_cfg.group_by_length,
     )
     train_loader = DataLoader(
@@ -376,7 +451,7 @@ def build_eval(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.devi
     """data.eval_split alone, for `python -m trainer evaluate`: (loader, samples, label names)."""
     with local_rank_zero_first(dist_env):
         eval_ds, names = _load_checked(cfg.data, "eval_split", cfg.data.max_eval_samples, cfg.seed)
-        eval_ds = _tokenize(eval_ds, cfg.data, "eval_split", tokenizer)
+        eval_ds = _tokenize(eval_ds, cfg.data, "eval_split", tokenizer, dist_env)
     return _eval_loader(eval_ds, cfg, dist_env, _loader_options(cfg, tokenizer, device)), len(eval_ds), names
 
 
@@ -406,7 +481,7 @@ def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -
     it pads the next batches while the rank computes."""
     return DataLoader(
         ds.remove_columns("length"), batch_size=cfg.train.eval_batch_size,
-        sampler=EvalShardSampler(np.asarray(ds["length"]), dist_env),
+        sampler=EvalShardSampler(_int_column(ds, "length"), dist_env),
         **loader_options | {"num_workers": 0, "persistent_workers": False},
     )
 

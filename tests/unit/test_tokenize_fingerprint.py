@@ -1,0 +1,128 @@
+"""The tokenized splits' cache key (the map's fingerprint), the num_proc rule, and the column
+checks that read Arrow instead of Python rows, in process.
+
+The cache is named by that fingerprint: the same data, tokenizer and data settings must give
+the same one in every run, whatever else the run changes (a new output_dir, lr, seed), and a
+change to what the tokens depend on must give another. tests/e2e/test_tokenize_cache.py
+proves the same across real launches.
+"""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import config, data, model
+from trainer.distributed import DistEnv
+from trainer.errors import DataError
+
+ROWS = {"text": ["The food was good.", "The staff was rude and careless.", "It was okay."] * 4,
+        "title": ["Good", "Bad", "Fine"] * 4, "label": [3, 0, 2] * 4}
+
+
+def settings(tiny_model, reviews, tmp_path, **changes) -> DictConfig:
+    overrides = {"model.name": tiny_model, "data.path": reviews, "data.max_length": 64, "train.max_steps": 4,
+                 "wandb.mode": "disabled", "output_dir": tmp_path / "run", **changes}
+    return config.load("configs/demo.yaml", [f"{key}={value}" for key, value in overrides.items()])
+
+
+def as_the_trainer_leaves_it(cfg):
+    """The tokenizer after what Trainer.__init__ does before data.build (and a call and a
+    padded batch, which leave state in a fast tokenizer)."""
+    tokenizer = model.load_tokenizer(cfg.model)
+    bare = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, torch.device("cpu"), tokenizer.pad_token_id)
+    model.check_max_length(cfg.model, cfg.data.max_length, bare, tokenizer)
+    encoded = tokenizer(ROWS["text"][:2], truncation=True, max_length=8)
+    data.Collate(tokenizer, pad_to_multiple_of=8)([{"input_ids": ids} for ids in encoded["input_ids"]])
+    return tokenizer
+
+
+def fingerprint(cfg, tokenizer) -> str:
+    ds = datasets.Dataset.from_dict(ROWS)
+    return data._tokenize(ds, cfg.data, "train_split", tokenizer, DistEnv())._fingerprint
+
+
+def test_the_tokenize_fingerprint_is_the_same_in_every_run_of_the_same_data(tiny_model, reviews, tmp_path):
+    """A DictConfig node that `encode` closed over would hash with its parent, the whole run
+    config: a new output_dir would be a new cache file, the split tokenized again."""
+    first = settings(tiny_model, reviews, tmp_path)
+    expected = fingerprint(first, model.load_tokenizer(first.model))
+    another_run = settings(tiny_model, reviews, tmp_path, output_dir=tmp_path / "other", **{
+        "train.lr": 3e-5, "train.max_steps": 9, "seed": 7, "wandb.name": "again", "checkpoint.every": 2})
+    assert fingerprint(another_run, as_the_trainer_leaves_it(another_run)) == expected
+
+
+@pytest.mark.parametrize("change", ["data.max_length", "data.text_field", "data.text_pair_field", "tokenizer"])
+def test_the_tokenize_fingerprint_changes_with_what_the_tokens_depend_on(tiny_model, reviews, tmp_path, change):
+    base = settings(tiny_model, reviews, tmp_path)
+    tokenizer = model.load_tokenizer(base.model)
+    expected = fingerprint(base, tokenizer)
+    changes = {"data.max_length": {"data.max_length": 32}, "data.text_field": {"data.text_field": "title"},
+               "data.text_pair_field": {"data.text_pair_field": "title"}, "tokenizer": {}}[change]
+    changed = settings(tiny_model, reviews, tmp_path, **changes)
+    if change == "tokenizer":
+        tokenizer.add_tokens(["careless"])  # another vocabulary: other ids for the same text
+    assert fingerprint(changed, tokenizer) != expected
+
+
+def test_a_changed_max_length_tokenizes_again_and_the_same_one_reads_the_cache(tiny_model, reviews, tmp_path):
+    """On a file-backed split, as the trainer's are: the same settings write nothing new."""
+    ds = datasets.load_dataset("json", data_files=str(reviews / "train.jsonl"), split="train",
+                               cache_dir=str(tmp_path / "hf"))
+    cfg = settings(tiny_model, reviews, tmp_path)
+    tokenizer = model.load_tokenizer(cfg.model)
+
+    def tokenize(cfg) -> set[str]:
+        tokenized = data._tokenize(ds, cfg.data, "train_split", tokenizer, DistEnv())
+        assert len(tokenized) == len(ds)
+        return data._cache_files(ds) or set()
+
+    written = tokenize(cfg)
+    assert written, "the map wrote no cache file"
+    assert tokenize(settings(tiny_model, reviews, tmp_path, output_dir=tmp_path / "again")) == written
+    assert len(tokenize(settings(tiny_model, reviews, tmp_path, **{"data.max_length": 32})) - written) == 1
+
+
+def test_tokenize_processes(monkeypatch):
+    monkeypatch.setattr(data.os, "sched_getaffinity", lambda pid: set(range(4)))
+    first, second = (DistEnv(rank=r, local_rank=r, world_size=2, local_world_size=2, master_addr="127.0.0.1",
+                             master_port=29500) for r in (0, 1))
+    assert data.tokenize_processes(1_000, first) is None  # a small split: starting processes costs more
+    assert data.tokenize_processes(19_999, first) is None
+    assert data.tokenize_processes(30_000, first) == 3  # each process gets 10,000 rows at least
+    assert data.tokenize_processes(400_000, first) == 4  # local rank 0: the others wait for it
+    assert data.tokenize_processes(400_000, second) == 2  # the others together: a share each
+    assert data.tokenize_processes(400_000, DistEnv()) == 4
+
+
+def checked(rows: dict, **changes):
+    cfg = OmegaConf.create({"text_field": "text", "text_pair_field": None, "label_field": "label",
+                                   "num_labels": 5, **changes})
+    data._check_columns(datasets.Dataset.from_dict(rows), cfg, "data.train_split")
+
+
+@pytest.mark.parametrize("rows, expected", [
+    ({"text": ["a", "b", None, "c"], "label": [0, 1, 2, 3]}, "non-text value in row 2: None"),
+    ({"text": [1, 2], "label": [0, 1]}, "non-text value in row 0: 1"),
+    ({"text": ["a", "b"], "label": [0, None]}, "must hold integer class ids"),
+    ({"text": ["a", "b"], "label": [0.0, 1.0]}, "must hold integer class ids"),
+    ({"text": ["a", "b"], "label": ["good", "bad"]}, "must hold integer class ids"),
+    ({"text": ["a", "b"], "label": [[0], [1]]}, "must hold integer class ids"),
+    ({"text": ["a", "b", "c"], "label": [0, 5, -1]}, "has labels in [-1, 5], outside [0, 4]"),
+], ids=["null-text", "int-text", "null-label", "float-labels", "text-labels", "list-labels", "labels-out-of-range"])
+def test_the_column_checks(rows, expected):
+    with pytest.raises(DataError) as refused:
+        checked(rows)
+    assert expected in str(refused.value)
+
+
+def test_the_column_checks_count_rows_of_a_subsample_in_its_own_order():
+    ds = datasets.Dataset.from_dict({"text": ["a", None, "b", "c"], "label": [0, 1, 2, 3]}).select([3, 0, 1])
+    cfg = OmegaConf.create({"text_field": "text", "text_pair_field": None, "label_field": "label",
+                                   "num_labels": 5})
+    with pytest.raises(DataError, match=r"row 2: None"):
+        data._check_columns(ds, cfg, "data.train_split")
+    data._check_columns(ds.select([0, 1]), cfg, "data.train_split")
+    checked({"text": ["a", "b"], "title": ["x", "y"], "label": [0, 4]}, text_pair_field="title")
