@@ -73,7 +73,10 @@ def _has_native_cpu_kernels(dtype: torch.dtype) -> bool:
     return dtype == torch.float16 and torch.cpu._is_amx_fp16_supported()
 
 
-def _measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 3) -> float:
+def _measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
+    # The best of several: a CPU shared with other work slows some repetitions, and a peak
+    # measured low would be beaten by the model later (MFU then reports unknown). ~0.3 s,
+    # once, after the first step.
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = float("inf")

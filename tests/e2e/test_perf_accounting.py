@@ -96,7 +96,10 @@ def test_mfu_is_within_0_and_100_percent(reviews, tmp_path, precision, env):
     result = run(trainer_command(overrides, nproc=None, config="configs/demo.yaml"), env=env)
     assert result.returncode == 0, result.output[-6000:]
     mfus = [r["mfu"] for r in read_metrics(tmp_path) if "samples_per_s" in r]
-    assert len(mfus) == 3 and all(mfu is not None and 0 < mfu <= 1 for mfu in mfus), mfus
+    assert len(mfus) == 3 and all(mfu is None or 0 < mfu <= 1 for mfu in mfus), mfus
+    # Unknown only where the run says why: a CPU shared with other work (CI under load) can
+    # measure its peak low, and the model then beats it. On a quiet machine it is reported.
+    assert None not in mfus or "MFU unknown from here on" in result.output, mfus
     assert "MFU's peak: " in result.output and "(measured: 1024^3 matmul on cpu, fp32" in result.output
     if env:
         assert "bf16 is emulated on this CPU (no AVX512-BF16, no AMX)" in result.output
