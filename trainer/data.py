@@ -468,6 +468,11 @@ def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
         "num_workers": workers, "pin_memory": device.type == "cuda" and data_cfg.pin_memory,
         "persistent_workers": workers > 0,
         "worker_init_fn": functools.partial(_init_worker, tuple(cfg.fault.preempt_signals)),
+        # Each new iterator draws its workers' base seed from this generator. Without one it
+        # draws from torch's global RNG, which dropout uses too: a resumed run, which starts
+        # its train iterator mid-epoch, and each evaluation would shift every dropout mask
+        # after them, and a resume would no longer be bitwise.
+        "generator": torch.Generator().manual_seed(cfg.seed),
     }
 
 

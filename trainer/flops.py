@@ -77,8 +77,12 @@ def _measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 102
     # The best of several: a CPU shared with other work slows some repetitions, and a peak
     # measured low would be beaten by the model later (MFU then reports unknown). ~0.3 s,
     # once, after the first step.
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # A generator of its own: this runs mid-run, after the first step, and a draw from torch's
+    # global RNG there would shift every dropout mask after it (a resume, which measures
+    # again after its own first step, would no longer be bitwise).
+    generator = torch.Generator(device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     best = float("inf")
     for _ in range(reps + 1):  # the first one warms up the kernels
         _sync(device)

@@ -67,6 +67,7 @@ class Trainer:
             self.model = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device,
                                           self.tokenizer.pad_token_id)
         """The bare model: checkpoints, evaluation and the export read it."""
+        self.model.train()  # from_pretrained returns it in eval mode: dropout would be off
         model.check_max_length(cfg.model, cfg.data.max_length, self.model, self.tokenizer)
         startup.mark("model")
         self.data = data.build(cfg, dist_env, splits, self.tokenizer, device, self.batch)

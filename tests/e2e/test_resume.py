@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 import wandb_log
-from conftest import compare_weights, kill_then_resume, locally, run, tiny_overrides, train, trainer_command
+from conftest import (
+    compare_weights,
+    kill_then_resume,
+    locally,
+    run,
+    tiny_overrides,
+    train,
+    trainer_command,
+    weights,
+)
 from support import read_metrics, read_summary
 
 STEPS = 40
@@ -40,6 +49,15 @@ def merged_history(output_dir: Path) -> dict[int, dict]:
         for step, row in wandb_log.history(log).items():
             merged.setdefault(step, {}).update(row)
     return merged
+
+
+def test_dropout_is_on_while_training(uninterrupted, dropout_model, tiny_model, reviews, tmp_path):
+    """The model here is tiny_model with dropout 0.1, the same weights otherwise: the same
+    run of the two ends apart only if dropout draws while training. Otherwise the bitwise
+    resumes below would prove nothing about the RNG states they restore."""
+    assert not compare_weights(weights(tiny_model), weights(dropout_model)).differing
+    train(tiny_overrides(tiny_model, reviews, tmp_path, **OPTIONS))
+    assert compare_weights(uninterrupted, tmp_path, STEPS).max_abs > 1e-3
 
 
 @pytest.mark.parametrize(
