@@ -58,12 +58,12 @@ def main() -> None:
     medians = {cpu: {side: {key: statistics.median(r[key] for r in rs)
                             for key in ("launch_to_first_step_s", "setup_s")} for side, rs in sides.items()}
                for cpu, sides in runs.items()}
-    result = {"date": time.strftime("%Y-%m-%d"), "cpu": _cpu_name(), "runs": runs, "medians": medians}
+    result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "runs": runs, "medians": medians}
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(medians, indent=1))
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()

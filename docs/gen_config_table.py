@@ -112,14 +112,20 @@ def render() -> str:
 
     docs = field_docstrings(SOURCE.read_text())
     header = ["| key | type | default | on resume | meaning |", "|---|---|---|---|---|"]
-    hints = typing.get_type_hints(Config)
-    parts = ["### Top level", "", *header, *rows(Config, docs)]
-    for f in dataclasses.fields(Config):
-        section = hints[f.name]
-        if dataclasses.is_dataclass(section):
-            intro = cell(docs.get("Config", {}).get(f.name, ""))
-            parts += ["", f"### `{f.name}`", "", intro, "", *header, *rows(section, docs, f"{f.name}.")]
-    return "\n".join(parts)
+    def sections(schema: type, prefix: str) -> list[str]:
+        """A table for each section within `schema` (model.lora within model), in order."""
+        hints = typing.get_type_hints(schema)
+        parts = []
+        for f in dataclasses.fields(schema):
+            section = hints[f.name]
+            if dataclasses.is_dataclass(section):
+                name = f"{prefix}{f.name}"
+                intro = cell(docs.get(schema.__name__, {}).get(f.name, ""))
+                parts += ["", f"### `{name}`", "", intro, "", *header, *rows(section, docs, f"{name}."),
+                          *sections(section, f"{name}.")]
+        return parts
+
+    return "\n".join(["### Top level", "", *header, *rows(Config, docs), *sections(Config, "")])
 
 
 def rendered_doc(current: str) -> str:

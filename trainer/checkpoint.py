@@ -1,7 +1,8 @@
 """Checkpoints that are either complete and verified, or ignored.
 
 Layout: `output_dir/checkpoints/step-N/` holding
-- model.safetensors   the bare model's weights (no `module.` prefix)
+- model.safetensors   the bare model's weights (no `module.` prefix); under LoRA only the
+                      weights that train (trained_tensors)
 - optimizer.pt        the optimizer's, the LR schedule's and the fp16 loss scaler's state
                       (loaded with weights_only=True)
 - rng.pt              RNG states of every rank (torch, CUDA, Python, NumPy)
@@ -208,12 +209,35 @@ class _Write:
         return self.error
 
 
+def trained_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What model.safetensors holds of `model`: its whole state dict, or where some of its
+    parameters are frozen (LoRA's base), the parameters that train alone. The frozen ones
+    are model.name's, loaded again from there: a checkpoint of megabytes, not gigabytes."""
+    state = model.state_dict()
+    if all(p.requires_grad for p in model.parameters()):
+        return state
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {name: tensor for name, tensor in state.items() if name in trained}
+
+
+def _load_model_file(model: nn.Module, file: Path) -> None:
+    """`file`'s tensors into `model`, which must expect exactly those (trained_tensors):
+    a file of another architecture, or of a run with other model.lora settings, is refused
+    by name rather than half loaded."""
+    missing, unexpected = load_model(model, str(file), strict=False)
+    missing = sorted(set(missing) & set(trained_tensors(model)))
+    if missing or unexpected:
+        names = "; ".join(f"{what} {len(keys)} ({', '.join(keys[:2])}{', ...' if len(keys) > 2 else ''})"
+                          for what, keys in (("missing", missing), ("unexpected", sorted(unexpected))) if keys)
+        raise CheckpointError(f"{file}: not this model's weights (model.name, model.lora): {names}")
+
+
 def load_weights(path: Path, model: nn.Module) -> None:
     """A verified checkpoint's weights into `model` (the bare one), in place."""
     problem = verify(path)
     if problem:
         raise CheckpointError(f"checkpoint: {path}: {problem}")
-    load_model(model, str(path / "model.safetensors"))
+    _load_model_file(model, path / "model.safetensors")
 
 
 class Checkpointer:
@@ -255,7 +279,7 @@ class Checkpointer:
 
     def _start_write(self, step, states, config_yaml, rngs, keep_also) -> _Write:
         write = _Write(step)
-        model_tensors = states["model"].state_dict()
+        model_tensors = trained_tensors(cast(nn.Module, states["model"]))
         state = states["train"].state_dict()
         trainer_state = {name: stateful.state_dict() for name, stateful in states.items() if name not in _OWN_FILE}
         if self.async_save:
@@ -386,7 +410,7 @@ class Checkpointer:
             states["train"].load_state_dict(state)
         except CheckpointError as e:
             raise CheckpointError(f"checkpoint.resume: {path}: {e}") from None
-        load_model(cast(nn.Module, states["model"]), str(path / "model.safetensors"))  # the bare model
+        _load_model_file(cast(nn.Module, states["model"]), path / "model.safetensors")  # the bare model
         saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         for name, stateful in states.items():
             # A disabled loss scaler (fp32, bf16) saves an empty state, which an enabled one

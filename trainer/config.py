@@ -82,6 +82,23 @@ STEPS_OR_EPOCH: Check = (lambda v: v == "epoch" or (type(v) is int and v >= 0), 
 
 
 @dataclass
+class LoraConfig:
+    r: int | None = key(None, FIXED, at_least_or_null(1))
+    """LoRA's rank: the model's weights stay frozen, rank-r adapters beside its
+    target_modules train, and so does the classification head, in full (peft). DDP, the
+    optimizer and checkpoints then hold only those: megabytes. null: no LoRA, every weight
+    trains."""
+    alpha: float = key(16.0, FIXED, above(0))
+    """The adapters' scale: their output is multiplied by alpha / r."""
+    dropout: float = key(0.05, FIXED, fraction(closed_at_zero=True))
+    """Dropout on the adapters' input."""
+    target_modules: list[str] | None = key(None, FIXED)
+    """Names (or name suffixes) of the linear layers that get adapters. null: peft's default
+    for the model's family (BERT, RoBERTa: query, value; GPT-2: c_attn; Llama, Qwen2,
+    Mistral: q_proj, v_proj); a family without one is an error naming this key."""
+
+
+@dataclass
 class ModelConfig:
     name: str = key(MISSING, FIXED, NOT_EMPTY)
     """Hub id or local directory of a transformers model (config, weights, tokenizer)."""
@@ -91,6 +108,8 @@ class ModelConfig:
     """Passed to from_pretrained: `sdpa`, `eager`, ... auto: `sdpa` on GPU (flash and
     memory-efficient kernels), `eager` on CPU, where SDPA's backward under bf16 autocast
     is ~1.9x slower than eager's (benchmarks/RESULTS.md)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of training every weight (`model.lora.r`)."""
 
 
 @dataclass
@@ -278,6 +297,10 @@ class CheckpointConfig:
     refused on resume (the keys marked FIXED)."""
     resume: str = key("auto", FREE)
     """auto: latest valid checkpoint in output_dir, if any. never: start fresh. Or a step-N path."""
+    export_adapter: bool = key(False, FREE)
+    """With model.lora: final/adapter/ also holds the adapter alone, in peft's format
+    (`PeftModel.from_pretrained(base, "final/adapter")`). final/ itself always holds the merged
+    model, which plain transformers loads without peft."""
     async_save: bool | None = key(None, FREE)
     """True: training waits only while the state is copied to host memory, and a background
     thread writes, checksums and renames the checkpoint (a failed write stops every rank at

@@ -102,22 +102,32 @@ def _sync(device: torch.device) -> None:
 class FlopModel:
     """Training FLOPs of a transformer encoder, counted on real (unpadded) tokens.
 
-    Per token: 6 x the parameters of the linear layers (forward 2, backward 4). Per
-    sequence of length s, attention scores and the weighted sum add 12 x layers x hidden x s^2.
-    Embedding lookups do no matmul work, so 6 x all parameters would overcount by ~2x.
+    Per token: 6 x the parameters of the linear layers that train (forward 2, backward 4:
+    the input's gradient and the weight's), 4 x those of frozen ones (LoRA's base: backward
+    still passes the input's gradient down to the adapters below, but computes no weight
+    gradient). Per sequence of length s, attention scores and the weighted sum add 12 x
+    layers x hidden x s^2. Embedding lookups do no matmul work, so 6 x all parameters would
+    overcount by ~2x.
     """
 
     linear_params: int
+    """Weights of the linear layers that train."""
     layers: int
     hidden: int
+    frozen_linear_params: int = 0
+    """Weights of the frozen linear layers the forward runs."""
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> FlopModel:
         from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers (transposed weights)
 
-        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Conv1D)))
+        # Not peft's `original_module`: the head's frozen copy, which the forward never runs.
+        weights = [m.weight for name, m in model.named_modules()
+                   if isinstance(m, (nn.Linear, Conv1D)) and ".original_module" not in name]
         config = model.config
-        return cls(linear, config.num_hidden_layers, config.hidden_size)
+        return cls(sum(w.numel() for w in weights if w.requires_grad), config.num_hidden_layers, config.hidden_size,
+                   sum(w.numel() for w in weights if not w.requires_grad))
 
     def train_flops(self, tokens: int, sum_squared_lengths: int) -> float:
-        return 6.0 * self.linear_params * tokens + 12.0 * self.layers * self.hidden * sum_squared_lengths
+        return ((6.0 * self.linear_params + 4.0 * self.frozen_linear_params) * tokens
+                + 12.0 * self.layers * self.hidden * sum_squared_lengths)

@@ -21,6 +21,7 @@ from trainer import (
     evaluation,
     flops,
     inject,
+    lora,
     metrics,
     model,
     optim,
@@ -64,11 +65,13 @@ class Trainer:
         # by the node's ranks, or by every node on a PVC), the others then read it from there.
         with distributed.local_rank_zero_first(dist_env) if model.from_hub(cfg.model) else nullcontext():
             self.tokenizer = model.load_tokenizer(cfg.model)
-            self.model = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device,
-                                          self.tokenizer.pad_token_id)
-        """The bare model: checkpoints, evaluation and the export read it."""
+            bare = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device, self.tokenizer.pad_token_id)
+        model.check_max_length(cfg.model, cfg.data.max_length, bare, self.tokenizer)
+        self.model = lora.apply(bare, cfg.model)
+        """The model that trains, unwrapped (the transformers model, or peft's around it under
+        LoRA): checkpoints, evaluation and the export read it."""
+        self.parameter_counts = lora.parameter_counts(self.model)
         self.model.train()  # from_pretrained returns it in eval mode: dropout would be off
-        model.check_max_length(cfg.model, cfg.data.max_length, self.model, self.tokenizer)
         startup.mark("model")
         self.data = data.build(cfg, dist_env, splits, self.tokenizer, device, self.batch)
         model.set_label_names(self.model, self.data.label_names)
@@ -263,13 +266,16 @@ class Trainer:
         self._run_tracker.log({"checkpoint/save_s": time.perf_counter() - started}, self.state.step)
 
     def export_final(self) -> None:
-        """output_dir/final: save_pretrained model and tokenizer, loadable by plain transformers.
-        Written by rank 0; a failure stops every rank with rank 0's reason."""
+        """output_dir/final: save_pretrained model (LoRA's adapters merged in) and tokenizer,
+        loadable by plain transformers. Written by rank 0; a failure stops every rank with rank
+        0's reason. The run's last use of the model: merging changes it in place."""
         final, tmp = self.output_dir / "final", self.output_dir / ".final.tmp"
 
         def export() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
-            self.model.save_pretrained(tmp)
+            if self.cfg.checkpoint.export_adapter and lora.enabled(self.cfg.model):
+                lora.save_adapter(self.model, tmp / "adapter")  # first: merging consumes the adapters
+            lora.merged(self.model).save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
@@ -299,11 +305,12 @@ class Trainer:
         cfg = self.cfg
         log.info(
             "training %s on %s (%s): world size %d, global batch %d (per rank %d x %d micro-batches), %d steps "
-            "(%d per epoch), precision %s, attention %s",
+            "(%d per epoch), precision %s, attention %s; trains %s",
             cfg.model.name, self.device, distributed.backend(self.dist_env), self.dist_env.world_size,
             self.batch.global_batch, self.batch.micro_batch, self.batch.grad_accum, self.policy.max_steps,
             self.data.steps_per_epoch,
             str(self.amp_dtype).removeprefix("torch."), self.model.config._attn_implementation,
+            lora.describe(self.parameter_counts),
         )
 
     def _first_step_done(self) -> None:
@@ -347,6 +354,7 @@ class Trainer:
             "epochs": round(last / self.data.steps_per_epoch, 3),
             "world_size": self.dist_env.world_size,
             "global_batch": self.batch.global_batch,
+            **self.parameter_counts,
             **totals,
             "first_step_end_unix": self.first_step_end_unix,
             "startup_s": self.startup.phases(),

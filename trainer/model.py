@@ -127,13 +127,14 @@ def load_trained(cfg: DictConfig, folder: Path, device: torch.device) -> tuple[P
     """(model, tokenizer) from a `trained_folder`, in eval mode. A model folder has its own
     tokenizer and config; a checkpoint's weights go into the architecture and tokenizer that
     model.name gives, as in training."""
-    from trainer import checkpoint
+    from trainer import checkpoint, lora
 
     is_model_folder = (folder / "config.json").is_file()
     model_cfg = DictConfig({**cfg.model, "name": str(folder), "pretrained": True}) if is_model_folder else cfg.model
     tokenizer = load_tokenizer(model_cfg)
     model = load_model(model_cfg, cfg.data.num_labels, cfg.seed, device, tokenizer.pad_token_id)
-    if not is_model_folder:  # a model folder has its names already
+    if not is_model_folder:  # a model folder has its names already, and LoRA's adapters merged
+        model = lora.apply(model, cfg.model)  # a checkpoint of a LoRA run holds the adapters
         checkpoint.load_weights(folder, model)
         set_label_names(model, cfg.data.label_names)
     return model.eval(), tokenizer

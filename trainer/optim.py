@@ -8,7 +8,9 @@ from torch import nn
 
 
 def optimizer(model: nn.Module, train_cfg: DictConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
+    """AdamW over the parameters that train: under LoRA, its state is the adapters' alone."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trained, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
                              fused=train_cfg.fused_adamw)
 
 

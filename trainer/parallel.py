@@ -45,7 +45,8 @@ class SparseEmbeddingGrad:
     @classmethod
     def maybe(cls, model: PreTrainedModel, cfg: DictConfig, device: torch.device) -> SparseEmbeddingGrad | None:
         embedding = model.get_input_embeddings()
-        if cfg.ddp.sparse_embedding_grad and device.type == "cpu" and isinstance(embedding, nn.Embedding):
+        if (cfg.ddp.sparse_embedding_grad and device.type == "cpu" and isinstance(embedding, nn.Embedding)
+                and embedding.weight.requires_grad):  # frozen under LoRA: no gradient at all
             return cls(embedding)
         return None
 

@@ -81,6 +81,19 @@ def test_a_fixed_key_is_refused_in_one_line_naming_old_and_new(tmp_path):
         "over with checkpoint.resume=never")
 
 
+@pytest.mark.parametrize("saved, given, change", [
+    ("model.lora.r=8", "model.lora.r=16", "model.lora.r: 8 -> 16"),
+    ("model.lora.r=null", "model.lora.r=8", "model.lora.r: None -> 8"),  # LoRA onto full fine-tuning's state
+    ("model.lora.r=8", "model.lora.r=null", "model.lora.r: 8 -> None"),
+    ("model.lora.r=8", "model.lora.target_modules=[query,key,value]", "model.lora.target_modules: None -> "),
+    ("model.lora.r=8", "model.name=org/other", "model.name: org/model -> org/other"),  # another base, by name
+], ids=["rank", "lora-on", "lora-off", "target-modules", "base"])
+def test_lora_settings_and_the_base_are_refused_on_resume(tmp_path, saved, given, change):
+    checkpointed(tmp_path, saved)
+    with pytest.raises(ConfigError, match=re.escape(change)):
+        plan(tmp_path, saved, given)
+
+
 def test_allow_changes_accepts_a_key_or_a_section(tmp_path):
     checkpointed(tmp_path)
     accepted = plan(tmp_path, "train.lr=0.001", "data.max_length=64", "checkpoint.allow_changes=[train.lr,data]")

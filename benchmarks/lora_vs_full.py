@@ -1,0 +1,85 @@
+"""LoRA against full fine-tuning on the demo model (MiniLM), 2 CPU ranks, interleaved:
+samples/s, the gradient bytes DDP all-reduces per step, checkpoint size and save time.
+
+    python -m benchmarks.lora_vs_full [--reps 3] [--steps 60] [--data data/reviews]
+
+Each run is `torchrun --nproc-per-node=2 -m trainer train -c configs/demo.yaml` with
+`train.max_steps=STEPS`, a checkpoint every 20 steps, and with or without `model.lora.r=16`.
+samples/s is summary.json's (after the first step, evaluation and saves excluded); save
+seconds are metrics.jsonl's `checkpoint/save_s`. The gradient bytes are the trained
+parameters' fp32 gradients, which DDP's buckets hold and all-reduce once per step (a ring
+all-reduce then sends about twice that per rank). Full fine-tuning's input embedding goes
+through the all-reduce as sparse rows on CPU (ddp.sparse_embedding_grad), so its real
+traffic is below its figure. Writes results/cpu-minilm-lora-vs-full.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.mfu_peak import cpu_name
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).with_name("results") / "cpu-minilm-lora-vs-full.json"
+SIDES = {"full": [], "lora r=16": ["model.lora.r=16", "model.lora.alpha=32"]}
+
+
+def one_run(data: str, steps: int, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        settings = [f"data.path={data}", f"output_dir={out}", f"train.max_steps={steps}", "checkpoint.every=20",
+                    "checkpoint.keep=10", "train.eval_every=0", "wandb.mode=disabled", *extra]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   "-m", "trainer", "train", "-c", "configs/demo.yaml", *settings]
+        subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
+        summary = json.loads((Path(out) / "summary.json").read_text())
+        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        step_dir = Path(out) / "checkpoints" / f"step-{steps}"
+        sizes = {p.name: p.stat().st_size for p in step_dir.iterdir()}
+    return {
+        "samples_per_s": summary["samples_per_s"],
+        "trained_parameters": summary["trained_parameters"],
+        "parameters": summary["parameters"],
+        "gradient_bytes_per_step": 4 * summary["trained_parameters"],
+        "checkpoint_bytes": sum(sizes.values()),
+        "checkpoint_files": sizes,
+        "save_s": [r["checkpoint/save_s"] for r in records if "checkpoint/save_s" in r],
+        "final_eval": summary["final_eval"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--data", default=str(REPO / "data/reviews"))
+    args = parser.parse_args()
+
+    runs: dict = {side: [] for side in SIDES}
+    for rep in range(args.reps):
+        order = list(SIDES) if rep % 2 == 0 else list(reversed(SIDES))
+        for side in order:
+            runs[side].append(one_run(args.data, args.steps, SIDES[side]))
+            print(side, {k: v for k, v in runs[side][-1].items() if k != "checkpoint_files"}, flush=True)
+    medians = {side: {"samples_per_s": statistics.median(r["samples_per_s"] for r in rs),
+                      "save_s": statistics.median(s for r in rs for s in r["save_s"]),
+                      "checkpoint_bytes": statistics.median(r["checkpoint_bytes"] for r in rs),
+                      "gradient_bytes_per_step": rs[0]["gradient_bytes_per_step"]}
+               for side, rs in runs.items()}
+    result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "python": platform.python_version(),
+              "steps": args.steps, "runs": runs, "medians": medians}
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(medians, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""LoRA (model.lora) keeps every guarantee of full fine-tuning: 2 ranks equal 1 process, a
+run resumed on another world size stays on that trajectory, a SIGKILLed run resumes bitwise,
+and final/ is a plain transformers model whose logits are the adapted model's.
+
+A LoRA checkpoint holds the adapters and the head alone (and their optimizer state): the
+frozen base is model.name's, loaded again on resume.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import compare_weights, kill_then_resume, run, tiny_overrides, train, trainer_command, weights
+from support import read_summary
+
+STEPS = 24
+LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.dropout": 0.0, "train.global_batch": 16,
+        "data.max_train_samples": 320, "train.max_steps": STEPS, "checkpoint.every": 5}
+"""Across an epoch boundary: 320 samples / global batch 16 = 20 steps per epoch."""
+
+TEXTS = ["The food was good and the staff kind.", "Rude, slow, and cold soup.", "It was fine, I guess."]
+
+
+def logits_without_peft(model_dir: Path) -> list[list[float]]:
+    """final/'s logits on TEXTS from plain transformers, in a process where peft can't be imported."""
+    code = f"""
+import json, sys, torch
+sys.modules["peft"] = None  # an import of peft now fails: final/ must not need it
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained({str(model_dir)!r})
+model = AutoModelForSequenceClassification.from_pretrained({str(model_dir)!r}).eval()
+with torch.no_grad():
+    print(json.dumps(model(**tokenizer({TEXTS!r}, padding=True, return_tensors="pt")).logits.tolist()))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def adapter_logits(base: Path, adapter: Path):
+    """The adapted model's logits on TEXTS: the base with final/adapter/ loaded by peft."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, num_labels=5),
+                                      str(adapter)).eval()
+    with torch.no_grad():
+        return model(**tokenizer(TEXTS, padding=True, return_tensors="pt")).logits
+
+
+def test_lora_is_exact_at_any_world_size_and_final_holds_the_merged_model(tiny_model, reviews, tmp_path):
+    import torch
+
+    single, ranks, elastic = tmp_path / "single", tmp_path / "ranks", tmp_path / "elastic"
+    train(tiny_overrides(tiny_model, reviews, single, **LORA, **{"train.batch_size": 16}), nproc=None)
+    trained = train(tiny_overrides(tiny_model, reviews, ranks, **LORA, **{"train.batch_size": 8,
+                                                                         "checkpoint.export_adapter": True}))
+    assert "trains 1,189 of 1,000,426 parameters (0.12%: LoRA adapters and the head)" in trained.output
+
+    # The checkpoint holds the adapters and the head, nothing of the frozen base.
+    saved = weights(ranks, STEPS)
+    assert saved and all("lora_" in name or "modules_to_save" in name for name in saved), sorted(saved)
+    assert sum(t.numel() for t in saved.values()) == read_summary(ranks)["trained_parameters"] == 1189
+    # The adapters moved (lora_B starts at zero) ...
+    assert max(float(t.abs().max()) for name, t in saved.items() if "lora_B" in name) > 1e-3
+    # ... the same way in 2 ranks as in 1 process.
+    assert compare_weights(single, ranks, STEPS).max_abs <= 1e-6
+
+    # Killed at step 13 on 2 ranks, resumed from step 10 on 1: the same trajectory.
+    elastic_overrides = tiny_overrides(tiny_model, reviews, elastic, **LORA, **{"train.batch_size": 8})
+    killed = run(trainer_command(elastic_overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
+    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+    resumed = train(elastic_overrides, nproc=None)
+    assert f"resumed from {elastic / 'checkpoints' / 'step-10'}" in resumed.output
+    assert compare_weights(single, elastic, STEPS).max_abs <= 1e-6
+
+    # final/ is the merged model: plain transformers loads it without peft, and its logits
+    # are those of the base with the exported adapter.
+    merged = torch.tensor(logits_without_peft(ranks / "final"))
+    adapted = adapter_logits(tiny_model, ranks / "final" / "adapter")
+    assert float((merged - adapted).abs().max()) <= 1e-5
+    assert not (single / "final" / "adapter").exists()  # only with checkpoint.export_adapter
+
+    # `evaluate` of a LoRA checkpoint: the base, the adapters from the checkpoint, and the
+    # validation the run reported for it.
+    checkpoint = ranks / "checkpoints" / f"step-{STEPS}"
+    evaluated = run(trainer_command([*tiny_overrides(tiny_model, reviews, ranks, **LORA), f"checkpoint={checkpoint}"],
+                                    nproc=2, command="evaluate"))
+    assert evaluated.returncode == 0, evaluated.output[-3000:]
+    report = json.loads((checkpoint / "eval-test.json").read_text())
+    assert report["accuracy"] == read_summary(ranks)["final_eval"]["accuracy"]
+
+
+def test_lora_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_path):
+    """With the adapters' dropout on, so that a resume that lost any rank's RNG state is not
+    bitwise: rank 1 SIGKILLed at step 13, relaunched from step 10, ends equal to the
+    uninterrupted run, bit for bit, with the optimizer state it had."""
+    options = {**LORA, "model.lora.dropout": 0.1, "train.batch_size": 8}
+    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
+    kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
+                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
+    assert not compare_weights(uninterrupted, resumed, STEPS).differing
+    import torch
+
+    for run_dir in (uninterrupted, resumed):
+        assert (run_dir / "checkpoints" / f"step-{STEPS}" / "optimizer.pt").is_file()
+    saved = [torch.load(d / "checkpoints" / f"step-{STEPS}" / "optimizer.pt", weights_only=True)["optimizer"]["state"]
+             for d in (uninterrupted, resumed)]
+    assert len(saved[0]) == len(weights(resumed, STEPS))  # AdamW's state: the adapters' and the head's alone
+    assert all(torch.equal(saved[0][i][k], saved[1][i][k]) for i in saved[0] for k in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_lora_on_decoder_only_classifiers_matches_one_process(decoder_models, reviews, tmp_path, family):
+    """peft's defaults for GPT-2 (c_attn) and Llama (q_proj, v_proj), and their `score` head:
+    2 ranks x 8 == 1 process x 16, and final/ loads as a plain classifier."""
+    model = decoder_models(family, dropout=0.0)
+    options = {**LORA, "train.max_steps": 8, "checkpoint.every": 0}
+    single, ranks = tmp_path / "single", tmp_path / "ranks"
+    train(tiny_overrides(model, reviews, single, **options, **{"train.batch_size": 16}), nproc=None)
+    train(tiny_overrides(model, reviews, ranks, **options, **{"train.batch_size": 8}))
+    saved = weights(ranks, 8)
+    assert any("lora_B" in name for name in saved) and any("score.modules_to_save" in name for name in saved)
+    assert max(float(t.abs().max()) for name, t in saved.items() if "lora_B" in name) > 1e-3
+    assert compare_weights(single, ranks, 8).max_abs <= 1e-6
+    assert len(logits_without_peft(ranks / "final")) == len(TEXTS)

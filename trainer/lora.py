@@ -1,0 +1,86 @@
+"""LoRA (`model.lora`): low-rank adapters beside a frozen model, through peft.
+
+Only the adapters and the classification head train, so only they get gradients: DDP
+buckets and all-reduces them alone, the optimizer holds their state alone, and a checkpoint
+saves them alone (checkpoint.trained_tensors). The frozen rest is model.name's, loaded again
+on resume, and model.name is a FIXED key: a resume on another base is refused by name.
+
+final/ holds the adapters merged into the model: a plain transformers classifier, loaded
+without peft, whose logits equal the adapted model's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+from omegaconf import DictConfig
+
+from trainer.errors import ConfigError, one_line
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedModel
+
+
+def enabled(model_cfg: DictConfig) -> bool:
+    return model_cfg.lora.r is not None
+
+
+def apply(model: PreTrainedModel, model_cfg: DictConfig) -> PreTrainedModel:
+    """`model` with adapters and its head trainable, every other weight frozen; `model`
+    itself without model.lora. The adapters' random half is drawn from torch's RNG, seeded by
+    load_model: the same in every process."""
+    if not enabled(model_cfg):
+        return model
+    # peft takes seconds to import: only runs with LoRA pay for it.
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    lora_cfg = model_cfg.lora
+    target_modules = None if lora_cfg.target_modules is None else list(lora_cfg.target_modules)
+    # SEQ_CLS: peft also trains the head (`classifier`, `score`) in full, as modules_to_save.
+    settings = LoraConfig(task_type=TaskType.SEQ_CLS, r=lora_cfg.r, lora_alpha=lora_cfg.alpha,
+                          lora_dropout=lora_cfg.dropout, target_modules=target_modules)
+    try:
+        with warnings.catch_warnings():
+            # peft asks for transformers' renamed attribute: noise in every LoRA run's log
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            adapted = get_peft_model(model, settings)
+        # Typed as what it wraps: peft's model answers the same calls (forward, config,
+        # save_pretrained), which is all the trainer makes.
+        return cast("PreTrainedModel", adapted)
+    except ValueError as e:
+        family = getattr(model.config, "model_type", "?")
+        if target_modules is None:
+            raise ConfigError(f"model.lora.target_modules: peft has no default for model family {family!r}; "
+                              "name the linear layers to adapt (e.g. [q_proj, v_proj])") from None
+        raise ConfigError(f"model.lora.target_modules: {target_modules} adapt no layer of this {family!r} model "
+                          f"({one_line(e)[:120]})") from None
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """How many parameters `model` has, and how many of them train."""
+    return {"parameters": sum(p.numel() for p in model.parameters()),
+            "trained_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+
+def describe(counts: dict[str, int]) -> str:
+    """What trains (parameter_counts): all parameters, or the adapters' and head's share."""
+    total, trained = counts["parameters"], counts["trained_parameters"]
+    if trained == total:
+        return f"all {total:,} parameters"
+    return f"{trained:,} of {total:,} parameters ({100 * trained / total:.2f}%: LoRA adapters and the head)"
+
+
+def merged(model: PreTrainedModel) -> PreTrainedModel:
+    """The plain transformers model with the adapters merged into its weights, for final/.
+    In place: the adapted model is gone afterwards, so it is the run's last use of it."""
+    from peft import PeftModel
+
+    return cast("PreTrainedModel", model.merge_and_unload()) if isinstance(model, PeftModel) else model
+
+
+def save_adapter(model: PreTrainedModel, folder: Path) -> None:
+    """The adapters and the head alone, in peft's format: PeftModel.from_pretrained loads them."""
+    model.save_pretrained(folder)
