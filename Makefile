@@ -1,5 +1,5 @@
 # Two commands on a fresh machine:
-#   make demo   create .venv and run the offline demo (2 CPU ranks; 1 min 26 s once .venv exists)
+#   make demo   create .venv and run the offline demo (2 CPU ranks; 46 s once .venv exists)
 #   make test   create .venv and run the whole test suite: tests/unit, tests/e2e, tests/system (root)
 # and the inner loop of a change:
 #   make test-unit   create .venv and run tests/unit (in process, under a minute, no root)
