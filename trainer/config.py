@@ -108,6 +108,11 @@ class ModelConfig:
     """Passed to from_pretrained: `sdpa`, `eager`, ... auto: `sdpa` on GPU (flash and
     memory-efficient kernels), `eager` on CPU, where SDPA's backward under bf16 autocast
     is ~1.9x slower than eager's (benchmarks/RESULTS.md)."""
+    gradient_checkpointing: bool = key(False, FREE)
+    """Activation checkpointing (transformers' own, non-reentrant): each layer's activations
+    are recomputed in the backward instead of kept from the forward. Less memory at about a
+    third more compute; the same weights, bit for bit (each layer's dropout masks are
+    replayed), so a resume may turn it on or off."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of training every weight (`model.lora.r`)."""
 

@@ -68,6 +68,8 @@ class Trainer:
             bare = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device, self.tokenizer.pad_token_id)
         model.check_max_length(cfg.model, cfg.data.max_length, bare, self.tokenizer)
         self.model = lora.apply(bare, cfg.model)
+        if cfg.model.gradient_checkpointing:
+            model.use_gradient_checkpointing(self.model)
         """The model that trains, unwrapped (the transformers model, or peft's around it under
         LoRA): checkpoints, evaluation and the export read it."""
         self.parameter_counts = lora.parameter_counts(self.model)
@@ -305,11 +307,12 @@ class Trainer:
         cfg = self.cfg
         log.info(
             "training %s on %s (%s): world size %d, global batch %d (per rank %d x %d micro-batches), %d steps "
-            "(%d per epoch), precision %s, attention %s; trains %s",
+            "(%d per epoch), precision %s, attention %s%s; trains %s",
             cfg.model.name, self.device, distributed.backend(self.dist_env), self.dist_env.world_size,
             self.batch.global_batch, self.batch.micro_batch, self.batch.grad_accum, self.policy.max_steps,
             self.data.steps_per_epoch,
             str(self.amp_dtype).removeprefix("torch."), self.model.config._attn_implementation,
+            ", activation checkpointing" if cfg.model.gradient_checkpointing else "",
             lora.describe(self.parameter_counts),
         )
 

@@ -89,6 +89,14 @@ def load_model(model_cfg: DictConfig, num_labels: int, seed: int, device: torch.
         raise _load_error(model_cfg.name, e) from None
 
 
+def use_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """model.gradient_checkpointing. Non-reentrant (torch.utils.checkpoint's
+    use_reentrant=False): it needs no input that requires grad, which a frozen embedding
+    (LoRA) would not give, nor DDP's static_graph, and it saves each layer's RNG state so the
+    recomputed forward draws the same dropout masks."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
 def set_label_names(model: PreTrainedModel, names: list[str] | None) -> None:
     """id2label/label2id in the model's config, and so in the exported final/: a
     `transformers` pipeline on it then answers with names, not LABEL_3."""

@@ -100,6 +100,21 @@ def test_sigkill_then_resume_is_bitwise_exact(uninterrupted, dropout_model, revi
     assert wandb_log.history(logs[1]) == after_resume
 
 
+def test_activation_checkpointing_changes_no_bit_and_a_resume_may_turn_it_off(uninterrupted, dropout_model, reviews,
+                                                                               tmp_path):
+    """model.gradient_checkpointing recomputes each layer in the backward, replaying its
+    dropout masks: a run with it, SIGKILLed at step 23 and resumed without it (a FREE key),
+    ends bitwise equal to the uninterrupted run that never used it."""
+    overrides = tiny_overrides(dropout_model, reviews, tmp_path, **OPTIONS)
+    killed = run(trainer_command([*overrides, "model.gradient_checkpointing=true"], nproc=2),
+                 env={"TRAINER_FAULT_SIGKILL": "1:23"})
+    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+    assert "attention eager, activation checkpointing; trains" in killed.output
+    resumed = train(overrides)
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step-20'}" in resumed.output
+    assert not compare_weights(uninterrupted, tmp_path, STEPS).differing
+
+
 def test_wandb_history_matches_metrics_file(uninterrupted):
     logs = wandb_log.runs(uninterrupted)
     assert len(logs) == 1

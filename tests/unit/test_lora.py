@@ -121,3 +121,22 @@ def test_a_family_without_peft_defaults_names_the_key_to_set():
         lora.apply(model, model_cfg())
     adapted = lora.apply(model, model_cfg(target_modules=["Wqkv"]))  # ModernBERT's fused projection
     assert any("Wqkv.lora_A" in name for name, _ in adapted.named_parameters())
+
+
+@pytest.mark.parametrize("with_lora", [False, True], ids=["full", "lora"])
+def test_gradient_checkpointing_recomputes_each_layer_in_the_backward(with_lora):
+    from trainer import model as model_module
+
+    model = bert()
+    if with_lora:
+        model = lora.apply(model, model_cfg())
+    model_module.use_gradient_checkpointing(model)
+    model.train()
+    layer = (model.get_base_model() if with_lora else model).bert.encoder.layer[0]
+    calls = []
+    # A module inside the layer: transformers checkpoints the layer's forward, not its __call__
+    layer.attention.register_forward_hook(lambda module, args, output: calls.append(torch.is_grad_enabled()))
+    logits = model(input_ids=torch.tensor([[1, 5, 9, 2]]), attention_mask=torch.ones(1, 4, dtype=torch.long)).logits
+    assert len(calls) == 1
+    logits.sum().backward()
+    assert len(calls) == 2  # the backward ran the layer again: its activations were not kept
