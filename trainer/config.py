@@ -110,9 +110,9 @@ class ModelConfig:
     is ~1.9x slower than eager's (benchmarks/RESULTS.md)."""
     gradient_checkpointing: bool = key(False, FREE)
     """Activation checkpointing (transformers' own, non-reentrant): each layer's activations
-    are recomputed in the backward instead of kept from the forward. Less memory at about a
-    third more compute; the same weights, bit for bit (each layer's dropout masks are
-    replayed), so a resume may turn it on or off."""
+    are recomputed in the backward instead of kept from the forward. A third less memory on
+    the demo, at 1.4x the step time (benchmarks/RESULTS.md); the same weights, bit for bit
+    (each layer's dropout masks are replayed), so a resume may turn it on or off."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of training every weight (`model.lora.r`)."""
 
@@ -467,6 +467,8 @@ def _check_cross_field(cfg: DictConfig) -> None:
     if names is not None and (len(names) != cfg.data.num_labels or len(set(names)) != len(names)):
         raise ConfigError(f"data.label_names: expected {cfg.data.num_labels} distinct names "
                           f"(data.num_labels), got {list(names)}")
+    if ckpt.export_adapter and cfg.model.lora.r is None:
+        raise ConfigError("checkpoint.export_adapter: needs model.lora.r (without LoRA there is no adapter)")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not Path(resume).is_dir():
         raise ConfigError(f"checkpoint.resume: {resume}: expected auto, never or a checkpoint folder")

@@ -68,10 +68,10 @@ class Trainer:
             bare = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device, self.tokenizer.pad_token_id)
         model.check_max_length(cfg.model, cfg.data.max_length, bare, self.tokenizer)
         self.model = lora.apply(bare, cfg.model)
-        if cfg.model.gradient_checkpointing:
-            model.use_gradient_checkpointing(self.model)
         """The model that trains, unwrapped (the transformers model, or peft's around it under
         LoRA): checkpoints, evaluation and the export read it."""
+        if cfg.model.gradient_checkpointing:
+            model.use_gradient_checkpointing(self.model)
         self.parameter_counts = lora.parameter_counts(self.model)
         self.model.train()  # from_pretrained returns it in eval mode: dropout would be off
         startup.mark("model")
@@ -275,7 +275,7 @@ class Trainer:
 
         def export() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
-            if self.cfg.checkpoint.export_adapter and lora.enabled(self.cfg.model):
+            if self.cfg.checkpoint.export_adapter:  # only with model.lora (config.py checks)
                 lora.save_adapter(self.model, tmp / "adapter")  # first: merging consumes the adapters
             lora.merged(self.model).save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)

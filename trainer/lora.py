@@ -36,12 +36,13 @@ def apply(model: PreTrainedModel, model_cfg: DictConfig) -> PreTrainedModel:
         return model
     # peft takes seconds to import: only runs with LoRA pay for it.
     from peft import LoraConfig, TaskType, get_peft_model
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
     lora_cfg = model_cfg.lora
     target_modules = None if lora_cfg.target_modules is None else list(lora_cfg.target_modules)
-    # SEQ_CLS: peft also trains the head (`classifier`, `score`) in full, as modules_to_save.
     settings = LoraConfig(task_type=TaskType.SEQ_CLS, r=lora_cfg.r, lora_alpha=lora_cfg.alpha,
-                          lora_dropout=lora_cfg.dropout, target_modules=target_modules)
+                          lora_dropout=lora_cfg.dropout, target_modules=target_modules,
+                          modules_to_save=head_modules(model))
     try:
         with warnings.catch_warnings():
             # peft asks for transformers' renamed attribute: noise in every LoRA run's log
@@ -52,17 +53,30 @@ def apply(model: PreTrainedModel, model_cfg: DictConfig) -> PreTrainedModel:
         return cast("PreTrainedModel", adapted)
     except ValueError as e:
         family = getattr(model.config, "model_type", "?")
-        if target_modules is None:
+        if target_modules is None and family not in TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING:
             raise ConfigError(f"model.lora.target_modules: peft has no default for model family {family!r}; "
                               "name the linear layers to adapt (e.g. [q_proj, v_proj])") from None
-        raise ConfigError(f"model.lora.target_modules: {target_modules} adapt no layer of this {family!r} model "
+        targets = target_modules or TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING[family]
+        raise ConfigError(f"model.lora.target_modules: {targets} adapt no layer of this {family!r} model "
                           f"({one_line(e)[:120]})") from None
+
+
+def head_modules(model: PreTrainedModel) -> list[str]:
+    """The classifier's own modules, which train in full beside the adapters: every child of
+    the model outside its base (BERT's `classifier`; DistilBERT's `pre_classifier` too;
+    DeBERTa-v2's `pooler`; Llama's `score`). A fine-tuning run initializes them anew, so a
+    frozen one would stay random. peft's own list (names ending in `classifier` or `score`)
+    misses DeBERTa-v2's pooler."""
+    return [name for name, child in model.named_children()
+            if name != model.base_model_prefix and any(True for _ in child.parameters())]
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """How many parameters `model` has, and how many of them train."""
-    return {"parameters": sum(p.numel() for p in model.parameters()),
-            "trained_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    # Not peft's `original_module`: the frozen copy of a head it trains, which never runs.
+    parameters = [p for name, p in model.named_parameters() if ".original_module." not in name]
+    return {"parameters": sum(p.numel() for p in parameters),
+            "trained_parameters": sum(p.numel() for p in parameters if p.requires_grad)}
 
 
 def describe(counts: dict[str, int]) -> str:

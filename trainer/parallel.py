@@ -116,8 +116,8 @@ def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.de
             bucket_cap_mb=ddp.bucket_cap_mb,
             gradient_as_bucket_view=ddp.gradient_as_bucket_view,
             static_graph=ddp.static_graph,
-            # Every parameter of a sequence classifier gets a gradient; searching for unused
-            # ones costs a graph traversal per step.
+            # Every parameter that trains gets a gradient (DDP leaves frozen ones, LoRA's base,
+            # out of its buckets); searching for unused ones costs a graph traversal per step.
             find_unused_parameters=False,
             **no_buffer_sync,
         )

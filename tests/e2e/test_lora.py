@@ -59,7 +59,7 @@ def test_lora_is_exact_at_any_world_size_and_final_holds_the_merged_model(tiny_m
     train(tiny_overrides(tiny_model, reviews, single, **LORA, **{"train.batch_size": 16}), nproc=None)
     trained = train(tiny_overrides(tiny_model, reviews, ranks, **LORA, **{"train.batch_size": 8,
                                                                          "checkpoint.export_adapter": True}))
-    assert "trains 1,189 of 1,000,426 parameters (0.12%: LoRA adapters and the head)" in trained.output
+    assert "trains 1,189 of 1,000,261 parameters (0.12%: LoRA adapters and the head)" in trained.output
 
     # The checkpoint holds the adapters and the head, nothing of the frozen base.
     saved = weights(ranks, STEPS)

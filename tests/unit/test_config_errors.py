@@ -70,6 +70,9 @@ BAD_OVERRIDES = [
      "train.early_stopping_patience: needs checkpoint.best_metric"),
     ("best-at-end-without-metric", ["checkpoint.load_best_at_end=true"], "checkpoint.load_best_at_end: needs"),
     ("label-names-count", ["data.label_names=[bad,good]"], "data.label_names: expected 5 distinct names"),
+    ("lora-rank-zero", ["model.lora.r=0"], "model.lora.r: must be >= 1 or null"),
+    ("lora-dropout", ["model.lora.r=8", "model.lora.dropout=1"], "model.lora.dropout: must be in [0, 1)"),
+    ("adapter-without-lora", ["checkpoint.export_adapter=true"], "checkpoint.export_adapter: needs model.lora.r"),
 ]
 """The mistakes that only the model or the data show (max_length beyond the model's
 positions, a missing column, a missing split, labels out of range) are

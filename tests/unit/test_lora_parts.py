@@ -140,3 +140,18 @@ def test_gradient_checkpointing_recomputes_each_layer_in_the_backward(with_lora)
     assert len(calls) == 1
     logits.sum().backward()
     assert len(calls) == 2  # the backward ran the layer again: its activations were not kept
+
+
+def test_every_module_of_the_head_trains_in_full():
+    """DeBERTa-v2's head is a pooler and the classifier, both new at load time: a frozen
+    pooler would stay random (peft's own list, `classifier` and `score`, misses it). The base
+    model's own modules (BERT's pooler, inside `bert`) stay frozen."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    deberta = DebertaV2ForSequenceClassification(DebertaV2Config(
+        vocab_size=1000, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        num_labels=LABELS))
+    adapted = lora.apply(deberta, model_cfg())
+    trained = {name.split(".")[2] for name, p in adapted.named_parameters() if p.requires_grad and "lora_" not in name}
+    assert trained == {"pooler", "classifier"}
+    assert lora.head_modules(bert()) == ["classifier"]
