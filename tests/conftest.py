@@ -124,22 +124,47 @@ def app_image(engine) -> image.Image:
 
 def make_tiny_model(out: Path, dropout: float, family: str = "bert") -> Path:
     """A random-init 2-layer classifier, hidden 32, 5 labels, 128 positions, with its
-    tokenizer. bert: MiniLM's WordPiece tokenizer. gpt2 and llama: decoder-only, with a
-    byte-level BPE tokenizer trained here on generated reviews, and, as on the hub, no pad
-    token; llama's pads on the left and starts every sequence with <s>, as Llama's do."""
+    tokenizer. bert (roberta, deberta-v2): MiniLM's WordPiece tokenizer. gpt2 (qwen2), llama
+    (mistral): decoder-only, with a byte-level BPE tokenizer trained here on generated
+    reviews, and, as on the hub, no pad token; llama's pads on the left and starts every
+    sequence with <s>, as Llama's do."""
     import torch
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
+        DebertaV2Config,
+        DebertaV2ForSequenceClassification,
         GPT2Config,
         GPT2ForSequenceClassification,
         LlamaConfig,
         LlamaForSequenceClassification,
+        MistralConfig,
+        MistralForSequenceClassification,
+        Qwen2Config,
+        Qwen2ForSequenceClassification,
+        RobertaConfig,
+        RobertaForSequenceClassification,
     )
 
-    tokenizer = _tiny_tokenizer(family)
+    tokenizer = _tiny_tokenizer(TOKENIZER_OF.get(family, family))
     size = {"vocab_size": len(tokenizer), "num_labels": 5}
-    if family == "bert":
+    encoder = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+               "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout,
+               "pad_token_id": tokenizer.pad_token_id}
+    decoder = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "max_position_embeddings": 128, "attention_dropout": dropout,
+               "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if family == "roberta":  # positions count from pad + 1: 2 more than the 128 usable
+        config, model_class = RobertaConfig(**size, **encoder, max_position_embeddings=130), \
+            RobertaForSequenceClassification
+    elif family == "deberta-v2":  # its head: a pooler and the classifier
+        config, model_class = DebertaV2Config(**size, **encoder, max_position_embeddings=128), \
+            DebertaV2ForSequenceClassification
+    elif family == "qwen2":
+        config, model_class = Qwen2Config(**size, **decoder), Qwen2ForSequenceClassification
+    elif family == "mistral":
+        config, model_class = MistralConfig(**size, **decoder), MistralForSequenceClassification
+    elif family == "bert":
         config = BertConfig(**size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                             max_position_embeddings=128, hidden_dropout_prob=dropout,
                             attention_probs_dropout_prob=dropout, classifier_dropout=dropout)
@@ -159,6 +184,13 @@ def make_tiny_model(out: Path, dropout: float, family: str = "bert") -> Path:
     model_class(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+TOKENIZER_OF = {"roberta": "bert", "deberta-v2": "bert", "qwen2": "gpt2", "mistral": "llama"}
+"""The tiny tokenizer each other family takes (a test needs ids, not the family's own
+vocabulary): MiniLM's WordPiece for the encoders; for Qwen2 the GPT-2-like one, whose
+<|endoftext|> Qwen2's tokenizer class takes as its pad token (it adds one otherwise, beyond
+the model's vocabulary); for Mistral Llama's (left padding, <s> first)."""
 
 
 def _tiny_tokenizer(family: str):

@@ -129,3 +129,22 @@ def test_lora_on_decoder_only_classifiers_matches_one_process(decoder_models, re
     assert max(float(t.abs().max()) for name, t in saved.items() if "lora_B" in name) > 1e-3
     assert compare_weights(single, ranks, 8).max_abs <= 1e-6
     assert len(logits_without_peft(ranks / "final")) == len(TEXTS)
+
+
+@pytest.mark.parametrize("with_lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("family", ["roberta", "deberta-v2", "qwen2", "mistral"])
+def test_more_families_match_one_process_and_load_back(decoder_models, reviews, tmp_path, family, with_lora):
+    """The other families users bring for classification, each with and without LoRA (peft's
+    default targets; DeBERTa-v2's pooler trains as part of its head): 2 ranks x 8 == 1 process
+    x 16 for a few steps, and final/ loads as a plain classifier."""
+    model = decoder_models(family, dropout=0.0)
+    options = {**LORA, "train.max_steps": 6, "checkpoint.every": 0}
+    if not with_lora:
+        options["model.lora.r"] = "null"
+    single, ranks = tmp_path / "single", tmp_path / "ranks"
+    train(tiny_overrides(model, reviews, single, **options, **{"train.batch_size": 16}), nproc=None)
+    train(tiny_overrides(model, reviews, ranks, **options, **{"train.batch_size": 8}))
+    assert compare_weights(weights(model), weights(ranks, 6)).max_abs > 1e-3 if not with_lora else \
+        max(float(t.abs().max()) for name, t in weights(ranks, 6).items() if "lora_B" in name) > 1e-3
+    assert compare_weights(single, ranks, 6).max_abs <= 1e-5
+    assert len(logits_without_peft(ranks / "final")) == len(TEXTS)
