@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.mfu_peak import cpu_name
+from benchmarks.interleaved import cpu_name, run_interleaved
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).with_name("results") / "cpu-minilm-activation-checkpointing.json"
@@ -55,11 +55,7 @@ def main() -> None:
     parser.add_argument("--data", default=str(REPO / "data/reviews"))
     args = parser.parse_args()
 
-    runs: dict = {side: [] for side in SIDES}
-    for rep in range(args.reps):
-        for side in list(SIDES) if rep % 2 == 0 else list(reversed(SIDES)):
-            runs[side].append(one_run(args.data, args.batch_size, SIDES[side]))
-            print(side, runs[side][-1], flush=True)
+    runs = run_interleaved(SIDES, args.reps, lambda extra: one_run(args.data, args.batch_size, extra))
     medians = {side: {key: statistics.median(r[key] for r in rs) for key in ("peak_rss_gib", "samples_per_s")}
                for side, rs in runs.items()}
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "batch_size": args.batch_size, "runs": runs,

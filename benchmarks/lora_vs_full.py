@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.mfu_peak import cpu_name
+from benchmarks.interleaved import cpu_name, run_interleaved
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).with_name("results") / "cpu-minilm-lora-vs-full.json"
@@ -67,12 +67,8 @@ def main() -> None:
     parser.add_argument("--data", default=str(REPO / "data/reviews"))
     args = parser.parse_args()
 
-    runs: dict = {side: [] for side in SIDES}
-    for rep in range(args.reps):
-        order = list(SIDES) if rep % 2 == 0 else list(reversed(SIDES))
-        for side in order:
-            runs[side].append(one_run(args.data, args.steps, SIDES[side]))
-            print(side, {k: v for k, v in runs[side][-1].items() if k != "checkpoint_files"}, flush=True)
+    runs = run_interleaved(SIDES, args.reps, lambda extra: one_run(args.data, args.steps, extra),
+                           shown=lambda run: {k: v for k, v in run.items() if k != "checkpoint_files"})
     medians = {side: {"samples_per_s": statistics.median(r["samples_per_s"] for r in rs),
                       "save_s": statistics.median(s for r in rs for s in r["save_s"]),
                       "checkpoint_bytes": statistics.median(r["checkpoint_bytes"] for r in rs),

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.interleaved import cpu_name
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).with_name("results") / "cpu-minilm-mfu-peak-before-after.json"
 CPUS = {"native": {}, "emulated": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
@@ -61,13 +63,6 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "runs": runs, "medians": medians}
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(medians, indent=1))
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":
