@@ -124,7 +124,7 @@ def app_image(engine) -> image.Image:
 
 def make_tiny_model(out: Path, dropout: float, family: str = "bert") -> Path:
     """A random-init 2-layer classifier, hidden 32, 5 labels, 128 positions, with its
-    tokenizer. bert (roberta, deberta-v2): MiniLM's WordPiece tokenizer. gpt2 (qwen2), llama
+    tokenizer. bert (roberta, deberta-v2, modernbert): MiniLM's WordPiece tokenizer. gpt2 (qwen2), llama
     (mistral): decoder-only, with a byte-level BPE tokenizer trained here on generated
     reviews, and, as on the hub, no pad token; llama's pads on the left and starts every
     sequence with <s>, as Llama's do."""
@@ -140,6 +140,8 @@ def make_tiny_model(out: Path, dropout: float, family: str = "bert") -> Path:
         LlamaForSequenceClassification,
         MistralConfig,
         MistralForSequenceClassification,
+        ModernBertConfig,
+        ModernBertForSequenceClassification,
         Qwen2Config,
         Qwen2ForSequenceClassification,
         RobertaConfig,
@@ -160,6 +162,14 @@ def make_tiny_model(out: Path, dropout: float, family: str = "bert") -> Path:
     elif family == "deberta-v2":  # its head: a pooler and the classifier
         config, model_class = DebertaV2Config(**size, **encoder, max_position_embeddings=128), \
             DebertaV2ForSequenceClassification
+    elif family == "modernbert":  # alternating local and global attention; its head: dense, norm, classifier
+        config = ModernBertConfig(**size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=128, local_attention=16,
+                                  attention_dropout=dropout, embedding_dropout=dropout, mlp_dropout=dropout,
+                                  classifier_dropout=dropout, pad_token_id=tokenizer.pad_token_id,
+                                  cls_token_id=tokenizer.cls_token_id, sep_token_id=tokenizer.sep_token_id,
+                                  bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id)
+        model_class = ModernBertForSequenceClassification
     elif family == "qwen2":
         config, model_class = Qwen2Config(**size, **decoder), Qwen2ForSequenceClassification
     elif family == "mistral":
@@ -186,7 +196,7 @@ def make_tiny_model(out: Path, dropout: float, family: str = "bert") -> Path:
     return out
 
 
-TOKENIZER_OF = {"roberta": "bert", "deberta-v2": "bert", "qwen2": "gpt2", "mistral": "llama"}
+TOKENIZER_OF = {"roberta": "bert", "deberta-v2": "bert", "modernbert": "bert", "qwen2": "gpt2", "mistral": "llama"}
 """The tiny tokenizer each other family takes (a test needs ids, not the family's own
 vocabulary): MiniLM's WordPiece for the encoders; for Qwen2 the GPT-2-like one, whose
 <|endoftext|> Qwen2's tokenizer class takes as its pad token (it adds one otherwise, beyond

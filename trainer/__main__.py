@@ -1,6 +1,7 @@
 """`python -m trainer {train,check,doctor,evaluate,predict} -c CONFIG [key=value ...]`, plain or
 under torchrun.
 
+    check [gpu_gib=80]                              the resolved config, and the memory plan per GPU
     evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
     predict checkpoint=PATH|final input=FILE output=FILE   probabilities for each row of a file
 """
@@ -29,7 +30,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # The arguments of evaluate and predict: `name=value` like the overrides, which no config key
 # can be taken for (checkpoint is a group of keys, the others are not keys).
-COMMAND_ARGS: dict[str, dict[str, str | None]] = {"evaluate": {"checkpoint": "final", "split": None},
+COMMAND_ARGS: dict[str, dict[str, str | None]] = {"check": {"gpu_gib": "80"},
+                "evaluate": {"checkpoint": "final", "split": None},
                 "predict": {"checkpoint": None, "input": None, "output": None}}
 
 
@@ -99,9 +101,26 @@ def train_preflight(cfg, environ: Mapping[str, str] = os.environ):
 
 
 def run_check(cfg, arguments: dict) -> int:
-    """validate and print the resolved config."""
-    print(config.to_yaml(cfg), end="")
-    return 0
+    """validate and print the resolved config, and the memory plan per GPU."""
+    from trainer import memory, model
+
+    try:
+        gpu_bytes = memory.parse_gib(str(arguments["gpu_gib"]))
+    except ConfigError as e:
+        return errors.report(e)
+    print(config.to_yaml(cfg), end="", flush=True)
+    try:
+        plan = memory.make(cfg)  # transformers, the tokenizer and config.json: seconds
+    except ConfigError as e:
+        # A hub model a login node can't reach can still train where its nodes reach the hub.
+        if not model.from_hub(cfg.model) or not str(e).startswith("model.name"):
+            return errors.report(e)
+        print(f"# memory plan: not made, model.name {cfg.model.name}'s config.json can't be read here: {e}")
+        return 0
+    # As YAML comments: `check > resolved.yaml` stays a config.
+    lines = [*plan.lines("a GPU with native bf16"), f"  {plan.verdict(gpu_bytes)}"]
+    print("\n".join(f"# {line}" for line in lines))
+    return 0  # the GPU is assumed here; doctor fails a plan that the job's real devices can't hold
 
 
 def run_doctor(cfg, arguments: dict) -> int:

@@ -224,7 +224,9 @@ def _load_model_file(model: nn.Module, file: Path) -> None:
     """`file`'s tensors into `model`, which must expect exactly those (trained_tensors):
     a file of another architecture, or of a run with other model.lora settings, is refused
     by name rather than half loaded."""
-    missing, unexpected = load_model(model, str(file), strict=False)
+    # Straight to the model's device from the mapped file: no full copy in host memory per rank.
+    device = next(model.parameters()).device
+    missing, unexpected = load_model(model, str(file), strict=False, device=str(device))
     missing = sorted(set(missing) & set(trained_tensors(model)))
     if missing or unexpected:
         names = "; ".join(f"{what} {len(keys)} ({', '.join(keys[:2])}{', ...' if len(keys) > 2 else ''})"

@@ -115,6 +115,11 @@ class ModelConfig:
     (each layer's dropout masks are replayed), so a resume may turn it on or off."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of training every weight (`model.lora.r`)."""
+    dtype: Literal["auto", "bf16", "fp32"] = key("auto", FIXED)
+    """How the frozen weights of a LoRA run are stored: bf16 halves them (16 GB, not 32, for
+    an 8B base). What trains (the adapters, the head) and the optimizer state stay fp32.
+    auto: bf16 when model.lora is on and the run computes in bf16 (train.precision), else
+    fp32. bf16 needs both; without LoRA every weight trains, in fp32."""
 
 
 @dataclass
@@ -469,6 +474,13 @@ def _check_cross_field(cfg: DictConfig) -> None:
                           f"(data.num_labels), got {list(names)}")
     if ckpt.export_adapter and cfg.model.lora.r is None:
         raise ConfigError("checkpoint.export_adapter: needs model.lora.r (without LoRA there is no adapter)")
+    if cfg.model.dtype == "bf16":
+        if cfg.model.lora.r is None:
+            raise ConfigError("model.dtype: bf16 stores the frozen weights of a LoRA run; without model.lora.r "
+                              "every weight trains, in fp32")
+        if train.precision in ("fp32", "fp16"):
+            raise ConfigError(f"model.dtype: bf16 weights need bf16 compute, but train.precision is "
+                              f"{train.precision}")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not Path(resume).is_dir():
         raise ConfigError(f"checkpoint.resume: {resume}: expected auto, never or a checkpoint folder")

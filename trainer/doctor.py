@@ -7,7 +7,8 @@ what makes multi-node jobs hang or crawl, before any model is loaded.
 - that every rank reaches the job's store and forms the process group, and how fast;
 - a timed all-reduce at several sizes: algorithm and bus bandwidth, and the slowest rank;
 - that output_dir is writable by every rank and is one shared filesystem across hosts;
-- the wandb settings.
+- the wandb settings;
+- that the memory plan (trainer/memory.py) fits each rank's device.
 
 Every rank checks itself; rank 0 gathers the answers and prints one report. Exit 0 when
 nothing is wrong (warnings allowed), 1 when something is.
@@ -28,8 +29,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer import distributed
+from trainer import distributed, memory
 from trainer.distributed import DistEnv
+from trainer.errors import TrainerError
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
                 "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
@@ -238,7 +240,8 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, backend: str) 
 def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings) -> int:
     device_name, device_id = describe_device(device)
     facts = {"rank": dist_env.rank, "host": host, "local_rank": dist_env.local_rank, "device": device_name,
-             "device_id": device_id, "env": env, "rtt": store_round_trip(dist_env)}
+             "device_id": device_id, "env": env, "rtt": store_round_trip(dist_env),
+             "memory": memory.device_bytes(device, dist_env.local_world_size)}
     gathered: list[dict] = distributed.all_gather(dist_env, facts)
     hosts = sorted({f["host"] for f in gathered})
     findings: list[Findings] = distributed.all_gather(dist_env, own)
@@ -254,12 +257,22 @@ def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings)
     shared: list[tuple[str, list[int]]] = distributed.all_gather(dist_env, (write_error, seen))
 
     code = 0
-    if dist_env.is_rank_zero:
-        code = _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir)
+    if dist_env.is_rank_zero:  # the others wait in the broadcast below, for seconds
+        plan = plan_or_reason(cfg, device)
+        code = _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir, plan)
     return distributed.broadcast_from_rank_zero(dist_env, code)
 
 
-def _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir) -> int:
+def plan_or_reason(cfg: DictConfig, device: torch.device) -> memory.MemoryPlan | str:
+    """The run's memory plan on this kind of device, or why there is none (a hub model this
+    node can't reach: training may still reach it)."""
+    try:
+        return memory.make(cfg, device)
+    except TrainerError as e:
+        return str(e)
+
+
+def _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir, plan) -> int:
     world = len(gathered)
     problems = [p for f in findings for p in f.problems]
     warnings = sorted({w for f in findings for w in f.warnings})
@@ -336,6 +349,21 @@ def _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, 
     out += ["", f"wandb: {wandb_line}"]
 
     out.append("")
+    if isinstance(plan, str):
+        warnings.append(f"no memory plan: {plan}")
+    else:
+        # On CPU a rank's device is its share of the host's memory.
+        smallest = min(gathered, key=lambda f: f["memory"])
+        where = f"rank {smallest['rank']} on {smallest['host']}, {smallest['device']}"
+        out += [*plan.lines(smallest["device"]), f"  the smallest device ({where}): {plan.verdict(smallest['memory'])}",
+                ""]
+        short = [f for f in gathered if not plan.fits(f["memory"])]
+        if short:
+            least = memory.human(memory.usable(smallest["memory"]))
+            problems.append(f"memory: the run needs ~{memory.human(plan.total)} per rank, more than {len(short)} of "
+                            f"{world} ranks can hold ({where}: {least} usable); lower "
+                            "train.batch_size (train.global_batch stays), or set model.gradient_checkpointing=true "
+                            "or model.lora.r")
     out += [f"warning: {w}" for w in warnings]
     out += [f"problem: {p}" for p in problems]
     if problems:

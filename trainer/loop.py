@@ -49,6 +49,7 @@ class Trainer:
         if device.type == "cpu":
             torch.set_num_threads(distributed.cpu_threads(dist_env, cfg.train.threads))
         self.amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
+        frozen_dtype = lora.frozen_dtype(cfg.model, self.amp_dtype)
         async_save = cfg.checkpoint.async_save
         self.checkpointer = checkpoint.Checkpointer(
             cfg.output_dir, cfg.checkpoint.keep, dist_env,
@@ -65,14 +66,17 @@ class Trainer:
         # by the node's ranks, or by every node on a PVC), the others then read it from there.
         with distributed.local_rank_zero_first(dist_env) if model.from_hub(cfg.model) else nullcontext():
             self.tokenizer = model.load_tokenizer(cfg.model)
-            bare = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, device, self.tokenizer.pad_token_id)
-        model.check_max_length(cfg.model, cfg.data.max_length, bare, self.tokenizer)
+            config = model.load_config(cfg.model, cfg.data.num_labels, device.type, self.tokenizer.pad_token_id)
+            # Before the weights: for an 8B model a mistake costs seconds, not minutes.
+            model.check_max_length(cfg.model, cfg.data.max_length, config, self.tokenizer)
+            bare = model.load_model(cfg.model, config, cfg.seed, device, frozen_dtype)
         self.model = lora.apply(bare, cfg.model)
         """The model that trains, unwrapped (the transformers model, or peft's around it under
         LoRA): checkpoints, evaluation and the export read it."""
         if cfg.model.gradient_checkpointing:
             model.use_gradient_checkpointing(self.model)
         self.parameter_counts = lora.parameter_counts(self.model)
+        self.precisions = lora.precisions(self.model, self.amp_dtype)
         self.model.train()  # from_pretrained returns it in eval mode: dropout would be off
         startup.mark("model")
         self.data = data.build(cfg, dist_env, splits, self.tokenizer, device, self.batch)
@@ -307,13 +311,13 @@ class Trainer:
         cfg = self.cfg
         log.info(
             "training %s on %s (%s): world size %d, global batch %d (per rank %d x %d micro-batches), %d steps "
-            "(%d per epoch), precision %s, attention %s%s; trains %s",
+            "(%d per epoch), attention %s%s; trains %s",
             cfg.model.name, self.device, distributed.backend(self.dist_env), self.dist_env.world_size,
             self.batch.global_batch, self.batch.micro_batch, self.batch.grad_accum, self.policy.max_steps,
             self.data.steps_per_epoch,
-            str(self.amp_dtype).removeprefix("torch."), self.model.config._attn_implementation,
+            self.model.config._attn_implementation,
             ", activation checkpointing" if cfg.model.gradient_checkpointing else "",
-            lora.describe(self.parameter_counts),
+            lora.describe(self.parameter_counts, self.precisions),
         )
 
     def _first_step_done(self) -> None:
@@ -358,6 +362,7 @@ class Trainer:
             "world_size": self.dist_env.world_size,
             "global_batch": self.batch.global_batch,
             **self.parameter_counts,
+            "precision": self.precisions,
             **totals,
             "first_step_end_unix": self.first_step_end_unix,
             "startup_s": self.startup.phases(),

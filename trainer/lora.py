@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+import torch
 from omegaconf import DictConfig
 
 from trainer.errors import ConfigError, one_line
@@ -28,10 +29,29 @@ def enabled(model_cfg: DictConfig) -> bool:
     return model_cfg.lora.r is not None
 
 
+def frozen_dtype(model_cfg: DictConfig, amp_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the model loads in (model.dtype): bf16 for a LoRA run's frozen base when
+    the run computes in bf16; apply() then keeps what trains in fp32. Without LoRA nothing is
+    frozen: fp32."""
+    if not enabled(model_cfg) or model_cfg.dtype == "fp32":
+        return torch.float32
+    if amp_dtype == torch.bfloat16:
+        return torch.bfloat16
+    if model_cfg.dtype == "bf16":  # train.precision=auto chose another dtype on this device
+        raise ConfigError(f"model.dtype: bf16 weights need bf16 compute, but train.precision=auto is "
+                          f"{dtype_name(amp_dtype)} on this device; set model.dtype=fp32 (or auto)")
+    return torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
 def apply(model: PreTrainedModel, model_cfg: DictConfig) -> PreTrainedModel:
-    """`model` with adapters and its head trainable, every other weight frozen; `model`
-    itself without model.lora. The adapters' random half is drawn from torch's RNG, seeded by
-    load_model: the same in every process."""
+    """`model` with adapters and its head trainable, in fp32, every other weight frozen in
+    the dtype it was loaded in (frozen_dtype); `model` itself without model.lora. The
+    adapters' random half is drawn from torch's RNG, seeded by load_model: the same in every
+    process."""
     if not enabled(model_cfg):
         return model
     # peft takes seconds to import: only runs with LoRA pay for it.
@@ -47,7 +67,12 @@ def apply(model: PreTrainedModel, model_cfg: DictConfig) -> PreTrainedModel:
         with warnings.catch_warnings():
             # peft asks for transformers' renamed attribute: noise in every LoRA run's log
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            adapted = get_peft_model(model, settings)
+            adapted = get_peft_model(model, settings)  # its adapters are fp32 over any base
+        # The head's trained copy is the loaded dtype's: under bf16, an update smaller than
+        # 1/256 of a weight would round away. Autocast computes in bf16 all the same.
+        for parameter in adapted.parameters():
+            if parameter.requires_grad:
+                parameter.data = parameter.data.float()
         # Typed as what it wraps: peft's model answers the same calls (forward, config,
         # save_pretrained), which is all the trainer makes.
         return cast("PreTrainedModel", adapted)
@@ -79,12 +104,26 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
             "trained_parameters": sum(p.numel() for p in parameters if p.requires_grad)}
 
 
-def describe(counts: dict[str, int]) -> str:
-    """What trains (parameter_counts): all parameters, or the adapters' and head's share."""
+def precisions(model: nn.Module, amp_dtype: torch.dtype) -> dict[str, str | None]:
+    """In which precision the run computes, and keeps the weights it trains and those it
+    doesn't (None: none frozen), read from the parameters themselves."""
+    def stored(trained: bool) -> str | None:
+        dtypes = sorted({dtype_name(p.dtype) for name, p in model.named_parameters()
+                         if p.requires_grad == trained and ".original_module." not in name})
+        return "+".join(dtypes) or None
+
+    return {"compute": dtype_name(amp_dtype), "trained": stored(True), "frozen": stored(False)}
+
+
+def describe(counts: dict[str, int], precision: dict[str, str | None]) -> str:
+    """What trains (parameter_counts), in which precision (precisions): all parameters, or
+    the adapters' and head's share beside the frozen rest."""
     total, trained = counts["parameters"], counts["trained_parameters"]
+    computes = f"computes in {precision['compute']}"
     if trained == total:
-        return f"all {total:,} parameters"
-    return f"{trained:,} of {total:,} parameters ({100 * trained / total:.2f}%: LoRA adapters and the head)"
+        return f"all {total:,} parameters, kept in {precision['trained']}; {computes}"
+    return (f"{trained:,} of {total:,} parameters ({100 * trained / total:.2f}%: LoRA adapters and the head), "
+            f"kept in {precision['trained']}, the frozen rest in {precision['frozen']}; {computes}")
 
 
 def merged(model: PreTrainedModel) -> PreTrainedModel:

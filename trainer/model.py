@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from trainer.errors import ConfigError, one_line
 
 if TYPE_CHECKING:  # transformers is imported where a model is loaded: it is slow to import
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 
 def _load_error(name: str, e: Exception) -> ConfigError:
@@ -47,43 +47,66 @@ def load_tokenizer(model_cfg: DictConfig):
     return tokenizer
 
 
-def check_max_length(model_cfg: DictConfig, max_length: int, model: PreTrainedModel, tokenizer) -> None:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(model_cfg: DictConfig) -> bool:
+    """Whether model.name has a tokenizer to load: a hub model, or a folder with one. A
+    folder with config.json alone (configs/models/) is enough for the memory plan."""
+    folder = Path(model_cfg.name).expanduser()
+    return from_hub(model_cfg) or any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_config(model_cfg: DictConfig, num_labels: int, device_type: str,
+                pad_token_id: int | None) -> PretrainedConfig:
+    """The classifier's config (config.json, no weights): all that the checks before the
+    load and the memory plan need. `pad_token_id` is the tokenizer's (None: config.json's):
+    a decoder-only classifier (GPT-2, Llama) reads each row's logits at its last token that
+    is not a pad, and without the id it refuses every batch of more than one row."""
+    from transformers import AutoConfig
+
+    try:
+        pad = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
+        return AutoConfig.from_pretrained(model_cfg.name, num_labels=num_labels, **pad,
+                                          attn_implementation=attention_for(model_cfg, device_type))
+    except (OSError, ValueError) as e:
+        raise _load_error(model_cfg.name, e) from None
+
+
+def check_max_length(model_cfg: DictConfig, max_length: int, config: PretrainedConfig, tokenizer=None) -> None:
     """data.max_length within the model's positions: beyond them the position embedding
     lookup fails on the first sample that long, mid-epoch. The tokenizer's model_max_length
     can be tighter (RoBERTa: 514 embeddings, 512 usable); tokenizers without a limit report 1e30."""
-    limits = [getattr(model.config, "max_position_embeddings", None), tokenizer.model_max_length]
-    limits = [limit for limit in limits if isinstance(limit, int) and limit < 10**9]
+    candidates = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    limits = [limit for limit in candidates if isinstance(limit, int) and limit < 10**9]
     if limits and max_length > min(limits):
         raise ConfigError(f"data.max_length: {max_length} is more than the {min(limits)} positions of "
                           f"model.name {model_cfg.name}")
 
 
-def attention_for(model_cfg: DictConfig, device: torch.device) -> str:
+def attention_for(model_cfg: DictConfig, device_type: str) -> str:
     if model_cfg.attn_implementation != "auto":
         return model_cfg.attn_implementation
-    return "sdpa" if device.type == "cuda" else "eager"
+    return "sdpa" if device_type == "cuda" else "eager"
 
 
-def load_model(model_cfg: DictConfig, num_labels: int, seed: int, device: torch.device,
-               pad_token_id: int) -> PreTrainedModel:
-    """The bare classifier on `device`. Seeded, so the new head is the same in every process
-    and run. `pad_token_id` is the tokenizer's: a decoder-only classifier (GPT-2, Llama)
-    reads each row's logits at its last token that is not a pad, and without the id it
-    refuses every batch of more than one row."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+def load_model(model_cfg: DictConfig, config: PretrainedConfig, seed: int, device: torch.device,
+               dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The bare classifier of `config` (load_config) on `device`, its weights in `dtype`
+    (whatever config.json says). Seeded, so the new head is the same in every process and run."""
+    from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(seed)
     try:
-        config = AutoConfig.from_pretrained(
-            model_cfg.name, num_labels=num_labels, attn_implementation=attention_for(model_cfg, device),
-            pad_token_id=pad_token_id,
-        )
         if not model_cfg.pretrained:
-            return AutoModelForSequenceClassification.from_config(config).to(device)
+            return AutoModelForSequenceClassification.from_config(config, dtype=dtype).to(device)
         # A classifier fine-tuned before with another label count gets a new head (the
         # load report names it), rather than an error.
+        # On a GPU, straight to it from the memory-mapped file: no copy in host memory per
+        # rank (a node's 8 ranks would otherwise each hold the model there at once).
+        placement = {"device_map": {"": device}} if device.type == "cuda" else {}
         return AutoModelForSequenceClassification.from_pretrained(
-            model_cfg.name, config=config, ignore_mismatched_sizes=True
+            model_cfg.name, config=config, ignore_mismatched_sizes=True, dtype=dtype, **placement
         ).to(device)
     except (OSError, ValueError) as e:
         raise _load_error(model_cfg.name, e) from None
@@ -135,12 +158,15 @@ def load_trained(cfg: DictConfig, folder: Path, device: torch.device) -> tuple[P
     """(model, tokenizer) from a `trained_folder`, in eval mode. A model folder has its own
     tokenizer and config; a checkpoint's weights go into the architecture and tokenizer that
     model.name gives, as in training."""
-    from trainer import checkpoint, lora
+    from trainer import checkpoint, distributed, lora
 
     is_model_folder = (folder / "config.json").is_file()
     model_cfg = DictConfig({**cfg.model, "name": str(folder), "pretrained": True}) if is_model_folder else cfg.model
     tokenizer = load_tokenizer(model_cfg)
-    model = load_model(model_cfg, cfg.data.num_labels, cfg.seed, device, tokenizer.pad_token_id)
+    # As in training: under bf16 autocast, a bf16 copy of a weight computes what fp32's does.
+    dtype = lora.frozen_dtype(cfg.model, distributed.resolve_precision(cfg.train.precision, device))
+    config = load_config(model_cfg, cfg.data.num_labels, device.type, tokenizer.pad_token_id)
+    model = load_model(model_cfg, config, cfg.seed, device, dtype)
     if not is_model_folder:  # a model folder has its names already, and LoRA's adapters merged
         model = lora.apply(model, cfg.model)  # a checkpoint of a LoRA run holds the adapters
         checkpoint.load_weights(folder, model)

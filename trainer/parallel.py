@@ -110,6 +110,7 @@ def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.de
         ddp = cfg.ddp
         # Buffers (position ids) never change: no broadcast before each forward.
         no_buffer_sync: dict[str, Any] = {_FORWARD_SYNC_BUFFERS: False}
+        _skip_frozen_at_start(model)
         wrapped = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
@@ -126,6 +127,18 @@ def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.de
     if cfg.train.compile:
         wrapped = cast(nn.Module, torch.compile(wrapped))  # of a Module: an OptimizedModule, a Module
     return wrapped
+
+
+def _skip_frozen_at_start(model: nn.Module) -> None:
+    """DDP broadcasts rank 0's weights as it starts, so that every rank begins alike. The
+    weights that never train (LoRA's frozen base) every rank has loaded from model.name's
+    files already: broadcasting them would take seconds per GB and, on CPU, write over each
+    rank's memory-mapped copy of the file, turning the node's one shared page cache into a
+    private copy per rank. What trains (adapters, head) is still broadcast."""
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        # torch's interim API for this (pytorch/pytorch#43690); DDP reads it as it starts.
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
 
 
 class CommClock:

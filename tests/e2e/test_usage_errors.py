@@ -10,8 +10,11 @@ of its own, forked from a server that has imported the trainer's dependencies on
 """
 
 import json
+import re
+import shutil
 
 import pytest
+import yaml
 from conftest import assert_usage_error, previous_run, run, snapshot, tiny_overrides, trainer_command
 from support import read_summary
 
@@ -122,13 +125,44 @@ def test_dp_refuses_several_ranks(tiny_model, reviews, tmp_path):
     assert not out.exists()
 
 
-def test_check_prints_resolved_config(usage_run, tiny_model, reviews, tmp_path):
-    result = usage_run(tiny_overrides(tiny_model, reviews, tmp_path, **{"train.lr": 3e-4}), command="check",
-                       config="configs/demo.yaml")
+def test_check_prints_resolved_config_and_memory_plan(usage_run, tiny_model, reviews, tmp_path):
+    result = usage_run([*tiny_overrides(tiny_model, reviews, tmp_path, **{"train.lr": 3e-4}), "gpu_gib=40"],
+                       command="check", config="configs/demo.yaml")
     assert result.returncode == 0, result.output
     assert "lr: 0.0003" in result.output and f"name: {tiny_model}" in result.output
     assert "${" not in result.output  # interpolations are resolved
     assert not tmp_path.joinpath("config.yaml").exists()
+    # The plan follows as YAML comments: the output is still the config.
+    assert yaml.safe_load(result.output)["train"]["lr"] == 3e-4
+    assert "# memory plan per rank on a GPU with native bf16: micro-batch 16 x 64 tokens, compute in fp32" \
+        in result.output
+    assert re.search(r"^#   fits in 40.00 GiB \(36.00 GiB after 10% headroom\); the largest micro-batch that fits: "
+                     r"\d+ \(train.batch_size 16\)$", result.output, re.M), result.output
+
+
+def test_the_8b_example_fits_an_80_gib_gpu_from_its_config_json_alone(usage_run):
+    """configs/llama8b_lora.yaml, planned from the shipped config.json of Llama-3.1-8B (no
+    weights, no tokenizer): LoRA over a bf16 base fits an 80 GiB GPU; a full fine-tune doesn't."""
+    shape = ["model.name=configs/models/llama-3.1-8b"]
+    lora = usage_run(shape, command="check", config="configs/llama8b_lora.yaml")
+    assert lora.returncode == 0, lora.output[-3000:]
+    assert "7,504,924,672 frozen in bf16" in lora.output
+    assert re.search(r"^#   fits in 80.00 GiB .*the largest micro-batch that fits: \d+ \(train.batch_size 4\)$",
+                     lora.output, re.M), lora.output[-2000:]
+    full = usage_run([*shape, "model.lora.r=null"], command="check", config="configs/llama8b_lora.yaml")
+    assert full.returncode == 0 and "#   does NOT fit in 80.00 GiB" in full.output, full.output[-2000:]
+
+
+def test_positions_are_checked_before_any_weight_loads(usage_run, tiny_model, reviews, tmp_path):
+    """config.json alone decides data.max_length: a model folder whose weights are not
+    readable still answers with the positions, in train and in check."""
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not weights")
+    for command in ("train", "check"):
+        result = usage_run(tiny_overrides(broken, reviews, tmp_path / "run", **{"data.max_length": 512}),
+                           command=command)
+        assert_usage_error(result, "data.max_length: 512 is more than the 128 positions of model.name")
 
 
 def test_strategy_dp_single_process_trains(tiny_model, reviews, tmp_path):

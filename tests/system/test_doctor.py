@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import multinode
-from conftest import tiny_overrides
+from conftest import run, tiny_overrides, trainer_command
 from netns import Network
 
 TWO_NODES = {"node0": [], "node1": []}
@@ -41,6 +41,8 @@ def test_doctor_reports_a_healthy_two_node_job(tiny_model, reviews, tmp_path):
     assert float(sizes[-1][3]) > 0  # the largest size moves real bandwidth
     assert "writable by all 4 ranks, one shared filesystem across 2 hosts" in report
     assert "wandb: mode disabled" in report
+    assert "memory plan per rank on cpu: micro-batch 16 x 64 tokens, compute in fp32" in report
+    assert re.search(r"the smallest device \(rank \d on node\d, cpu\): fits in ", report)
     assert "warning: NCCL_IB_DISABLE=1: InfiniBand is off" in report
     for host in ("node0", "node1"):  # each "node" has one core (taskset) for its two ranks
         assert f"warning: OMP_NUM_THREADS=1 x 2 local ranks exceeds the 1 CPU(s) of {host}" in report
@@ -83,3 +85,16 @@ def test_doctor_names_a_missing_network_interface(tiny_model, reviews, tmp_path)
                      r"\(it has eth0, lo\)", node1), node1[-2000:]
     assert re.search(r"error: rank \d on node0: could not form the process group through the store at \S+ "
                      r"within 6s", node0), node0[-2000:]
+
+
+def test_doctor_fails_a_run_whose_memory_plan_exceeds_a_rank_s_memory(tiny_model, reviews, tmp_path):
+    """2 ranks on this host, each with half its memory (tens of GiB at most): a micro-batch of
+    a million samples can't fit, and doctor says so before any weights load, naming the fix."""
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"train.batch_size": 1_000_000})
+    result = run(trainer_command(overrides, nproc=2, command="doctor"), timeout=180)
+    assert result.returncode == 1, result.output[-3000:]
+    assert re.search(r"problem: memory: the run needs ~[\d.]+ [GT]iB per rank, more than 2 of 2 ranks can hold "
+                     r"\(rank \d on \S+, cpu: [\d.]+ GiB usable\); lower train.batch_size", result.output), \
+        result.output[-3000:]
+    assert re.search(r"the largest micro-batch that fits: \d+ \(train.batch_size 1000000\)", result.output)
+    assert "doctor: FAILED, 1 problem" in result.output

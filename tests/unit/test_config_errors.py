@@ -73,6 +73,10 @@ BAD_OVERRIDES = [
     ("lora-rank-zero", ["model.lora.r=0"], "model.lora.r: must be >= 1 or null"),
     ("lora-dropout", ["model.lora.r=8", "model.lora.dropout=1"], "model.lora.dropout: must be in [0, 1)"),
     ("adapter-without-lora", ["checkpoint.export_adapter=true"], "checkpoint.export_adapter: needs model.lora.r"),
+    ("bf16-base-without-lora", ["model.dtype=bf16"], "model.dtype: bf16 stores the frozen weights of a LoRA run"),
+    ("bf16-base-fp32-compute", ["model.dtype=bf16", "model.lora.r=8", "train.precision=fp32"],
+     "model.dtype: bf16 weights need bf16 compute, but train.precision is fp32"),
+    ("unknown-base-dtype", ["model.dtype=fp16"], "model.dtype"),
 ]
 """The mistakes that only the model or the data show (max_length beyond the model's
 positions, a missing column, a missing split, labels out of range) are

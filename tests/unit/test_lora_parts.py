@@ -3,6 +3,8 @@ optimizer holds, and LoRA's FLOPs. tests/e2e/test_lora.py runs it end to end."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -23,8 +25,9 @@ def bert():
         intermediate_size=INTERMEDIATE, max_position_embeddings=64, num_labels=LABELS))
 
 
-def model_cfg(**lora_settings):
-    return OmegaConf.create({"lora": {"r": R, "alpha": 8.0, "dropout": 0.0, "target_modules": None, **lora_settings}})
+def model_cfg(dtype: str = "auto", **lora_settings):
+    return OmegaConf.create({"dtype": dtype,
+                             "lora": {"r": R, "alpha": 8.0, "dropout": 0.0, "target_modules": None, **lora_settings}})
 
 
 def test_lora_trains_its_adapters_and_the_head_alone():
@@ -37,8 +40,42 @@ def test_lora_trains_its_adapters_and_the_head_alone():
     assert trained == sorted(adapters + head)
     counts = lora.parameter_counts(adapted)
     assert counts["trained_parameters"] == LAYERS * 2 * 2 * R * HIDDEN + HIDDEN * LABELS + LABELS
-    assert lora.describe(counts).startswith(f"{counts['trained_parameters']:,} of {counts['parameters']:,}")
-    assert lora.describe(lora.parameter_counts(bert())).startswith("all ")
+    fp32 = {"compute": "fp32", "trained": "fp32", "frozen": "fp32"}
+    assert lora.describe(counts, fp32).startswith(f"{counts['trained_parameters']:,} of {counts['parameters']:,}")
+    assert lora.describe(lora.parameter_counts(bert()), {**fp32, "frozen": None}).startswith("all ")
+
+
+@pytest.mark.parametrize(("setting", "compute", "stored"), [
+    ("auto", torch.bfloat16, torch.bfloat16), ("auto", torch.float32, torch.float32),
+    ("auto", torch.float16, torch.float32), ("bf16", torch.bfloat16, torch.bfloat16),
+    ("fp32", torch.bfloat16, torch.float32)])
+def test_the_frozen_base_is_bf16_where_the_run_computes_in_bf16(setting, compute, stored):
+    assert lora.frozen_dtype(model_cfg(dtype=setting), compute) == stored
+    assert lora.frozen_dtype(model_cfg(dtype=setting, r=None), compute) == torch.float32  # nothing frozen
+
+
+def test_a_bf16_base_where_auto_precision_is_not_bf16_names_both_keys():
+    with pytest.raises(ConfigError, match=r"^model.dtype: bf16 weights need bf16 compute, but train.precision=auto "
+                                          r"is fp16 on this device"):
+        lora.frozen_dtype(model_cfg(dtype="bf16"), torch.float16)
+
+
+def test_over_a_bf16_base_what_trains_and_its_optimizer_state_are_fp32():
+    adapted = lora.apply(bert().to(torch.bfloat16), model_cfg())
+    trained = {p.dtype for p in adapted.parameters() if p.requires_grad}
+    frozen = {p.dtype for name, p in adapted.named_parameters()
+              if not p.requires_grad and ".original_module." not in name}
+    assert (trained, frozen) == ({torch.float32}, {torch.bfloat16})
+    assert lora.precisions(adapted, torch.bfloat16) == {"compute": "bf16", "trained": "fp32", "frozen": "bf16"}
+    assert "kept in fp32, the frozen rest in bf16; computes in bf16" in \
+        lora.describe(lora.parameter_counts(adapted), lora.precisions(adapted, torch.bfloat16))
+    optimizer = optim.optimizer(adapted, OmegaConf.create({"lr": 1e-3, "weight_decay": 0.0, "fused_adamw": False}))
+    batch = {"input_ids": torch.tensor([[1, 5, 7, 2]]), "labels": torch.tensor([1])}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        adapted(**batch).loss.backward()
+    optimizer.step()
+    moments = [state[k] for state in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert moments and {m.dtype for m in moments} == {torch.float32}
 
 
 def test_without_lora_the_model_is_returned_as_it_is():
@@ -155,3 +192,43 @@ def test_every_module_of_the_head_trains_in_full():
     trained = {name.split(".")[2] for name, p in adapted.named_parameters() if p.requires_grad and "lora_" not in name}
     assert trained == {"pooler", "classifier"}
     assert lora.head_modules(bert()) == ["classifier"]
+
+
+def _written_pages_of(file_name: str) -> int:
+    """KiB of this process's mappings of `file_name` that it has written to (copy-on-write
+    pages, private to it): 0 while every page is still the file's, shared through the page cache."""
+    written, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
+            inside = line.rstrip().endswith(file_name)
+        elif inside and fields[0] in ("Private_Dirty:", "Anonymous:"):
+            written += int(fields[1])
+    return written
+
+
+def test_ddp_leaves_the_frozen_base_in_the_shared_page_cache(tiny_model, tmp_path):
+    """The ranks of a node map model.name's safetensors file, and share its pages. DDP's
+    start-up broadcast of the frozen base would write over each rank's mapping, a private
+    copy of the base per rank; it broadcasts only what trains, and writes no page of the file."""
+    import torch.distributed as dist
+
+    from trainer import config, model, parallel
+    from trainer.distributed import DistEnv
+
+    cfg = config.load("configs/demo.yaml", [f"model.name={tiny_model}", f"data.path={tmp_path}", "model.lora.r=4",
+                                            f"output_dir={tmp_path / 'run'}", "train.precision=fp32"])
+    cpu = torch.device("cpu")
+    tokenizer = model.load_tokenizer(cfg.model)
+    model_config = model.load_config(cfg.model, 5, "cpu", tokenizer.pad_token_id)
+    adapted = lora.apply(model.load_model(cfg.model, model_config, 0, cpu), cfg.model)
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    assert any(line.endswith("model.safetensors") for line in maps)  # memory-mapped, as on a node
+    loaded = _written_pages_of("model.safetensors")  # what loading itself wrote (a few pages)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = parallel.Parallel(adapted, cfg, DistEnv(master_addr="localhost"), cpu, torch.float32)
+        assert ddp._ddp is not None
+        assert _written_pages_of("model.safetensors") == loaded
+    finally:
+        dist.destroy_process_group()

