@@ -34,7 +34,8 @@ ENV PYTHONUNBUFFERED=1 \
     WANDB_DIR=/workspace/wandb \
     WANDB_CACHE_DIR=/workspace/cache/wandb \
     WANDB_CONFIG_DIR=/workspace/cache/wandb-config \
-    TRITON_CACHE_DIR=/workspace/cache/triton
+    TRITON_CACHE_DIR=/workspace/cache/triton \
+    TORCHINDUCTOR_CACHE_DIR=/workspace/cache/torchinductor
 
 WORKDIR /app
 

@@ -54,7 +54,7 @@ cd "$SLURM_SUBMIT_DIR"
 srun_flags=()    # extra srun options (pyxis)
 exec_prefix=()   # a command that wraps each process (Apptainer)
 if [[ -n ${TRAINER_CONTAINER_IMAGE:-} ]]; then
-    # The image keeps its caches and runs under /workspace (HF_HOME, WANDB_*, TRITON_CACHE_DIR,
+    # The image keeps its caches and runs under /workspace (HF_HOME, WANDB_*, TRITON_CACHE_DIR, ...,
     # runs/). An image is read-only (a SIF always), so /workspace is a folder of the submit
     # directory, on the shared filesystem, created here by the submitting user.
     workspace=${TRAINER_WORKSPACE:-$SLURM_SUBMIT_DIR/.trainer-workspace}

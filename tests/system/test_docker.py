@@ -40,9 +40,11 @@ def test_the_build_keeps_the_bases_torch_and_copies_only_what_it_needs(engine, a
 def test_the_image_runs_as_its_user_and_its_command_resolves(engine, app_image):
     """As uid 1000, /app not writable, every cache on the /workspace volume; the CMD's
     trainer arguments, run with `check`, give a config whose output lands in /workspace;
-    every shipped config writes there too."""
+    every shipped config writes there too; `check` (which builds the model on the meta
+    device) writes nowhere else but /tmp."""
     assert app_image.config["User"] == f"{UID}:{UID}"
-    caches = ("HF_HOME", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "TRITON_CACHE_DIR")
+    caches = ("HF_HOME", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "TRITON_CACHE_DIR",
+              "TORCHINDUCTOR_CACHE_DIR")
     assert all(app_image.env[key].startswith("/workspace/") for key in caches), app_image.env
     cmd = app_image.config["Cmd"]
     torchrun, *torchrun_args = cmd[: cmd.index("-m")]
@@ -63,7 +65,11 @@ def test_the_image_runs_as_its_user_and_its_command_resolves(engine, app_image):
     assert len(configs) == len(list((REPO / "configs").glob("*.yaml")))
     assert all(path.startswith("/workspace/runs/") for path in configs.values()), configs
     assert re.search(r"^output_dir: /workspace/", ended.logs["check"], re.M), ended.tail()
-    assert ended.diffs["check"] == []
+    # Only where a read-only root filesystem lets it (k8s/pytorchjob.yaml): /workspace, and
+    # /tmp for scratch. torch makes its compile cache as transformers' models are imported.
+    writable = ("/workspace", "/tmp")
+    assert all(path in writable or path.startswith(tuple(f"{w}/" for w in writable))
+               for path in ended.diffs["check"]), ended.diffs["check"]
 
 
 def test_the_image_trains_its_demo_on_a_fresh_volume_and_its_model_loads_in_another_container(
