@@ -37,8 +37,8 @@ def main() -> None:
     dist_env, device = distributed.read_env(), torch.device("cpu")
     splits = data.load(cfg, dist_env)
     tokenizer = model.load_tokenizer(cfg.model)
-    config = model.load_config(cfg.model, cfg.data.num_labels, device.type, tokenizer.pad_token_id)
-    bare = model.load_model(cfg.model, config, cfg.seed, device)
+    model_config = model.load_config(cfg.model, cfg.data.num_labels, device.type, tokenizer.pad_token_id)
+    bare = model.load_model(cfg.model, model_config, cfg.seed, device)
     logits_of = LogitsUnderAutocast(bare, device.type, distributed.resolve_precision(cfg.train.precision, device))
     built = data.build(cfg, dist_env, splits, tokenizer, device, data.BatchPlan.of(cfg.train, 1))
     in_process = built.eval_loader

@@ -1,8 +1,12 @@
 """What the small before/after benchmarks share: sides run in an order that alternates each
-repetition (so drift over a session falls on both alike), and the CPU they ran on."""
+repetition (so drift over a session falls on both alike), the CPU they ran on, and the peak
+memory of a torchrun's ranks."""
 
 from __future__ import annotations
 
+import subprocess
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,3 +28,51 @@ def cpu_name() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return "unknown"
+
+
+class RankMemory:
+    """`with RankMemory(torchrun_proc) as peak:` samples the RSS and PSS of the torchrun's
+    workers every 20 ms from /proc, summed over them, and keeps their peaks (GiB), and the
+    largest RSS of one worker. RSS counts a page in every process that maps it (a model
+    file's page cache, once per rank); PSS splits shared pages among the processes that map
+    them, so its sum is what the node really holds for the ranks."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.rss_gib = self.pss_gib = self.max_rank_rss_gib = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample)
+
+    def __enter__(self) -> RankMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            per_rank = [_memory_kib(pid) for pid in _children(self.proc.pid)]
+            if per_rank:
+                self.rss_gib = max(self.rss_gib, sum(r for r, _ in per_rank) / 2**20)
+                self.pss_gib = max(self.pss_gib, sum(p for _, p in per_rank) / 2**20)
+                self.max_rank_rss_gib = max(self.max_rank_rss_gib, max(r for r, _ in per_rank) / 2**20)
+            time.sleep(0.02)
+
+
+def _memory_kib(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of one process in KiB; (0, 0) once it is gone."""
+    try:
+        rss = int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0])
+        pss = int(Path(f"/proc/{pid}/smaps_rollup").read_text().split("\nPss:")[1].split()[0])
+        return rss, pss
+    except (OSError, IndexError):
+        return 0, 0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []

@@ -5,7 +5,7 @@ RSS counts a page in every process that maps it: the model file's page cache, sh
 the node's ranks, is counted once per rank. PSS splits each shared page among the
 processes that map it, so the sum over the ranks is what the node really holds for them.
 
-    python benchmarks/load_memory.py --before /path/to/checkout/of/the/earlier/commit
+    python -m benchmarks.load_memory --before /path/to/checkout/of/the/earlier/commit
 
 builds a random-init BERT-large classifier (335M parameters, 1.25 GiB of fp32 safetensors)
 once, then trains 2 CPU ranks with LoRA for 2 steps, alternating this tree and --before's.
@@ -21,11 +21,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-from interleaved import cpu_name, run_interleaved
+from benchmarks.interleaved import RankMemory, cpu_name, run_interleaved
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).with_name("results") / "cpu-bert-large-load-memory.json"
@@ -47,24 +45,6 @@ AutoTokenizer.from_pretrained(get_model_path()).save_pretrained({str(folder)!r})
     return folder
 
 
-def _memory_kib(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) of one process in KiB; (0, 0) once it is gone."""
-    try:
-        rss = int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0])
-        pss = int(Path(f"/proc/{pid}/smaps_rollup").read_text().split("\nPss:")[1].split()[0])
-        return rss, pss
-    except (OSError, IndexError):
-        return 0, 0
-
-
-def _ranks(torchrun_pid: int) -> list[int]:
-    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children")
-    try:
-        return [int(pid) for pid in children.read_text().split()]
-    except OSError:
-        return []
-
-
 def one_run(root: str, model: Path, data: Path) -> dict:
     with tempfile.TemporaryDirectory() as out:
         overrides = [f"model.name={model}", f"data.path={data}", "data.max_length=64", "train.batch_size=4",
@@ -76,25 +56,11 @@ def one_run(root: str, model: Path, data: Path) -> dict:
                                  "--nproc-per-node=2", "-m", "trainer", "train", "-c", "configs/demo.yaml",
                                  *overrides], cwd=root, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
-        peak = {"rss_gib": 0.0, "pss_gib": 0.0}
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                rss, pss = map(sum, zip(*(_memory_kib(pid) for pid in _ranks(proc.pid)), strict=True)) \
-                    if _ranks(proc.pid) else (0, 0)
-                peak["rss_gib"] = max(peak["rss_gib"], rss / 2**20)
-                peak["pss_gib"] = max(peak["pss_gib"], pss / 2**20)
-                time.sleep(0.02)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        _, stderr = proc.communicate(timeout=600)
-        done.set()
-        sampler.join()
+        with RankMemory(proc) as peak:
+            _, stderr = proc.communicate(timeout=600)
         if proc.returncode != 0:
             raise SystemExit(stderr[-3000:])
-        return peak
+        return {"rss_gib": peak.rss_gib, "pss_gib": peak.pss_gib}
 
 
 def main() -> None:

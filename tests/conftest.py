@@ -446,11 +446,25 @@ def kill_then_resume(overrides: list[str], output_dir: Path, faults: dict[str, s
 
 def weights(source: Path, step: int | None = None) -> dict:
     """The weights of a run's checkpoint at `step` (source: the run's output_dir), or of a
-    model folder (step None)."""
+    model folder (step None). A sharded checkpoint's (FSDP) are read whole."""
     from safetensors.torch import load_file
 
     folder = source if step is None else source / "checkpoints" / f"step-{step}"
+    if (folder / "sharded").is_dir():
+        return sharded_checkpoint(folder)["model"]
     return load_file(str(folder / "model.safetensors"))
+
+
+def sharded_checkpoint(folder: Path) -> dict:
+    """A sharded checkpoint's DCP state, whole: {"model": ..., "optimizer": {"state": ...}}."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(folder / "sharded", Path(tmp) / "whole.pt")
+        return torch.load(Path(tmp) / "whole.pt", weights_only=False)  # written just now, by DCP
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`python -m trainer {train,check,doctor,evaluate,predict} -c CONFIG [key=value ...]`, plain or
 under torchrun.
 
-    check [gpu_gib=80]                              the resolved config, and the memory plan per GPU
+    check [gpu_gib=80] [world_size=8]               the resolved config, and the memory plan per GPU
     evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
     predict checkpoint=PATH|final input=FILE output=FILE   probabilities for each row of a file
 """
@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # The arguments of evaluate and predict: `name=value` like the overrides, which no config key
 # can be taken for (checkpoint is a group of keys, the others are not keys).
-COMMAND_ARGS: dict[str, dict[str, str | None]] = {"check": {"gpu_gib": "80"},
+COMMAND_ARGS: dict[str, dict[str, str | None]] = {"check": {"gpu_gib": "80", "world_size": "8"},
                 "evaluate": {"checkpoint": "final", "split": None},
                 "predict": {"checkpoint": None, "input": None, "output": None}}
 
@@ -106,11 +106,12 @@ def run_check(cfg, arguments: dict) -> int:
 
     try:
         gpu_bytes = memory.parse_gib(str(arguments["gpu_gib"]))
+        world_size = memory.parse_world_size(str(arguments["world_size"]))
     except ConfigError as e:
         return errors.report(e)
     print(config.to_yaml(cfg), end="", flush=True)
     try:
-        plan = memory.make(cfg)  # transformers, the tokenizer and config.json: seconds
+        plan = memory.make(cfg, world_size=world_size)  # transformers, the tokenizer and config.json: seconds
     except ConfigError as e:
         # A hub model a login node can't reach can still train where its nodes reach the hub.
         if not model.from_hub(cfg.model) or not str(e).startswith("model.name"):

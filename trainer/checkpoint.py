@@ -11,6 +11,11 @@ Layout: `output_dir/checkpoints/step-N/` holding
 - config.yaml         the resolved config of the run
 - COMPLETE            written last: the sha256 of every file above
 
+A run with train.strategy=fsdp writes `sharded/` instead of model.safetensors: the model's and
+AdamW's state through torch.distributed.checkpoint (DCP), each rank its own shards and rank 0
+the metadata. Its optimizer.pt holds the LR schedule and the loss scaler. DCP reshards on
+load, so it too resumes at any world size, and the marker covers every shard.
+
 A checkpoint is written under a temporary name and renamed into place, so a crash or a full
 disk mid-save leaves the previous checkpoints untouched. On resume, a folder without a marker,
 or whose files don't match the marker's checksums, is skipped with a warning and the previous
@@ -46,7 +51,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from trainer import distributed, inject
+from trainer import distributed, inject, sharded
 from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError, ConfigError, one_line
 
@@ -57,6 +62,9 @@ log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json", "config.yaml")
+SHARDED = "sharded"
+"""The DCP folder of a sharded checkpoint (FSDP): the model's and the optimizer's shards."""
+SHARDED_FILES = (f"{SHARDED}/.metadata", "optimizer.pt", "rng.pt", "state.json", "config.yaml")
 
 # A checkpoint saves a dict of `Stateful`s (state_dict and load_state_dict, as DCP takes them):
 # the "model" (an nn.Module) as model.safetensors, the "train" state (JSON) as state.json,
@@ -128,7 +136,8 @@ def verify(path: Path) -> str | None:
         expected = json.loads(marker.read_text())["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
         return "unreadable completion marker"
-    for name in FILES:
+    required = SHARDED_FILES if (path / SHARDED).is_dir() else FILES
+    for name in sorted(set(required) | set(expected)):  # a sharded one's marker names every shard
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
@@ -235,19 +244,32 @@ def _load_model_file(model: nn.Module, file: Path) -> None:
 
 
 def load_weights(path: Path, model: nn.Module) -> None:
-    """A verified checkpoint's weights into `model` (the bare one), in place."""
+    """A verified checkpoint's weights into `model` (the bare one, sharded or not), in place."""
     problem = verify(path)
     if problem:
         raise CheckpointError(f"checkpoint: {path}: {problem}")
-    _load_model_file(model, path / "model.safetensors")
+    if (path / SHARDED).is_dir():
+        sharded.load(path / SHARDED, model)
+    else:
+        _load_model_file(model, path / "model.safetensors")
+
+
+def _fresh(folder: Path) -> None:
+    """`folder`, empty (a leftover of a failed attempt at the same step is removed)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
 
 
 class Checkpointer:
-    def __init__(self, output_dir: str, keep: int, dist_env: DistEnv, async_save: bool = False):
+    def __init__(self, output_dir: str, keep: int, dist_env: DistEnv, async_save: bool = False,
+                 sharded: bool = False):
         self.root = Path(output_dir) / "checkpoints"
         self.keep = keep
         self.dist_env = dist_env
-        self.async_save = async_save
+        self.sharded = sharded
+        """The model and optimizer go through DCP, each rank writing its shards (FSDP)."""
+        self.async_save = async_save and not sharded
         self._pending: _Write | None = None
         self.write_seconds: list[float] = []
         """How long each finished write took (rank 0): in the background, training ran meanwhile."""
@@ -274,16 +296,30 @@ class Checkpointer:
         if self.async_save:
             self.finish()  # the previous write, if it is still going: one at a time
         rngs = distributed.gather_to_rank_zero(self.dist_env, rng_state())
+        tmp, model_tensors = None, None
+        own_file: tuple[str, ...] = _OWN_FILE
+        if self.sharded:  # every rank writes its shards into the folder rank 0 makes
+            tmp, own_file = self.root / f".tmp-step-{step}", (*_OWN_FILE, "optimizer")
+            distributed.rank_zero_does(self.dist_env, f"checkpoint step-{step}: {tmp}", lambda: _fresh(tmp))
+            try:  # collective; DCP gathers every rank's outcome, so a failure is raised on all
+                sharded.save(tmp / SHARDED, cast(nn.Module, states["model"]),
+                             cast(torch.optim.Optimizer, states["optimizer"]))
+            except Exception as e:  # a full disk on any rank: every rank fails with why  # noqa: BLE001
+                free_mb = shutil.disk_usage(self.root).free / 2**20
+                raise CheckpointError(f"checkpoint step-{step}: save failed: {type(e).__name__}: {one_line(e)} "
+                                      f"({free_mb:.1f} MB free in {self.root})") from None
+        trainer_state = {name: stateful.state_dict() for name, stateful in states.items() if name not in own_file}
         if self.dist_env.is_rank_zero:
-            self._pending = self._start_write(step, states, config_yaml, rngs, keep_also)
+            if not self.sharded:
+                model_tensors = trained_tensors(cast(nn.Module, states["model"]))
+            self._pending = self._start_write(step, model_tensors, trainer_state, states["train"].state_dict(),
+                                              config_yaml, rngs, keep_also, tmp)
         if not self.async_save:
             self.finish()
 
-    def _start_write(self, step, states, config_yaml, rngs, keep_also) -> _Write:
+    def _start_write(self, step, model_tensors, trainer_state, state, config_yaml, rngs, keep_also,
+                     tmp: Path | None) -> _Write:
         write = _Write(step)
-        model_tensors = trained_tensors(cast(nn.Module, states["model"]))
-        state = states["train"].state_dict()
-        trainer_state = {name: stateful.state_dict() for name, stateful in states.items() if name not in _OWN_FILE}
         if self.async_save:
             try:  # training changes the live tensors from the next step on
                 model_tensors, trainer_state = host_copy((model_tensors, trainer_state))
@@ -293,7 +329,7 @@ class Checkpointer:
 
         def write_and_prune() -> None:
             started = time.perf_counter()
-            path = self._write(step, model_tensors, trainer_state, state, config_yaml, rngs)
+            path = self._write(step, model_tensors, trainer_state, state, config_yaml, rngs, tmp)
             self._prune(step, keep_also)
             log.info("saved %s in %.2fs%s", path, time.perf_counter() - started,
                      " (in the background)" if self.async_save else "")
@@ -325,24 +361,26 @@ class Checkpointer:
             if pending.wait():
                 log.error("checkpoint step-%d: save failed: %s", pending.step, pending.error)
 
-    def _write(self, step, model_tensors, trainer_state, state, config_yaml, rngs) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _write(self, step, model_tensors, trainer_state, state, config_yaml, rngs, tmp: Path | None) -> Path:
+        """The checkpoint's files into `tmp` (which holds the shards already, or None: a new
+        folder), its marker last, then renamed into place."""
         final = self.root / f"step-{step}"
-        tmp = self.root / f".tmp-step-{step}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        if tmp is None:
+            tmp = self.root / f".tmp-step-{step}-{os.getpid()}"
+            _fresh(tmp)
         try:
-            # save_model is typed for a Module but calls only .state_dict(): _StateDict says why.
-            save_model(_StateDict(model_tensors), str(tmp / "model.safetensors"))  # type: ignore[arg-type]
+            if model_tensors is not None:
+                # save_model is typed for a Module but calls only .state_dict(): _StateDict says why.
+                save_model(_StateDict(model_tensors), str(tmp / "model.safetensors"))  # type: ignore[arg-type]
             torch.save(trainer_state, tmp / "optimizer.pt")
             torch.save(rngs, tmp / "rng.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
             (tmp / "config.yaml").write_text(config_yaml)
             inject.point("checkpoint-files-written", step)
             checksums = {}
-            for name in FILES:
-                _fsync(tmp / name)
-                checksums[name] = _sha256(tmp / name)
+            for file in sorted(f for f in tmp.rglob("*") if f.is_file()):
+                _fsync(file)
+                checksums[file.relative_to(tmp).as_posix()] = _sha256(file)
             (tmp / MARKER).write_text(json.dumps({"step": step, "sha256": checksums}, indent=2))
             _fsync(tmp / MARKER)
             if final.exists():  # a leftover from an earlier attempt at this step (e.g. corrupt)
@@ -408,11 +446,20 @@ class Checkpointer:
         """Restore `states` (as for save) in place, and this rank's RNG streams, from the
         checkpoint at `path` whose state.json is `state` (read once, by the resume plan).
         Nothing is unpickled."""
+        if self.sharded != (path / SHARDED).is_dir():  # even when checkpoint.allow_changes lists train.strategy
+            written, this = ("fsdp (sharded)", "ddp") if (path / SHARDED).is_dir() else ("ddp", "fsdp (sharded)")
+            raise CheckpointError(f"checkpoint.resume: {path}: written by train.strategy={written}, and this run "
+                                  f"is {this}: the two formats don't convert; resume it with the strategy that "
+                                  "wrote it, or start a new output_dir")
         try:  # first: it verifies the data position, before the weights are read for nothing
             states["train"].load_state_dict(state)
         except CheckpointError as e:
             raise CheckpointError(f"checkpoint.resume: {path}: {e}") from None
-        _load_model_file(cast(nn.Module, states["model"]), path / "model.safetensors")  # the bare model
+        if (path / SHARDED).is_dir():  # resharded to this run's world size
+            sharded.load(path / SHARDED, cast(nn.Module, states["model"]),
+                         cast(torch.optim.Optimizer, states["optimizer"]))
+        else:
+            _load_model_file(cast(nn.Module, states["model"]), path / "model.safetensors")  # the bare model
         saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         for name, stateful in states.items():
             # A disabled loss scaler (fp32, bf16) saves an empty state, which an enabled one

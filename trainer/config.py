@@ -211,8 +211,10 @@ class TrainConfig:
     a loss scaler (torch.amp.GradScaler, saved in checkpoints) on older GPUs (V100, T4),
     bf16 on CPUs with native bf16 matmuls (AVX512-BF16, AMX), fp32 on other CPUs. bf16 on a
     device without native bf16 is emulated, and slow (about 15x fp32 on a CPU): it warns."""
-    strategy: Literal["ddp", "dp"] = key("ddp", FIXED)
-    """ddp: DistributedDataParallel, one process per device. dp: nn.DataParallel, one process."""
+    strategy: Literal["ddp", "dp", "fsdp"] = key("ddp", FIXED)
+    """ddp: DistributedDataParallel, one process per device. fsdp: FSDP2 (fully_shard), one
+    process per device, each holding 1/N of the weights, gradients and optimizer state
+    (docs/fsdp.md). dp: nn.DataParallel, one process."""
     compile: bool = key(False, FREE)
     """torch.compile the model: 1.33x on an H100 for bert-base, but ~30 s more before the
     first step, and recompiles as batch shapes change (benchmarks/RESULTS.md)."""
@@ -259,6 +261,14 @@ class DDPConfig:
     instead of a dense matrix: on MiniLM over half of all gradient bytes, and the last
     bucket, which no backward compute can hide. gloo on CPU only: NCCL has no sparse
     all-reduce, and GPU links are fast enough not to need it."""
+
+
+@dataclass
+class FSDPConfig:
+    reshard_after_forward: bool = key(True, FREE)
+    """Free each block's gathered weights after its forward and gather them again for its
+    backward: the least memory, at one more all-gather per block. False keeps them from the
+    forward to the backward, as ZeRO-2 does."""
 
 
 @dataclass
@@ -343,6 +353,8 @@ class Config:
     """The optimization: batch, steps, learning rate, precision, speed switches."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
     """DistributedDataParallel's knobs."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2's knobs (train.strategy=fsdp)."""
     dist: DistConfig = field(default_factory=DistConfig)
     """The process group: backend and timeouts."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -474,6 +486,10 @@ def _check_cross_field(cfg: DictConfig) -> None:
                           f"(data.num_labels), got {list(names)}")
     if ckpt.export_adapter and cfg.model.lora.r is None:
         raise ConfigError("checkpoint.export_adapter: needs model.lora.r (without LoRA there is no adapter)")
+    if train.strategy == "fsdp":
+        for key in ("model.lora.r", "train.compile"):
+            if OmegaConf.select(cfg, key):
+                raise ConfigError(f"train.strategy: fsdp does not run with {key} yet; use ddp with it")
     if cfg.model.dtype == "bf16":
         if cfg.model.lora.r is None:
             raise ConfigError("model.dtype: bf16 stores the frozen weights of a LoRA run; without model.lora.r "

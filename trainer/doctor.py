@@ -258,16 +258,16 @@ def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings)
 
     code = 0
     if dist_env.is_rank_zero:  # the others wait in the broadcast below, for seconds
-        plan = plan_or_reason(cfg, device)
+        plan = plan_or_reason(cfg, device, dist_env.world_size)
         code = _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir, plan)
     return distributed.broadcast_from_rank_zero(dist_env, code)
 
 
-def plan_or_reason(cfg: DictConfig, device: torch.device) -> memory.MemoryPlan | str:
+def plan_or_reason(cfg: DictConfig, device: torch.device, world_size: int) -> memory.MemoryPlan | str:
     """The run's memory plan on this kind of device, or why there is none (a hub model this
     node can't reach: training may still reach it)."""
     try:
-        return memory.make(cfg, device)
+        return memory.make(cfg, device, world_size)
     except TrainerError as e:
         return str(e)
 

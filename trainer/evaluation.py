@@ -42,22 +42,32 @@ class Evaluation:
 
 @torch.no_grad()
 def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, num_labels: int,
-             device: torch.device, dist_env: DistEnv) -> Evaluation:
+             device: torch.device, dist_env: DistEnv, sharded: bool = False) -> Evaluation:
     """Exact global metrics: each rank's shard once (data.EvalShardSampler), counts summed.
 
     `logits_of` is the bare model's (no DDP wrapper), so no rank enters a collective per
-    batch: ranks may hold one eval batch more or less than others.
+    batch: ranks may hold one eval batch more or less than others. A `sharded` model (FSDP)
+    gathers each block's weights in its forward, a collective: a rank with fewer batches
+    then runs forwards on a filler batch, whose logits count nowhere, until every rank has
+    run as many as the rank with the most. Otherwise the others would wait for it for ever.
     """
     was_training = logits_of.training
     logits_of.eval()
     confusion = torch.zeros(num_labels, num_labels, dtype=torch.long, device=device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    # Agreed before any forward, which under FSDP is itself a collective.
+    most = max(distributed.all_gather(dist_env, len(loader))) if sharded else len(loader)
     for batch in loader:
         batch = data.to_device(batch, device, loader)
         labels = batch.pop("labels")
         logits = logits_of(**batch).float()
         loss_sum += F.cross_entropy(logits, labels, reduction="sum")
         confusion.index_put_((labels, logits.argmax(-1)), torch.ones_like(labels), accumulate=True)
+    if sharded:
+        filler = {"input_ids": torch.ones(1, 8, dtype=torch.long, device=device),
+                  "attention_mask": torch.ones(1, 8, dtype=torch.long, device=device)}
+        for _ in range(most - len(loader)):
+            logits_of(**filler)
     distributed.all_reduce_sum(dist_env, confusion)
     distributed.all_reduce_sum(dist_env, loss_sum)
     logits_of.train(was_training)

@@ -28,6 +28,7 @@ from trainer import (
     parallel,
     preemption,
     resume,
+    sharded,
     tracking,
     watchdog,
 )
@@ -54,6 +55,7 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(
             cfg.output_dir, cfg.checkpoint.keep, dist_env,
             async_save=device.type == "cuda" if async_save is None else async_save,
+            sharded=cfg.train.strategy == "fsdp",  # DCP: each rank its shards, even one process
         )
         # Decided first: a resume the config can't make is refused in seconds.
         self.resume_plan = resume.decide(cfg, dist_env, self.checkpointer)
@@ -220,7 +222,7 @@ class Trainer:
     def evaluate(self, loader, num_samples: int) -> dict[str, float]:
         """Exact global metrics of the model as it is now, the same on every rank."""
         return evaluation.evaluate(self.parallel.logits, loader, num_samples, self.cfg.data.num_labels,
-                                   self.device, self.dist_env).metrics
+                                   self.device, self.dist_env, sharded=self.parallel.fsdp).metrics
 
     def _validate(self, step: int) -> dict[str, float]:
         """Evaluate the validation split, log it, and let the selection see it."""
@@ -276,12 +278,19 @@ class Trainer:
         loadable by plain transformers. Written by rank 0; a failure stops every rank with rank
         0's reason. The run's last use of the model: merging changes it in place."""
         final, tmp = self.output_dir / "final", self.output_dir / ".final.tmp"
+        if self.parallel.fsdp:  # every rank writes its shards of the weights first
+            distributed.rank_zero_does(self.dist_env, f"output_dir: {tmp}", lambda: _fresh_folder(tmp))
+            sharded.export(tmp, self.model)
 
         def export() -> None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if self.cfg.checkpoint.export_adapter:  # only with model.lora (config.py checks)
-                lora.save_adapter(self.model, tmp / "adapter")  # first: merging consumes the adapters
-            lora.merged(self.model).save_pretrained(tmp)
+            if self.parallel.fsdp:
+                self.model.config.architectures = [sharded.unsharded_class_name(self.model)]
+                self.model.config.save_pretrained(tmp)
+            else:
+                _fresh_folder(tmp)
+                if self.cfg.checkpoint.export_adapter:  # only with model.lora (config.py checks)
+                    lora.save_adapter(self.model, tmp / "adapter")  # first: merging consumes the adapters
+                lora.merged(self.model).save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
@@ -374,6 +383,11 @@ class Trainer:
         self._run_tracker.summary(summary)
         log.info("%s", done_line(summary))
         return summary
+
+
+def _fresh_folder(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
 
 
 def done_line(summary: dict) -> str:

@@ -13,7 +13,6 @@ answer in seconds, not an out-of-memory error after minutes of loading.
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +56,10 @@ class MemoryPlan:
     parameters: int
     trained_parameters: int
     precision: dict[str, str | None]
+    shards: int = 1
+    """FSDP's ranks: weights, gradients and optimizer are one rank's shard (1: DDP, whole)."""
+    gathered: int = 0
+    """FSDP: the weights gathered whole for compute at once, an estimate."""
 
     @property
     def activations(self) -> int:
@@ -64,7 +67,7 @@ class MemoryPlan:
 
     @property
     def static(self) -> int:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.gradients + self.optimizer + self.gathered
 
     @property
     def total(self) -> int:
@@ -81,10 +84,13 @@ class MemoryPlan:
         """The plan as `check` and `doctor` print it, on `device` (its description)."""
         trained, total, precision = self.trained_parameters, self.parameters, self.precision
         frozen = "" if trained == total else f", {total - trained:,} frozen in {precision['frozen']}"
+        share = f", 1/{self.shards} of each on this rank (FSDP)" if self.shards > 1 else ""
         rows = [("weights", human(self.weights), f"{total:,} parameters: {trained:,} trained in {precision['trained']}"
-                 + frozen),
+                 + frozen + share),
                 ("gradients", human(self.gradients), "of the trained parameters"),
                 ("optimizer", human(self.optimizer), "AdamW: 2 moments per trained parameter, a step count per tensor"),
+                *([("gathered", "~" + human(self.gathered), "2 blocks and the root whole, for compute (FSDP)")]
+                  if self.gathered else []),
                 ("activations", "~" + human(self.activations),
                  f"an estimate: {human(self.activations_per_sample)} per sample (docs/memory.md)"),
                 ("total", "~" + human(self.total), "")]
@@ -109,10 +115,12 @@ def human(n: int) -> str:
     return f"{n / 1024**2:.1f} MiB"
 
 
-def make(cfg: DictConfig, device: torch.device | None = None) -> MemoryPlan:
+def make(cfg: DictConfig, device: torch.device | None = None, world_size: int = 1) -> MemoryPlan:
     """The plan of `cfg` on `device`; None: a GPU with native bf16 (what `check` plans for,
     on a machine that may have none). Reads model.name's config.json and its tokenizer, if
-    it has one, never its weights; data.max_length is checked against the model's positions first."""
+    it has one, never its weights; data.max_length is checked against the model's positions
+    first. Under train.strategy=fsdp, the weights, gradients and optimizer state are one
+    rank's shard of `world_size`, and the blocks gathered whole for compute are added."""
     if device is None:
         device_type, amp_dtype = "cuda", PLANNED_PRECISION[cfg.train.precision]
     else:
@@ -122,13 +130,15 @@ def make(cfg: DictConfig, device: torch.device | None = None) -> MemoryPlan:
                                None if tokenizer is None else tokenizer.pad_token_id)
     model.check_max_length(cfg.model, cfg.data.max_length, config, tokenizer)
     on_meta = meta_model(cfg.model, config, lora.frozen_dtype(cfg.model, amp_dtype))
-    weights, gradients, optimizer = static_bytes(on_meta, cfg.ddp.gradient_as_bucket_view)
+    shards = world_size if cfg.train.strategy == "fsdp" else 1
+    weights, gradients, optimizer = static_bytes(on_meta, cfg.ddp.gradient_as_bucket_view, shards)
     counts = lora.parameter_counts(on_meta)
     per_sample = activation_bytes(config, cfg.data.max_length, amp_dtype,
                                   keeps_attention_probs=config._attn_implementation == "eager",
                                   checkpointing=cfg.model.gradient_checkpointing)
     return MemoryPlan(weights, gradients, optimizer, per_sample, cfg.train.batch_size, cfg.data.max_length,
-                      counts["parameters"], counts["trained_parameters"], lora.precisions(on_meta, amp_dtype))
+                      counts["parameters"], counts["trained_parameters"], lora.precisions(on_meta, amp_dtype),
+                      shards, gathered_bytes(on_meta, amp_dtype) if shards > 1 else 0)
 
 
 def meta_model(model_cfg: DictConfig, config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
@@ -141,17 +151,41 @@ def meta_model(model_cfg: DictConfig, config: PretrainedConfig, dtype: torch.dty
         return lora.apply(bare, model_cfg)
 
 
-def static_bytes(module: nn.Module, gradient_as_bucket_view: bool = True) -> tuple[int, int, int]:
+def static_bytes(module: nn.Module, gradient_as_bucket_view: bool = True, shards: int = 1) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) in bytes, exactly, for `module` (on any device).
     Weights: every parameter and buffer, peft's frozen copy of the head included. Gradients:
     one per trained parameter, in its dtype; DDP keeps a second copy in its buckets unless
     ddp.gradient_as_bucket_view. AdamW: exp_avg and exp_avg_sq like each trained parameter,
-    and one fp32 step count per tensor."""
-    weights = sum(t.numel() * t.element_size() for t in itertools.chain(module.parameters(), module.buffers()))
+    and one fp32 step count per tensor.
+
+    With `shards` (FSDP's ranks), rank 0's share: FSDP2 splits each parameter along its first
+    dimension in torch.chunk's way, ceil(rows / shards) rows to rank 0 (the most any rank
+    holds: every rank's storage is padded to it). Buffers are not sharded."""
+    def held(t: torch.Tensor) -> int:
+        if shards == 1 or t.dim() == 0:
+            return t.numel() * t.element_size()
+        rows = t.shape[0]
+        return -(-rows // shards) * (t.numel() // rows) * t.element_size()
+
+    weights = sum(held(p) for p in module.parameters()) + sum(b.numel() * b.element_size() for b in module.buffers())
     trained = [p for p in module.parameters() if p.requires_grad]
-    gradients = sum(p.numel() * p.element_size() for p in trained)
+    gradients = sum(held(p) for p in trained)
     optimizer = 2 * gradients + 4 * len(trained)
-    return weights, gradients if gradient_as_bucket_view else 2 * gradients, optimizer
+    return weights, gradients if gradient_as_bucket_view or shards > 1 else 2 * gradients, optimizer
+
+
+def gathered_bytes(module: nn.Module, compute: torch.dtype) -> int:
+    """An estimate of what FSDP gathers whole at once, in the compute dtype: two blocks (the
+    one computing, the next one prefetched) and what the root holds (embeddings, head),
+    which stays gathered from the forward to the backward."""
+    from trainer import parallel
+
+    blocks = parallel.transformer_blocks(module)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    block = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+    root = sum(p.numel() for p in module.parameters() if id(p) not in in_blocks)
+    bytes_each = torch.finfo(compute).bits // 8
+    return (2 * block + root) * bytes_each
 
 
 def dimensions(config: PretrainedConfig) -> tuple[int, int, int, int]:
@@ -206,3 +240,10 @@ def parse_gib(value: str) -> int:
     if not gib > 0:
         raise ConfigError(f"gpu_gib: {value!r}: expected a device's memory in GiB, e.g. 80")
     return int(gib * GIB)
+
+
+def parse_world_size(value: str) -> int:
+    """`check world_size=16`: how many ranks an FSDP run shards over."""
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"world_size: {value!r}: expected the number of ranks (GPUs), e.g. 8")
+    return int(value)

@@ -1,9 +1,13 @@
-"""How the training step runs the model across ranks: DDP, nn.DataParallel, torch.compile,
-and the communication techniques wired into them.
+"""How the training step runs the model across ranks: DDP, FSDP2, nn.DataParallel,
+torch.compile, and the communication techniques wired into them.
 
 `Parallel` is everything the step needs beyond the bare model: the module to call, when
 gradients are synchronized (no_sync on all but the last micro-batch), the comm clock that
 measures exposed communication, and the sparse embedding gradient on CPU.
+
+Under FSDP2 the bare model itself is sharded in place (fully_shard turns its parameters into
+DTensors): checkpoints, evaluation and the export then see a sharded model, and gather it
+through torch.distributed.checkpoint's state-dict helpers (trainer/sharded.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
     from transformers import PreTrainedModel
 
 
@@ -45,7 +50,8 @@ class SparseEmbeddingGrad:
     @classmethod
     def maybe(cls, model: PreTrainedModel, cfg: DictConfig, device: torch.device) -> SparseEmbeddingGrad | None:
         embedding = model.get_input_embeddings()
-        if (cfg.ddp.sparse_embedding_grad and device.type == "cpu" and isinstance(embedding, nn.Embedding)
+        if (cfg.ddp.sparse_embedding_grad and cfg.train.strategy == "ddp" and device.type == "cpu"
+                and isinstance(embedding, nn.Embedding)
                 and embedding.weight.requires_grad):  # frozen under LoRA: no gradient at all
             return cls(embedding)
         return None
@@ -103,9 +109,12 @@ def check_world_size(train_cfg: DictConfig, world_size: int) -> None:
 
 
 def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.device) -> nn.Module:
-    """The module the training step calls: DDP, DataParallel, or the model itself."""
-    if cfg.train.strategy == "dp":
-        wrapped: nn.Module = nn.DataParallel(model) if torch.cuda.device_count() > 1 else model
+    """The module the training step calls: DDP, DataParallel, or the model itself (also
+    under FSDP2, whose sharding is in the model: `_fully_shard`)."""
+    if cfg.train.strategy == "fsdp":
+        wrapped: nn.Module = model
+    elif cfg.train.strategy == "dp":
+        wrapped = nn.DataParallel(model) if torch.cuda.device_count() > 1 else model
     elif dist_env.is_distributed:
         ddp = cfg.ddp
         # Buffers (position ids) never change: no broadcast before each forward.
@@ -139,6 +148,36 @@ def _skip_frozen_at_start(model: nn.Module) -> None:
     if frozen:
         # torch's interim API for this (pytorch/pytorch#43690); DDP reads it as it starts.
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a transformer, FSDP's units: the children of the model's largest
+    ModuleList of same-class modules (BERT's encoder.layer, Llama's model.layers, GPT-2's h)."""
+    stacks = [stack for stack in model.modules() if isinstance(stack, nn.ModuleList) and len(stack) > 0
+              and len({type(block) for block in stack}) == 1]
+    if not stacks:
+        return []
+    largest = max(stacks, key=lambda stack: sum(p.numel() for p in stack.parameters()))
+    return list(largest)
+
+
+def fully_shard_model(model: nn.Module, cfg: DictConfig, amp_dtype: torch.dtype) -> None:
+    """FSDP2 on `model`, in place: each transformer block is a unit of its own (its weights
+    are gathered for its forward and backward alone), and the root holds the rest
+    (embeddings, head). Under bf16, the weights are gathered in bf16 and the gradients
+    reduced in fp32; fp32 runs gather and reduce fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if amp_dtype == torch.float16:
+        raise ConfigError("train.strategy: fsdp runs in bf16 or fp32; fp16's loss scaler is DDP's only "
+                          "(train.precision=auto picks fp16 on GPUs before Ampere: set train.precision=fp32)")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if amp_dtype == torch.bfloat16 else MixedPrecisionPolicy()
+    reshard = cfg.fsdp.reshard_after_forward
+    for block in transformer_blocks(model):
+        fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
+    # The root's weights are needed again at once by the backward: kept gathered.
+    fully_shard(model, reshard_after_forward=False, mp_policy=policy)
 
 
 class CommClock:
@@ -180,6 +219,10 @@ class Parallel:
                  amp_dtype: torch.dtype):
         # Before DDP is built: DDP reads `sparse` to put the embedding's gradient in its own bucket.
         self.sparse_embedding = SparseEmbeddingGrad.maybe(model, cfg, device)
+        self.fsdp = cfg.train.strategy == "fsdp" and dist_env.is_distributed
+        """The model is sharded (fully_shard): every rank must run each forward and backward."""
+        if self.fsdp:
+            fully_shard_model(model, cfg, amp_dtype)
         self.logits = LogitsUnderAutocast(model, device.type, amp_dtype)
         """The bare model's logits in the run's precision, with no wrapper: what evaluation calls."""
         self.module = _wrap(self.logits, cfg, dist_env, device)
@@ -198,6 +241,8 @@ class Parallel:
     def sync_gradients(self, now: bool):
         """Context for one micro-batch's forward and backward: gradients are all-reduced only
         when `now` (the step's last micro-batch), so accumulation costs no extra communication."""
+        if self.fsdp:  # the reduce-scatter waits for the last micro-batch, as DDP's all-reduce does
+            cast("FSDPModule", self.logits.model).set_requires_gradient_sync(now)
         return nullcontext() if now or self._ddp is None else self._ddp.no_sync()
 
     def gradients_ready(self) -> None:

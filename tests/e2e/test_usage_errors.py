@@ -153,6 +153,17 @@ def test_the_8b_example_fits_an_80_gib_gpu_from_its_config_json_alone(usage_run)
     assert full.returncode == 0 and "#   does NOT fit in 80.00 GiB" in full.output, full.output[-2000:]
 
 
+def test_the_8b_full_fsdp_example_fits_when_sharded_over_16_gpus(usage_run):
+    """configs/llama8b_full_fsdp.yaml: every weight trains, 1/16 of each per GPU fits 80 GiB;
+    on one GPU (world_size=1) the same run does not."""
+    shape = ["model.name=configs/models/llama-3.1-8b"]
+    sharded = usage_run([*shape, "world_size=16"], command="check", config="configs/llama8b_full_fsdp.yaml")
+    assert sharded.returncode == 0, sharded.output[-3000:]
+    assert "1/16 of each on this rank (FSDP)" in sharded.output and "#   fits in 80.00 GiB" in sharded.output
+    whole = usage_run([*shape, "world_size=1"], command="check", config="configs/llama8b_full_fsdp.yaml")
+    assert whole.returncode == 0 and "#   does NOT fit in 80.00 GiB" in whole.output, whole.output[-2000:]
+
+
 def test_positions_are_checked_before_any_weight_loads(usage_run, tiny_model, reviews, tmp_path):
     """config.json alone decides data.max_length: a model folder whose weights are not
     readable still answers with the positions, in train and in check."""

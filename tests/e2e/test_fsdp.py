@@ -1,0 +1,233 @@
+"""FSDP2 (train.strategy=fsdp) keeps every guarantee of DDP: 2 sharded ranks end with the
+weights of 1 process, and of 2 DDP ranks, on the same global batches; evaluation is exact
+with unequal shards; a SIGKILLed run resumes bitwise, and at another world size on the same
+trajectory; final/ is a plain transformers model.
+"""
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+
+import psutil
+from conftest import (
+    BASE_ENV,
+    REPO,
+    compare_weights,
+    kill_then_resume,
+    run,
+    sharded_checkpoint,
+    tiny_overrides,
+    train,
+    trainer_command,
+    weights,
+)
+from support import kill_tree, read_summary, wait_for
+
+from trainer.launch import torchrun_argv
+
+STEPS = 14
+FSDP = {"train.strategy": "fsdp", "train.max_steps": STEPS, "train.global_batch": 16, "checkpoint.every": 5,
+        "ddp.sparse_embedding_grad": False, "train.eval_every": 7, "train.eval_batch_size": 101}
+"""Evaluated with a batch of 101: the 203 validation rows split 102 and 101 over 2 ranks, 2
+batches and 1. A sharded forward is a collective, so the rank with 1 must run a filler
+forward, or the other waits for ever."""
+
+
+def test_fsdp_matches_one_process_and_ddp_with_and_without_accumulation(tiny_model, reviews, tmp_path):
+    runs = {
+        "single": ({"train.batch_size": 16}, None),
+        "fsdp": ({"train.batch_size": 8}, 2),
+        "fsdp-accum": ({"train.batch_size": 4}, 2),  # 2 micro-batches: the reduce-scatter waits for the last
+        "ddp": ({"train.batch_size": 8, "train.strategy": "ddp"}, 2),
+    }
+    for name, (options, nproc) in runs.items():
+        result = train(tiny_overrides(tiny_model, reviews, tmp_path / name, **{**FSDP, **options}), nproc=nproc)
+        assert "trains all 999,237 parameters, kept in fp32" in result.output
+    single = tmp_path / "single"
+    assert compare_weights(weights(tiny_model), weights(single, STEPS)).max_abs > 1e-3  # it trained
+    for name in ("fsdp", "fsdp-accum", "ddp"):
+        assert compare_weights(single, tmp_path / name, STEPS).max_abs <= 1e-6, name
+        scores, reference = read_summary(tmp_path / name)["final_eval"], read_summary(single)["final_eval"]
+        assert {k: scores[k] for k in ("accuracy", "f1_macro")} == {k: reference[k] for k in ("accuracy", "f1_macro")}
+        assert abs(scores["loss"] - reference["loss"]) <= 1e-5, name  # from weights within 1e-6
+    assert compare_weights(tmp_path / "ddp", tmp_path / "fsdp", STEPS).max_abs <= 1e-6
+    # final/, written shard by shard and merged by DCP's Hugging Face writer: plain
+    # transformers loads it, with the last step's weights.
+    from transformers import AutoModelForSequenceClassification
+
+    final = AutoModelForSequenceClassification.from_pretrained(tmp_path / "fsdp" / "final").state_dict()
+    last = weights(tmp_path / "fsdp", STEPS)
+    assert not compare_weights(last, {name: final[name] for name in last}).differing
+
+
+def test_fsdp_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_path):
+    """Dropout on, so a resume that lost any rank's RNG state is not bitwise: rank 1
+    SIGKILLed at step 13, relaunched from step 10, ends as the uninterrupted run did, its
+    AdamW moments included. The checkpoint is DCP's: each rank wrote its own shards."""
+    options = {**FSDP, "train.batch_size": 8}
+    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
+    kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
+                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
+    assert not compare_weights(uninterrupted, resumed, STEPS).differing
+    import torch
+
+    saved = [sharded_checkpoint(d / "checkpoints" / f"step-{STEPS}")["optimizer"] for d in (uninterrupted, resumed)]
+    assert sorted(saved[0]["state"]) == sorted(weights(resumed, STEPS))  # every parameter, by name
+    assert all(torch.equal(saved[0]["state"][n][k], saved[1]["state"][n][k])
+               for n in saved[0]["state"] for k in ("exp_avg", "exp_avg_sq"))
+    # Each rank wrote its own shard of the model and AdamW's state: about half each.
+    shards = sorted((resumed / "checkpoints" / f"step-{STEPS}" / "sharded").glob("*.distcp"))
+    sizes = [f.stat().st_size for f in shards]
+    assert len(sizes) == 2 and max(sizes) < 0.6 * sum(sizes), sizes
+
+
+def test_fsdp_resumes_at_another_world_size_on_the_same_trajectory(tiny_model, reviews, tmp_path):
+    """Saved by 2 sharded ranks, continued by 3 and by 1 process (DCP reshards on load): the
+    same global batches (12, which 1, 2 and 3 divide), so the same weights within 1e-5."""
+    options = {**FSDP, "train.global_batch": 12, "train.batch_size": 6}
+    reference = tmp_path / "uninterrupted"
+    train(tiny_overrides(tiny_model, reviews, reference, **options))
+    for nproc, batch_size in ((3, 4), (None, 12)):
+        out = tmp_path / f"resumed-on-{nproc or 1}"
+        overrides = tiny_overrides(tiny_model, reviews, out, **options)
+        killed = run(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "0:12"})
+        assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+        resumed = train([*overrides, f"train.batch_size={batch_size}"], nproc=nproc)
+        assert f"resumed from {out / 'checkpoints' / 'step-10'}" in resumed.output, resumed.output[-3000:]
+        assert compare_weights(reference, out, STEPS).max_abs <= 1e-5, nproc
+        assert json.loads((out / "checkpoints" / f"step-{STEPS}" / "state.json").read_text())["step"] == STEPS
+
+
+def test_a_damaged_shard_is_skipped_and_evaluate_reads_a_sharded_checkpoint(tiny_model, reviews, tmp_path):
+    """One byte of rank 1's shard flipped in the newest checkpoint: its marker's checksum
+    names the file, the run resumes from the one before and ends bitwise as the uninterrupted
+    run. `evaluate` of a sharded checkpoint (one model, whole, per rank) reports what the run
+    reported for that step."""
+    options = {**FSDP, "train.batch_size": 8}
+    uninterrupted, out = tmp_path / "uninterrupted", tmp_path / "damaged"
+    train(tiny_overrides(tiny_model, reviews, uninterrupted, **options))
+    shutil.copytree(uninterrupted, out)
+    shard = out / "checkpoints" / f"step-{STEPS}" / "sharded" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    resumed = train(tiny_overrides(tiny_model, reviews, out, **options))
+    assert (f"skipping checkpoint {out / 'checkpoints'}/step-{STEPS}: sharded/__1_0.distcp does not match its "
+            "checksum") in resumed.output
+    assert read_summary(out)["resumed_from_step"] == 10
+    assert not compare_weights(uninterrupted, out, STEPS).differing
+
+    checkpoint = uninterrupted / "checkpoints" / f"step-{STEPS}"
+    evaluated = run(trainer_command([*tiny_overrides(tiny_model, reviews, uninterrupted, **options),
+                                     f"checkpoint={checkpoint}"], nproc=2, command="evaluate"))
+    assert evaluated.returncode == 0, evaluated.output[-3000:]
+    assert json.loads((checkpoint / "eval-test.json").read_text())["accuracy"] == \
+        read_summary(uninterrupted)["final_eval"]["accuracy"]
+
+
+def test_a_rank_that_fails_or_freezes_inside_a_sharded_step_ends_every_rank(tiny_model, reviews, tmp_path):
+    """FSDP's collectives run inside the forward and backward. A rank that raises at step 3
+    ends the job; a rank frozen as step 8 begins (SIGSTOP, a test hook) leaves its peer in an
+    all-gather, whose watchdog names the step and the silent rank before dist.timeout_s."""
+    options = {**FSDP, "train.batch_size": 8, "train.max_steps": 100000, "checkpoint.every": 0,
+               "train.eval_every": 0}
+    raised = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path / "raised", **options), nproc=2),
+                 env={"TRAINER_FAULT_RAISE": "1:3"}, timeout=180)
+    assert raised.returncode != 0
+    assert "InjectedFault: TRAINER_FAULT_RAISE: injected at step 3" in raised.output, raised.output[-4000:]
+
+    timeout_s = 10
+    frozen = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path / "frozen", **{
+        **options, "dist.timeout_s": timeout_s, "fault.slow_step_min_s": 2, "fault.heartbeat_s": 1}), nproc=2),
+        env={"TRAINER_FAULT_SIGSTOP": "1:step:8"}, timeout=180)
+    assert frozen.returncode != 0
+    reports = re.findall(r"rank 0 on \S+: stalled in train step at step 8: has run ([\d.]+)s", frozen.output)
+    assert reports and float(reports[0]) < timeout_s, frozen.output[-5000:]
+    assert re.search(r"rank 1 on \S+: NOT RESPONDING", frozen.output), frozen.output[-5000:]
+
+
+def test_sigterm_saves_every_rank_s_shards_and_the_run_resumes_bitwise(dropout_model, reviews, tmp_path):
+    """Preemption: SIGTERM to torchrun, which forwards it to its workers; they agree at a
+    step boundary, save one sharded checkpoint together and exit 75. The workers are frozen
+    while the signal is sent, so that it lands mid-run however fast this machine is."""
+    options = {**FSDP, "train.batch_size": 8, "train.max_steps": 40}
+    uninterrupted, out = tmp_path / "uninterrupted", tmp_path / "preempted"
+    train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
+    proc = subprocess.Popen(trainer_command(tiny_overrides(dropout_model, reviews, out, **options), nproc=2),
+                            cwd=REPO, env=BASE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: (out / "checkpoints" / "step-10" / "COMPLETE").is_file(), 120, "checkpoint step-10",
+                 {"torchrun": proc})
+        workers = psutil.Process(proc.pid).children()
+        for worker in workers:
+            worker.suspend()
+        proc.send_signal(signal.SIGTERM)
+        for worker in workers:
+            worker.resume()
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc)
+    saved = re.findall(r"preempted by (.+?): saved the checkpoint of step (\d+); exiting with 75", output)
+    assert len(saved) >= 1 and len({step for _, step in saved}) == 1, output[-4000:]
+    step = int(saved[0][1])
+    assert 10 <= step < 40 and (out / "checkpoints" / f"step-{step}" / "sharded" / ".metadata").is_file()
+    assert not (out / "summary.json").exists()
+    train(tiny_overrides(dropout_model, reviews, out, **options))
+    assert read_summary(out)["resumed_from_step"] == step
+    assert not compare_weights(uninterrupted, out, 40).differing
+
+
+def test_each_rank_holds_its_share_and_the_memory_plan_is_rank_zero_s(tiny_model, reviews, tmp_path):
+    """3 ranks, so that most weights split unevenly: from each rank's local shards after a
+    step, the weights, gradients and AdamW state summed over the ranks are the whole model's
+    (nothing held twice), no rank holds more than rank 0, and the memory plan, from
+    config.json on the meta device, equals rank 0's to the byte."""
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path, **{**FSDP, "train.batch_size": 4})
+    result = run(torchrun_argv(3, ["tests/fsdp_shards.py", *overrides]), timeout=180)
+    assert result.returncode == 0, result.output[-3000:]
+    ranks = sorted((json.loads(line) for line in result.output.splitlines() if line.startswith('{"rank"')),
+                   key=lambda r: r["rank"])
+    assert len(ranks) == 3, result.output[-3000:]
+    whole, buffers = ranks[0]["whole_weights"], ranks[0]["buffers"]
+    assert sum(r["weights"] - buffers for r in ranks) == whole
+    assert sum(r["gradients"] for r in ranks) == whole  # fp32, every parameter trains
+    assert all(r[kind] <= ranks[0][kind] for r in ranks for kind in ("weights", "gradients", "optimizer"))
+    assert ranks[0]["weights"] - buffers < whole / 3 * 1.01  # 1/3, within the rows' rounding
+    for kind in ("weights", "gradients", "optimizer"):
+        assert ranks[0]["plan"][kind] == ranks[0][kind], kind
+
+
+def test_activation_checkpointing_and_the_best_step_under_fsdp(tiny_model, reviews, tmp_path):
+    """Activation checkpointing composes with FSDP and changes no weight; with
+    load_best_at_end the best step's sharded checkpoint is loaded back, and final/ holds it."""
+    # "Best" is the highest loss here: the earlier step, so that the load is exercised.
+    options = {**FSDP, "train.batch_size": 8, "train.lr": 3e-3, "checkpoint.every": 7,
+               "checkpoint.best_metric": "loss", "checkpoint.best_mode": "max", "checkpoint.load_best_at_end": True}
+    plain, checkpointed = tmp_path / "plain", tmp_path / "checkpointed"
+    train(tiny_overrides(tiny_model, reviews, plain, **options))
+    train(tiny_overrides(tiny_model, reviews, checkpointed, **{**options, "model.gradient_checkpointing": True}))
+    assert compare_weights(plain, checkpointed, STEPS).max_abs <= 1e-6
+    summary = read_summary(checkpointed)
+    best = summary["best"]["step"]
+    assert best == 7 and summary["final_model_step"] == best and summary["steps"] == STEPS
+    from transformers import AutoModelForSequenceClassification
+
+    final = AutoModelForSequenceClassification.from_pretrained(checkpointed / "final").state_dict()
+    saved = weights(checkpointed, best)
+    assert not compare_weights(saved, {name: final[name] for name in saved}).differing
+
+
+def test_a_ddp_checkpoint_is_refused_by_an_fsdp_run_in_one_line(tiny_model, reviews, tmp_path):
+    """Even with train.strategy in checkpoint.allow_changes: the formats don't convert."""
+    options = {**FSDP, "train.batch_size": 8, "train.max_steps": 5, "train.strategy": "ddp"}
+    train(tiny_overrides(tiny_model, reviews, tmp_path, **options))
+    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{
+        **options, "train.strategy": "fsdp", "train.max_steps": 8, "checkpoint.allow_changes": "[train.strategy]"}),
+        nproc=2))
+    assert result.returncode != 0
+    assert re.search(r"error: checkpoint.resume: \S+step-5: written by train.strategy=ddp, and this run is fsdp "
+                     r"\(sharded\): the two formats don't convert", result.output), result.output[-3000:]

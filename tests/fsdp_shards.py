@@ -1,0 +1,44 @@
+"""What one FSDP rank holds, from its local shards, beside the memory plan: run under
+torchrun by tests/e2e/test_fsdp.py. Builds the model as a training run does (trainer's
+load and parallel.Parallel), takes one optimizer step, then prints one JSON line per rank:
+its local bytes of weights, gradients and AdamW state, the whole model's, and the plan's."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from trainer import config, distributed, memory, model, optim, parallel
+
+cfg = config.load("configs/demo.yaml", sys.argv[1:])
+dist_env, cpu = distributed.read_env(), torch.device("cpu")
+dist.init_process_group("gloo")
+tokenizer = model.load_tokenizer(cfg.model)
+model_config = model.load_config(cfg.model, cfg.data.num_labels, "cpu", tokenizer.pad_token_id)
+bare = model.load_model(cfg.model, model_config, cfg.seed, cpu)
+whole = sum(t.numel() * t.element_size() for t in bare.parameters())
+sharded = parallel.Parallel(bare, cfg, dist_env, cpu, torch.float32)
+optimizer = optim.optimizer(bare, cfg.train)
+ids = torch.randint(5, 100, (2, 16))
+sharded.loss({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1])}).backward()
+optimizer.step()
+
+
+def local(tensors) -> int:
+    return sum(t.to_local().numel() * t.element_size() for t in tensors)
+
+
+params = list(bare.parameters())
+held = {"weights": local(params) + sum(b.numel() * b.element_size() for b in bare.buffers()),
+        "gradients": local(p.grad for p in params),
+        "optimizer": sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * 4
+                         for state in optimizer.state.values() for t in state.values()),
+        "whole_weights": whole, "buffers": sum(b.numel() * b.element_size() for b in bare.buffers())}
+plan = memory.make(cfg, cpu, dist_env.world_size)
+print(json.dumps({"rank": dist_env.rank, **held,
+                  "plan": {"weights": plan.weights, "gradients": plan.gradients, "optimizer": plan.optimizer}}),
+      flush=True)
+dist.destroy_process_group()
