@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer import config, distributed, memory, model, optim, parallel
+from trainer import config, distributed, lora, memory, model, optim, parallel
 
 cfg = config.load("configs/demo.yaml", sys.argv[1:])
 dist_env, cpu = distributed.read_env(), torch.device("cpu")
@@ -19,7 +19,9 @@ dist.init_process_group("gloo")
 tokenizer = model.load_tokenizer(cfg.model)
 model_config = model.load_config(cfg.model, cfg.data.num_labels, "cpu", tokenizer.pad_token_id)
 bare = model.load_model(cfg.model, model_config, cfg.seed, cpu)
+bare = lora.apply(bare, cfg.model)
 whole = sum(t.numel() * t.element_size() for t in bare.parameters())
+whole_trained = sum(t.numel() * t.element_size() for t in bare.parameters() if t.requires_grad)
 sharded = parallel.Parallel(bare, cfg, dist_env, cpu, torch.float32)
 optimizer = optim.optimizer(bare, cfg.train)
 ids = torch.randint(5, 100, (2, 16))
@@ -33,10 +35,11 @@ def local(tensors) -> int:
 
 params = list(bare.parameters())
 held = {"weights": local(params) + sum(b.numel() * b.element_size() for b in bare.buffers()),
-        "gradients": local(p.grad for p in params),
+        "gradients": local(p.grad for p in params if p.requires_grad),
         "optimizer": sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * 4
                          for state in optimizer.state.values() for t in state.values()),
-        "whole_weights": whole, "buffers": sum(b.numel() * b.element_size() for b in bare.buffers())}
+        "whole_weights": whole, "whole_trained": whole_trained,
+        "buffers": sum(b.numel() * b.element_size() for b in bare.buffers())}
 plan = memory.make(cfg, cpu, dist_env.world_size)
 print(json.dumps({"rank": dist_env.rank, **held,
                   "plan": {"weights": plan.weights, "gradients": plan.gradients, "optimizer": plan.optimizer}}),

@@ -29,12 +29,14 @@ each rank's RNGs are seeded from (seed, step, rank): deterministic, distinct per
 step, and never a replay of the run's first steps.
 
 With `checkpoint.async_save`, training pauses only while the state is copied to host memory;
-a background thread on rank 0 writes it, and every rank learns the write's outcome at the
-next save or at the end. A process that exits for any reason finishes its write first.
+a background thread on rank 0 writes it (and under FSDP, DCP's async save writes each rank's
+shards in a thread of that rank), and every rank learns the write's outcome at the next save
+or at the end. A process that exits for any reason finishes its write first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -43,6 +45,7 @@ import random
 import shutil
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -249,7 +252,10 @@ def load_weights(path: Path, model: nn.Module) -> None:
     if problem:
         raise CheckpointError(f"checkpoint: {path}: {problem}")
     if (path / SHARDED).is_dir():
-        sharded.load(path / SHARDED, model)
+        try:
+            sharded.load(path / SHARDED, model)
+        except sharded.ShardsError as e:
+            raise CheckpointError(f"checkpoint: {path}: {e}") from None
     else:
         _load_model_file(model, path / "model.safetensors")
 
@@ -269,8 +275,11 @@ class Checkpointer:
         self.dist_env = dist_env
         self.sharded = sharded
         """The model and optimizer go through DCP, each rank writing its shards (FSDP)."""
-        self.async_save = async_save and not sharded
+        self.async_save = async_save
         self._pending: _Write | None = None
+        """Rank 0's write of the checkpoint's files."""
+        self._shards: Future | None = None
+        """This rank's part of DCP's background write of the shards (sharded and async_save)."""
         self.write_seconds: list[float] = []
         """How long each finished write took (rank 0): in the background, training ran meanwhile."""
 
@@ -301,10 +310,13 @@ class Checkpointer:
         if self.sharded:  # every rank writes its shards into the folder rank 0 makes
             tmp, own_file = self.root / f".tmp-step-{step}", (*_OWN_FILE, "optimizer")
             distributed.rank_zero_does(self.dist_env, f"checkpoint step-{step}: {tmp}", lambda: _fresh(tmp))
+            group = distributed.checkpoint_group(self.dist_env) if self.async_save else None
             try:  # collective; DCP gathers every rank's outcome, so a failure is raised on all
-                sharded.save(tmp / SHARDED, cast(nn.Module, states["model"]),
-                             cast(torch.optim.Optimizer, states["optimizer"]))
+                self._shards = sharded.save(tmp / SHARDED, cast(nn.Module, states["model"]),
+                                            cast(torch.optim.Optimizer, states["optimizer"]), self.async_save, group)
             except Exception as e:  # a full disk on any rank: every rank fails with why  # noqa: BLE001
+                if self.dist_env.is_rank_zero:
+                    shutil.rmtree(tmp, ignore_errors=True)
                 free_mb = shutil.disk_usage(self.root).free / 2**20
                 raise CheckpointError(f"checkpoint step-{step}: save failed: {type(e).__name__}: {one_line(e)} "
                                       f"({free_mb:.1f} MB free in {self.root})") from None
@@ -313,12 +325,12 @@ class Checkpointer:
             if not self.sharded:
                 model_tensors = trained_tensors(cast(nn.Module, states["model"]))
             self._pending = self._start_write(step, model_tensors, trainer_state, states["train"].state_dict(),
-                                              config_yaml, rngs, keep_also, tmp)
+                                              config_yaml, rngs, keep_also, tmp, self._shards)
         if not self.async_save:
             self.finish()
 
     def _start_write(self, step, model_tensors, trainer_state, state, config_yaml, rngs, keep_also,
-                     tmp: Path | None) -> _Write:
+                     tmp: Path | None, shards: Future | None) -> _Write:
         write = _Write(step)
         if self.async_save:
             try:  # training changes the live tensors from the next step on
@@ -329,7 +341,7 @@ class Checkpointer:
 
         def write_and_prune() -> None:
             started = time.perf_counter()
-            path = self._write(step, model_tensors, trainer_state, state, config_yaml, rngs, tmp)
+            path = self._write(step, model_tensors, trainer_state, state, config_yaml, rngs, tmp, shards)
             self._prune(step, keep_also)
             log.info("saved %s in %.2fs%s", path, time.perf_counter() - started,
                      " (in the background)" if self.async_save else "")
@@ -340,6 +352,10 @@ class Checkpointer:
         """Collective: wait for rank 0's pending write, then every rank raises its error,
         if any. Called by `save`, and by the loop before the end and before a preemption exit."""
         error = ""
+        if self._shards is not None:  # this rank's part of the shards' write
+            shards, self._shards = self._shards, None
+            with contextlib.suppress(sharded.ShardsError):  # any rank's error is rank 0's too, reported below
+                sharded.wait(shards)
         if self._pending is not None:
             pending, self._pending = self._pending, None
             if pending.wait():
@@ -355,20 +371,29 @@ class Checkpointer:
 
     def close(self) -> None:
         """On any exit: let a background write finish (not collective: peers may be gone).
-        A checkpoint that was being written when the job failed is then complete, not lost."""
+        A checkpoint that was being written when the job failed is then complete, not lost.
+        Shards whose peers are gone fail at the collective timeout (dist.timeout_s)."""
+        if self._shards is not None:
+            shards, self._shards = self._shards, None
+            with contextlib.suppress(sharded.ShardsError):  # rank 0's write logs it
+                sharded.wait(shards)
         if self._pending is not None:
             pending, self._pending = self._pending, None
             if pending.wait():
                 log.error("checkpoint step-%d: save failed: %s", pending.step, pending.error)
 
-    def _write(self, step, model_tensors, trainer_state, state, config_yaml, rngs, tmp: Path | None) -> Path:
-        """The checkpoint's files into `tmp` (which holds the shards already, or None: a new
-        folder), its marker last, then renamed into place."""
+    def _write(self, step, model_tensors, trainer_state, state, config_yaml, rngs, tmp: Path | None,
+               shards: Future | None) -> Path:
+        """The checkpoint's files into `tmp` (which holds the shards, or None: a new folder),
+        its marker last, then renamed into place. `shards`: their background write, which
+        must be complete on every rank first, for the marker to cover them."""
         final = self.root / f"step-{step}"
         if tmp is None:
             tmp = self.root / f".tmp-step-{step}-{os.getpid()}"
             _fresh(tmp)
         try:
+            if shards is not None:
+                sharded.wait(shards)
             if model_tensors is not None:
                 # save_model is typed for a Module but calls only .state_dict(): _StateDict says why.
                 save_model(_StateDict(model_tensors), str(tmp / "model.safetensors"))  # type: ignore[arg-type]
@@ -456,8 +481,11 @@ class Checkpointer:
         except CheckpointError as e:
             raise CheckpointError(f"checkpoint.resume: {path}: {e}") from None
         if (path / SHARDED).is_dir():  # resharded to this run's world size
-            sharded.load(path / SHARDED, cast(nn.Module, states["model"]),
-                         cast(torch.optim.Optimizer, states["optimizer"]))
+            try:
+                sharded.load(path / SHARDED, cast(nn.Module, states["model"]),
+                             cast(torch.optim.Optimizer, states["optimizer"]))
+            except sharded.ShardsError as e:
+                raise CheckpointError(f"checkpoint.resume: {path}: {e}") from None
         else:
             _load_model_file(cast(nn.Module, states["model"]), path / "model.safetensors")  # the bare model
         saved = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)

@@ -229,6 +229,11 @@ def use_deterministic_kernels() -> None:
 # A second, CPU-only (gloo) group for small agreements between ranks, such as the
 # preemption flag: on it they never wait behind, or sync with, the GPU stream.
 _control_group: dist.ProcessGroup | None = None
+# A third, for DCP's background checkpoint writes (checkpoint.async_save under FSDP): their
+# collectives run in a thread of their own, beside the step's on the default group and the
+# flags on the control group. Sharing either group would interleave them, and hang.
+_checkpoint_group: dist.ProcessGroup | None = None
+_timeout: timedelta | None = None
 
 
 def flight_recorder_env(backend: str, output_dir: Path) -> dict[str, str]:
@@ -251,7 +256,7 @@ def nccl_dump_prefix(dist_env: DistEnv) -> str | None:
 
 def init(dist_env: DistEnv, device: torch.device, backend: str, init_timeout_s: float, output_dir: Path) -> None:
     """Join the process group. Long timeout: slow nodes, image pulls and the first step."""
-    global _control_group
+    global _control_group, _timeout
     for name, value in flight_recorder_env(backend, output_dir).items():
         os.environ.setdefault(name, value)  # read when the NCCL process group is created
     if device.type == "cuda":
@@ -269,6 +274,18 @@ def init(dist_env: DistEnv, device: torch.device, backend: str, init_timeout_s: 
         device_id=device if backend == "nccl" else None,
     )
     _control_group = dist.new_group(backend="gloo", timeout=timeout)
+    _timeout = timeout
+
+
+def checkpoint_group(dist_env: DistEnv) -> dist.ProcessGroup | None:
+    """The background checkpoint writes' gloo group (None in one process). Made at the
+    first call, which is a collective: every rank makes it at the same save."""
+    global _checkpoint_group
+    if not dist_env.is_distributed:
+        return None
+    if _checkpoint_group is None:
+        _checkpoint_group = dist.new_group(backend="gloo", timeout=_timeout)
+    return _checkpoint_group
 
 
 def set_timeout(dist_env: DistEnv, timeout_s: float) -> None:
@@ -277,11 +294,15 @@ def set_timeout(dist_env: DistEnv, timeout_s: float) -> None:
     After this, a rank that stops answering (dead node, cut link, deadlock) fails every
     collective within `timeout_s` instead of holding the whole job for the init timeout.
     """
+    global _timeout
     if dist_env.is_distributed:
         # Every rank calls this at the same step; the barrier makes the switch happen together.
         dist.barrier()
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), _control_group)
+        _timeout = timedelta(seconds=timeout_s)
+        dist.distributed_c10d._set_pg_timeout(_timeout)
+        for group in (_control_group, _checkpoint_group):
+            if group is not None:
+                dist.distributed_c10d._set_pg_timeout(_timeout, group)
 
 
 def backend(dist_env: DistEnv) -> str:
@@ -292,10 +313,10 @@ def backend(dist_env: DistEnv) -> str:
 def close() -> None:
     """Destroy the process groups. Called on every exit path, errors included, so it asks
     torch itself whether init got as far as creating them."""
-    global _control_group
+    global _control_group, _checkpoint_group
     if dist.is_initialized():
         dist.destroy_process_group()
-    _control_group = None
+    _control_group = _checkpoint_group = None
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from trainer import (
     watchdog,
 )
 from trainer.distributed import DistEnv
-from trainer.errors import one_line
+from trainer.errors import CheckpointError, one_line
 from trainer.policy import Policy, Selection
 from trainer.startup import StartupClock
 from trainer.train_state import TrainState
@@ -278,19 +278,25 @@ class Trainer:
         loadable by plain transformers. Written by rank 0; a failure stops every rank with rank
         0's reason. The run's last use of the model: merging changes it in place."""
         final, tmp = self.output_dir / "final", self.output_dir / ".final.tmp"
-        if self.parallel.fsdp:  # every rank writes its shards of the weights first
-            distributed.rank_zero_does(self.dist_env, f"output_dir: {tmp}", lambda: _fresh_folder(tmp))
-            sharded.export(tmp, self.model)
+        distributed.rank_zero_does(self.dist_env, f"output_dir: {tmp}", lambda: _fresh_folder(tmp))
+        if self.cfg.checkpoint.export_adapter:  # only with model.lora (config.py checks)
+            # First: merging consumes the adapters. Sharded, they are gathered (collective).
+            adapter = sharded.trained_state(self.model) if self.parallel.fsdp else None
+            distributed.rank_zero_does(self.dist_env, f"output_dir: {tmp / 'adapter'}",
+                                       lambda: lora.save_adapter(self.model, tmp / "adapter", adapter))
+        merged = lora.merged(self.model)
+        if self.parallel.fsdp:  # every rank writes its shards of the weights
+            try:
+                sharded.export(tmp, merged)
+            except sharded.ShardsError as e:  # e.g. a full disk on any rank: every rank fails with why
+                raise CheckpointError(f"output_dir: {final}: export failed: {e}") from None
 
         def export() -> None:
             if self.parallel.fsdp:
-                self.model.config.architectures = [sharded.unsharded_class_name(self.model)]
-                self.model.config.save_pretrained(tmp)
+                merged.config.architectures = [sharded.unsharded_class_name(merged)]
+                merged.config.save_pretrained(tmp)
             else:
-                _fresh_folder(tmp)
-                if self.cfg.checkpoint.export_adapter:  # only with model.lora (config.py checks)
-                    lora.save_adapter(self.model, tmp / "adapter")  # first: merging consumes the adapters
-                lora.merged(self.model).save_pretrained(tmp)
+                merged.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)

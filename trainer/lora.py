@@ -134,6 +134,7 @@ def merged(model: PreTrainedModel) -> PreTrainedModel:
     return cast("PreTrainedModel", model.merge_and_unload()) if isinstance(model, PeftModel) else model
 
 
-def save_adapter(model: PreTrainedModel, folder: Path) -> None:
-    """The adapters and the head alone, in peft's format: PeftModel.from_pretrained loads them."""
-    model.save_pretrained(folder)
+def save_adapter(model: PreTrainedModel, folder: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """The adapters and the head alone, in peft's format: PeftModel.from_pretrained loads them.
+    `state`: their whole tensors, when the model's own are shards (FSDP)."""
+    model.save_pretrained(folder, state_dict=state)

@@ -88,12 +88,14 @@ def test_pruning_never_deletes_the_last_good_checkpoint(uninterrupted, tiny_mode
     assert not compare_weights(uninterrupted, out, STEPS).differing
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_disk_full_mid_save_keeps_the_previous_checkpoint(uninterrupted, tiny_model, reviews, tmp_path, async_save):
+@pytest.mark.parametrize("strategy, async_save", [("ddp", False), ("ddp", True), ("fsdp", False), ("fsdp", True)],
+                         ids=["sync", "async", "fsdp-sync", "fsdp-async"])
+def test_disk_full_mid_save_keeps_the_previous_checkpoint(uninterrupted, tiny_model, reviews, tmp_path, strategy,
+                                                          async_save):
     """A real ENOSPC: output_dir on a tmpfs with room for one checkpoint. Both ranks fail with
-    the same message (a background write's failure too; torchrun may end the slower rank
-    before it prints), the previous checkpoint still verifies, no partial folder is left, and
-    with room again the job resumes from it to the same weights."""
+    the same message (a background write's failure too, FSDP's shards' included; torchrun
+    may end the slower rank before it prints), the previous checkpoint still verifies, no
+    partial folder is left, and with room again the job resumes from it to the same weights."""
     mount = tmp_path / "small-disk"
     mount.mkdir()
     checkpoint_bytes = sum(f.stat().st_size for f in (uninterrupted / "checkpoints/step-4").iterdir())
@@ -103,7 +105,9 @@ def test_disk_full_mid_save_keeps_the_previous_checkpoint(uninterrupted, tiny_mo
         out = mount / "run"
         settings = overrides(tiny_model, reviews, out, **{"checkpoint.keep": 2, "checkpoint.every": 4,
                                                        "train.batch_size": 8,  # 2 x 8 = 1 x 16
-                                                       "checkpoint.async_save": async_save})
+                                                       "checkpoint.async_save": async_save,
+                                                       "train.strategy": strategy,
+                                                       "ddp.sparse_embedding_grad": strategy == "ddp"})
         full = run(trainer_command(settings, nproc=2))
         assert full.returncode != 0
         error = re.compile(rf"error: checkpoint step-8: save failed: .* \([0-9.]+ MB free in {out}/checkpoints\)")

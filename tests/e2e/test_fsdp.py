@@ -11,6 +11,7 @@ import signal
 import subprocess
 
 import psutil
+import pytest
 from conftest import (
     BASE_ENV,
     REPO,
@@ -33,6 +34,7 @@ FSDP = {"train.strategy": "fsdp", "train.max_steps": STEPS, "train.global_batch"
 """Evaluated with a batch of 101: the 203 validation rows split 102 and 101 over 2 ranks, 2
 batches and 1. A sharded forward is a collective, so the rank with 1 must run a filler
 forward, or the other waits for ever."""
+LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.dropout": 0.0}
 
 
 def test_fsdp_matches_one_process_and_ddp_with_and_without_accumulation(tiny_model, reviews, tmp_path):
@@ -62,15 +64,23 @@ def test_fsdp_matches_one_process_and_ddp_with_and_without_accumulation(tiny_mod
     assert not compare_weights(last, {name: final[name] for name in last}).differing
 
 
-def test_fsdp_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_fsdp_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_path, async_save):
     """Dropout on, so a resume that lost any rank's RNG state is not bitwise: rank 1
-    SIGKILLed at step 13, relaunched from step 10, ends as the uninterrupted run did, its
-    AdamW moments included. The checkpoint is DCP's: each rank wrote its own shards."""
+    SIGKILLed at step 13, relaunched, ends as the uninterrupted run did, its AdamW moments
+    included. The checkpoint is DCP's: each rank wrote its own shards, with async_save in a
+    thread of its own while training went on (the GPU default)."""
     options = {**FSDP, "train.batch_size": 8}
     uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
     train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
-    kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
-                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
+    overrides = tiny_overrides(dropout_model, reviews, resumed, **{**options, "checkpoint.async_save": async_save})
+    killed = run(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
+    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+    assert ("saved " in killed.output and " (in the background)" in killed.output) == async_save
+    train(overrides)
+    # A background write of step 10 is complete only once rank 1 has written its shards too:
+    # killed before that, the run resumes from step 5 (on this machine, rank 1 is 3 steps on).
+    assert read_summary(resumed)["resumed_from_step"] in ((5, 10) if async_save else (10,))
     assert not compare_weights(uninterrupted, resumed, STEPS).differing
     import torch
 
@@ -181,12 +191,15 @@ def test_sigterm_saves_every_rank_s_shards_and_the_run_resumes_bitwise(dropout_m
     assert not compare_weights(uninterrupted, out, 40).differing
 
 
-def test_each_rank_holds_its_share_and_the_memory_plan_is_rank_zero_s(tiny_model, reviews, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_each_rank_holds_its_share_and_the_memory_plan_is_rank_zero_s(tiny_model, reviews, tmp_path, lora):
     """3 ranks, so that most weights split unevenly: from each rank's local shards after a
     step, the weights, gradients and AdamW state summed over the ranks are the whole model's
     (nothing held twice), no rank holds more than rank 0, and the memory plan, from
-    config.json on the meta device, equals rank 0's to the byte."""
-    overrides = tiny_overrides(tiny_model, reviews, tmp_path, **{**FSDP, "train.batch_size": 4})
+    config.json on the meta device, equals rank 0's to the byte. With LoRA, the frozen base
+    is sharded too, and only what trains has gradients."""
+    options = {**FSDP, "train.batch_size": 4, **(LORA if lora else {})}
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path, **options)
     result = run(torchrun_argv(3, ["tests/fsdp_shards.py", *overrides]), timeout=180)
     assert result.returncode == 0, result.output[-3000:]
     ranks = sorted((json.loads(line) for line in result.output.splitlines() if line.startswith('{"rank"')),
@@ -194,7 +207,8 @@ def test_each_rank_holds_its_share_and_the_memory_plan_is_rank_zero_s(tiny_model
     assert len(ranks) == 3, result.output[-3000:]
     whole, buffers = ranks[0]["whole_weights"], ranks[0]["buffers"]
     assert sum(r["weights"] - buffers for r in ranks) == whole
-    assert sum(r["gradients"] for r in ranks) == whole  # fp32, every parameter trains
+    assert sum(r["gradients"] for r in ranks) == ranks[0]["whole_trained"]
+    assert (ranks[0]["whole_trained"] < whole / 100) == lora
     assert all(r[kind] <= ranks[0][kind] for r in ranks for kind in ("weights", "gradients", "optimizer"))
     assert ranks[0]["weights"] - buffers < whole / 3 * 1.01  # 1/3, within the rows' rounding
     for kind in ("weights", "gradients", "optimizer"):
@@ -231,3 +245,56 @@ def test_a_ddp_checkpoint_is_refused_by_an_fsdp_run_in_one_line(tiny_model, revi
     assert result.returncode != 0
     assert re.search(r"error: checkpoint.resume: \S+step-5: written by train.strategy=ddp, and this run is fsdp "
                      r"\(sharded\): the two formats don't convert", result.output), result.output[-3000:]
+
+
+def test_lora_under_fsdp_matches_one_process_at_any_world_size_and_exports_merged(tiny_model, reviews, tmp_path):
+    """LoRA's adapters and head train over a sharded frozen base: 2 sharded ranks end with
+    the weights of 1 process; killed at step 13 and resumed by 1 process from the DCP
+    checkpoint of step 10, the same trajectory. The checkpoint holds what trains alone, and
+    final/ is the merged model, whose logits are the unsharded run's."""
+    import torch
+    from test_lora import adapter_logits, logits_without_peft
+
+    options = {**FSDP, **LORA}
+    single, ranks, elastic = tmp_path / "single", tmp_path / "ranks", tmp_path / "elastic"
+    train(tiny_overrides(tiny_model, reviews, single, **{**options, "train.strategy": "ddp",
+                                                         "train.batch_size": 16}), nproc=None)
+    trained = train(tiny_overrides(tiny_model, reviews, ranks, **{**options, "train.batch_size": 8,
+                                                                  "checkpoint.export_adapter": True}))
+    assert "trains 1,189 of 1,000,261 parameters" in trained.output
+    saved = weights(ranks, STEPS)
+    assert sum(t.numel() for t in saved.values()) == 1189, sorted(saved)  # nothing of the frozen base
+    assert max(float(t.abs().max()) for name, t in saved.items() if "lora_B" in name) > 1e-3  # it trained
+    assert compare_weights(single, ranks, STEPS).max_abs <= 1e-6
+    merged = torch.tensor(logits_without_peft(ranks / "final"))
+    assert float((merged - torch.tensor(logits_without_peft(single / "final"))).abs().max()) <= 1e-5
+    assert float((merged - adapter_logits(tiny_model, ranks / "final" / "adapter")).abs().max()) <= 1e-5
+
+    overrides = tiny_overrides(tiny_model, reviews, elastic, **{**options, "train.batch_size": 8})
+    killed = run(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
+    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+    resumed = train([*overrides, "train.batch_size=16"], nproc=None)
+    assert f"resumed from {elastic / 'checkpoints' / 'step-10'}" in resumed.output, resumed.output[-3000:]
+    assert compare_weights(single, elastic, STEPS).max_abs <= 1e-5
+
+
+def test_lora_under_fsdp_over_a_bf16_base_resumes_bitwise(dropout_model, reviews, tmp_path):
+    """model.dtype=bf16 under FSDP: the sharded frozen base is bf16, what trains is fp32 (one
+    dtype per FSDP unit's trained weights, as FSDP2 requires); rank 1 SIGKILLed at step 13
+    resumes bitwise, adapters' dropout and AdamW moments included."""
+    options = {**FSDP, **LORA, "model.lora.dropout": 0.1, "train.batch_size": 8, "model.dtype": "bf16",
+               "train.precision": "bf16"}
+    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    first = train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
+    assert "kept in fp32, the frozen rest in bf16; computes in bf16" in first.output
+    kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
+                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
+    assert not compare_weights(uninterrupted, resumed, STEPS).differing
+    import torch
+
+    saved = [sharded_checkpoint(d / "checkpoints" / f"step-{STEPS}") for d in (uninterrupted, resumed)]
+    assert {t.dtype for t in saved[1]["model"].values()} == {torch.float32}
+    assert sorted(saved[0]["optimizer"]["state"]) == sorted(saved[1]["model"])  # adapters and head alone
+    assert all(torch.equal(saved[0]["optimizer"]["state"][n][k], saved[1]["optimizer"]["state"][n][k])
+               for n in saved[0]["optimizer"]["state"] for k in ("exp_avg", "exp_avg_sq"))
+    assert read_summary(resumed)["precision"] == {"compute": "bf16", "trained": "fp32", "frozen": "bf16"}

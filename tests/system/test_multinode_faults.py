@@ -11,7 +11,8 @@
 - a node frozen (SIGSTOP) in a checkpoint save: the survivors name
   the phase and the silent peers with their stacks, and exit within the timeout, the last
   complete checkpoint intact;
-- a node that never arrives: the rendezvous fails in bounded time and says how many came.
+- a node that never arrives: the rendezvous fails in bounded time and says how many came;
+- an FSDP job across the two nodes, its rank 0 SIGKILLed: restarted, resharded, bitwise.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import multinode
 import psutil
 import pytest
-from conftest import EXACT_STEPS, compare_weights, tiny_overrides, weights
+from conftest import EXACT_STEPS, compare_weights, tiny_overrides, train, weights
 from netns import Network
 from support import read_summary, wait_for
 
@@ -77,6 +78,26 @@ def test_elastic_restart_after_sigkill_is_bitwise_exact(uninterrupted, dropout_m
     assert f"resumed from {out / 'checkpoints' / f'step-{resumed_from}'}" in logs
     assert read_summary(out)["resumed_from_step"] == resumed_from
     assert not compare_weights(uninterrupted, out, STEPS).differing
+
+
+def test_an_fsdp_job_across_two_nodes_restarts_after_a_sigkill_bitwise(dropout_model, reviews, tmp_path):
+    """FSDP2's all-gathers and reduce-scatters cross the nodes' link inside every forward and
+    backward. Rank 0 (which hosts the store) is SIGKILLed at step 13; torchrun restarts both
+    nodes' workers, which reshard the DCP checkpoint of step 10 and end bitwise equal to an
+    uninterrupted 2-rank run on one host."""
+    options = {**OPTIONS, "train.strategy": "fsdp", "train.max_steps": 20, "ddp.sparse_embedding_grad": False}
+    reference = tmp_path / "reference"
+    train(tiny_overrides(dropout_model, reviews, reference, **options))
+    out = tmp_path / "run"
+    with Network(TWO_NODES) as net:
+        codes = run_to_end(net, tmp_path / "logs", tiny_overrides(dropout_model, reviews, out, **options),
+                           torchrun_args=("--max-restarts=1",), env={"TRAINER_FAULT_SIGKILL": "0:13"})
+    logs = logs_of(tmp_path / "logs", tail=None)
+    assert codes == [0, 0], logs_of(tmp_path / "logs")
+    assert "failed (exitcode: -9)" in logs and f"resumed from {out / 'checkpoints' / 'step-10'}" in logs
+    assert read_summary(out)["hosts"] == ["node0", "node1"]
+    assert (out / "checkpoints" / "step-20" / "sharded" / "__1_0.distcp").is_file()  # node1 wrote its shard
+    assert not compare_weights(reference, out, 20).differing
 
 
 def sigterm_pending(pid: int) -> bool:

@@ -77,8 +77,6 @@ BAD_OVERRIDES = [
     ("bf16-base-fp32-compute", ["model.dtype=bf16", "model.lora.r=8", "train.precision=fp32"],
      "model.dtype: bf16 weights need bf16 compute, but train.precision is fp32"),
     ("unknown-base-dtype", ["model.dtype=fp16"], "model.dtype"),
-    ("fsdp-with-lora", ["train.strategy=fsdp", "model.lora.r=8"],
-     "train.strategy: fsdp does not run with model.lora.r yet; use ddp with it"),
     ("fsdp-compiled", ["train.strategy=fsdp", "train.compile=true"],
      "train.strategy: fsdp does not run with train.compile yet"),
 ]
