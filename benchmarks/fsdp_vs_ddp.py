@@ -14,32 +14,24 @@ results/cpu-minilm-fsdp-vs-ddp.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from benchmarks.interleaved import RankMemory, cpu_name, run_interleaved
+from benchmarks.interleaved import REPO, RankMemory, demo_command, demo_main
 
-REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).with_name("results") / "cpu-minilm-fsdp-vs-ddp.json"
 SIDES = {"ddp": ["train.strategy=ddp"], "fsdp": ["train.strategy=fsdp"]}
 
 
 def one_run(data: str, steps: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        settings = [f"data.path={data}", f"output_dir={out}", f"train.max_steps={steps}", "checkpoint.every=20",
-                    "train.eval_every=0", "wandb.mode=disabled", *extra]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                 "-m", "trainer", "train", "-c", "configs/demo.yaml", *settings],
-                                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(demo_command(data, steps, out, extra), cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         with RankMemory(proc) as peak:
             _, stderr = proc.communicate(timeout=900)
         if proc.returncode != 0:
@@ -54,22 +46,10 @@ def one_run(data: str, steps: int, extra: list[str]) -> dict:
             "checkpoint_files": sizes, "final_eval": summary["final_eval"]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--data", default=str(REPO / "data/reviews"))
-    args = parser.parse_args()
-
-    runs = run_interleaved(SIDES, args.reps, lambda extra: one_run(args.data, args.steps, extra),
-                           shown=lambda run: {k: v for k, v in run.items() if k != "checkpoint_files"})
+def medians(runs: list[dict]) -> dict:
     keys = ("samples_per_s", "pss_per_rank_gib", "max_rank_rss_gib", "checkpoint_bytes_written_by_one_rank")
-    medians = {side: {key: statistics.median(r[key] for r in rs) for key in keys} for side, rs in runs.items()}
-    result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "python": platform.python_version(),
-              "steps": args.steps, "runs": runs, "medians": medians}
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(medians, indent=1))
+    return {key: statistics.median(run[key] for run in runs) for key in keys}
 
 
 if __name__ == "__main__":
-    main()
+    demo_main(RESULTS, SIDES, one_run, medians, reps=2)

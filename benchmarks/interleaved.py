@@ -4,11 +4,17 @@ memory of a torchrun's ranks."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import platform
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_interleaved(sides: dict[str, list[str]], reps: int, one_run: Callable[[list[str]], dict],
@@ -21,6 +27,35 @@ def run_interleaved(sides: dict[str, list[str]], reps: int, one_run: Callable[[l
             runs[side].append(one_run(sides[side]))
             print(side, shown(runs[side][-1]), flush=True)
     return runs
+
+
+def demo_command(data: str, steps: int, output_dir: str, extra: list[str]) -> list[str]:
+    """torchrun of the demo config on 2 CPU ranks for `steps` steps, a checkpoint every 20
+    (all kept), no evaluation and no wandb, with `extra` overrides."""
+    settings = [f"data.path={data}", f"output_dir={output_dir}", f"train.max_steps={steps}", "checkpoint.every=20",
+                "checkpoint.keep=10", "train.eval_every=0", "wandb.mode=disabled", *extra]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "-m", "trainer", "train", "-c", "configs/demo.yaml", *settings]
+
+
+def demo_main(results: Path, sides: dict[str, list[str]], one_run: Callable[[str, int, list[str]], dict],
+              medians: Callable[[list[dict]], dict], reps: int) -> None:
+    """A demo-config benchmark's command line (--reps, --steps, --data): `one_run(data,
+    steps, overrides)` for each side, interleaved; `medians` of each side's runs printed, and
+    written to `results` with every run, the date and the CPU."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--data", default=str(REPO / "data/reviews"))
+    args = parser.parse_args()
+
+    runs = run_interleaved(sides, args.reps, lambda extra: one_run(args.data, args.steps, extra),
+                           shown=lambda run: {k: v for k, v in run.items() if k != "checkpoint_files"})
+    summary = {side: medians(side_runs) for side, side_runs in runs.items()}
+    result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "python": platform.python_version(),
+              "steps": args.steps, "runs": runs, "medians": summary}
+    results.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
 
 
 def cpu_name() -> str:

@@ -16,20 +16,15 @@ traffic is below its figure. Writes results/cpu-minilm-lora-vs-full.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from benchmarks.interleaved import cpu_name, run_interleaved
+from benchmarks.interleaved import REPO, demo_command, demo_main
 
-REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).with_name("results") / "cpu-minilm-lora-vs-full.json"
 SIDES = {"full": [], "lora r=16": ["model.lora.r=16", "model.lora.alpha=32", "train.lr=1e-3"]}
 """LoRA at 10x the demo's lr: at 1e-4 its loss stays at ln 5 for these 60 steps (the
@@ -38,12 +33,8 @@ adapters start at zero and move slowly); the speed figures don't depend on it.""
 
 def one_run(data: str, steps: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        settings = [f"data.path={data}", f"output_dir={out}", f"train.max_steps={steps}", "checkpoint.every=20",
-                    "checkpoint.keep=10", "train.eval_every=0", "wandb.mode=disabled", *extra]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   "-m", "trainer", "train", "-c", "configs/demo.yaml", *settings]
-        subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
+        subprocess.run(demo_command(data, steps, out, extra), cwd=REPO, env=env, check=True, capture_output=True)
         summary = json.loads((Path(out) / "summary.json").read_text())
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
         step_dir = Path(out) / "checkpoints" / f"step-{steps}"
@@ -60,25 +51,12 @@ def one_run(data: str, steps: int, extra: list[str]) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--data", default=str(REPO / "data/reviews"))
-    args = parser.parse_args()
-
-    runs = run_interleaved(SIDES, args.reps, lambda extra: one_run(args.data, args.steps, extra),
-                           shown=lambda run: {k: v for k, v in run.items() if k != "checkpoint_files"})
-    medians = {side: {"samples_per_s": statistics.median(r["samples_per_s"] for r in rs),
-                      "save_s": statistics.median(s for r in rs for s in r["save_s"]),
-                      "checkpoint_bytes": statistics.median(r["checkpoint_bytes"] for r in rs),
-                      "gradient_bytes_per_step": rs[0]["gradient_bytes_per_step"]}
-               for side, rs in runs.items()}
-    result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "python": platform.python_version(),
-              "steps": args.steps, "runs": runs, "medians": medians}
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(medians, indent=1))
+def medians(runs: list[dict]) -> dict:
+    return {"samples_per_s": statistics.median(run["samples_per_s"] for run in runs),
+            "save_s": statistics.median(s for run in runs for s in run["save_s"]),
+            "checkpoint_bytes": statistics.median(run["checkpoint_bytes"] for run in runs),
+            "gradient_bytes_per_step": runs[0]["gradient_bytes_per_step"]}
 
 
 if __name__ == "__main__":
-    main()
+    demo_main(RESULTS, SIDES, one_run, medians, reps=3)
