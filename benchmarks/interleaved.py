@@ -39,13 +39,13 @@ def demo_command(data: str, steps: int, output_dir: str, extra: list[str]) -> li
 
 
 def demo_main(results: Path, sides: dict[str, list[str]], one_run: Callable[[str, int, list[str]], dict],
-              medians: Callable[[list[dict]], dict], reps: int) -> None:
+              medians: Callable[[list[dict]], dict], reps: int, steps: int = 60) -> None:
     """A demo-config benchmark's command line (--reps, --steps, --data): `one_run(data,
     steps, overrides)` for each side, interleaved; `medians` of each side's runs printed, and
     written to `results` with every run, the date and the CPU."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=reps)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--data", default=str(REPO / "data/reviews"))
     args = parser.parse_args()
 

@@ -53,10 +53,13 @@ class TornDown:
 
 
 class Network(TornDown):
-    """`hosts` maps each host's name to the extra names it answers to (Service DNS aliases)."""
+    """`hosts` maps each host's name to the extra names it answers to (Service DNS aliases).
+    `rate_mbit`: each host's egress link rate (a token bucket on its eth0), or None for the
+    veth's own speed, effectively unlimited. Only our namespaces' links are shaped."""
 
-    def __init__(self, hosts: dict[str, list[str]]):
+    def __init__(self, hosts: dict[str, list[str]], rate_mbit: float | None = None):
         self.aliases = dict(hosts)
+        self.rate_mbit = rate_mbit
         # Unique per instance: a network closed a moment ago may still be deleting its links.
         tag = f"{os.getpid() % 10000}x{next(_created)}"
         self.bridge = f"tnb{tag}"
@@ -85,10 +88,29 @@ class Network(TornDown):
             _ip("-n", ns, "addr", "add", f"{self.addresses[name]}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+            if self.rate_mbit is not None:
+                self._shape(ns)
             names = " ".join([name, *self.aliases[name]])
             lines += [f"{self.addresses[name]} {names}", f"::ffff:{self.addresses[name]} {names}"]
         self.hosts_file.write_text("\n".join(lines) + "\n")
         self.hosts_file.chmod(0o644)
+
+    def _shape(self, ns: str) -> None:
+        """tbf on the namespace's eth0: at most `rate_mbit` leaves the host. Its bucket holds
+        10 ms of traffic (at least 64 KB, so that a full-size segment always fits); what
+        waits longer than 200 ms is dropped, and TCP backs off as on a congested link."""
+        rate_bytes = self.rate_mbit * 1e6 / 8
+        burst = max(64 * 1024, int(rate_bytes / 100))
+        subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
+                        f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "200ms"],
+                       check=True, capture_output=True, text=True)
+
+    def shaped_bytes(self, host: str) -> int:
+        """How many bytes `host`'s token bucket has let out so far."""
+        shown = subprocess.run(["tc", "-n", self.namespaces[host], "-s", "qdisc", "show", "dev", "eth0"],
+                               check=True, capture_output=True, text=True).stdout
+        tbf = shown[shown.index("qdisc tbf"):]
+        return int(tbf.split("Sent ", 1)[1].split()[0])
 
     def spawn(self, host: str, argv: list[str], env: dict[str, str], cwd: str | Path,
               binds: dict[str, Path] | None = None, log: Path | None = None) -> subprocess.Popen:

@@ -9,6 +9,8 @@ Layout: `output_dir/checkpoints/step-N/` holding
 - state.json          where the run is (train_state.TrainState): step, epoch, data position and
                       ledger, batch plan, wandb run id, model selection, last validation
 - config.yaml         the resolved config of the run
+- per-rank/rank-N.pt  with ddp.comm_hook=powersgd: each rank's own PowerSGD state (its error
+                      feedback), written by that rank
 - COMPLETE            written last: the sha256 of every file above
 
 A run with train.strategy=fsdp writes `sharded/` instead of model.safetensors: the model's and
@@ -71,9 +73,13 @@ SHARDED_FILES = (f"{SHARDED}/.metadata", "optimizer.pt", "rng.pt", "state.json",
 
 # A checkpoint saves a dict of `Stateful`s (state_dict and load_state_dict, as DCP takes them):
 # the "model" (an nn.Module) as model.safetensors, the "train" state (JSON) as state.json,
-# and every other entry (the optimizer, the LR schedule, the fp16 loss scaler) together in
-# optimizer.pt.
-_OWN_FILE = ("model", "train")
+# the "comm_hook" state (PowerSGD's, which differs per rank) as per-rank/rank-N.pt written by
+# each rank, and every other entry (the optimizer, the LR schedule, the fp16 loss scaler)
+# together in optimizer.pt.
+_PER_RANK = ("comm_hook",)
+PER_RANK = "per-rank"
+"""The folder of the states that each rank writes for itself."""
+_OWN_FILE = ("model", "train", *_PER_RANK)
 
 
 def _sha256(path: Path) -> str:
@@ -305,18 +311,24 @@ class Checkpointer:
         if self.async_save:
             self.finish()  # the previous write, if it is still going: one at a time
         rngs = distributed.gather_to_rank_zero(self.dist_env, rng_state())
-        tmp, model_tensors = None, None
-        own_file: tuple[str, ...] = _OWN_FILE
-        if self.sharded:  # every rank writes its shards into the folder rank 0 makes
-            tmp, own_file = self.root / f".tmp-step-{step}", (*_OWN_FILE, "optimizer")
-            distributed.rank_zero_does(self.dist_env, f"checkpoint step-{step}: {tmp}", lambda: _fresh(tmp))
+        model_tensors = None
+        own_file: tuple[str, ...] = (*_OWN_FILE, "optimizer") if self.sharded else _OWN_FILE
+        per_rank = {name: states[name].state_dict() for name in _PER_RANK if name in states}
+        # Where every rank writes files (shards, per-rank states), rank 0 makes the folder first.
+        shared_tmp = self.root / f".tmp-step-{step}"
+        tmp = shared_tmp if self.sharded or per_rank else None
+        if tmp is not None:
+            distributed.rank_zero_does(self.dist_env, f"checkpoint step-{step}: {tmp}", lambda: _fresh(shared_tmp))
+        if per_rank:
+            self._write_per_rank(step, shared_tmp, per_rank)
+        if self.sharded:
             group = distributed.checkpoint_group(self.dist_env) if self.async_save else None
             try:  # collective; DCP gathers every rank's outcome, so a failure is raised on all
-                self._shards = sharded.save(tmp / SHARDED, cast(nn.Module, states["model"]),
+                self._shards = sharded.save(shared_tmp / SHARDED, cast(nn.Module, states["model"]),
                                             cast(torch.optim.Optimizer, states["optimizer"]), self.async_save, group)
             except Exception as e:  # a full disk on any rank: every rank fails with why  # noqa: BLE001
                 if self.dist_env.is_rank_zero:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                    shutil.rmtree(shared_tmp, ignore_errors=True)
                 free_mb = shutil.disk_usage(self.root).free / 2**20
                 raise CheckpointError(f"checkpoint step-{step}: save failed: {type(e).__name__}: {one_line(e)} "
                                       f"({free_mb:.1f} MB free in {self.root})") from None
@@ -328,6 +340,23 @@ class Checkpointer:
                                               config_yaml, rngs, keep_also, tmp, self._shards)
         if not self.async_save:
             self.finish()
+
+    def _write_per_rank(self, step: int, tmp: Path, per_rank: dict) -> None:
+        """Collective: each rank's own states into `tmp`/per-rank/rank-N.pt; every rank fails
+        with the first rank's error if any rank's write failed, leaving no partial folder."""
+        error = ""
+        try:
+            (tmp / PER_RANK).mkdir(exist_ok=True)
+            torch.save(per_rank, tmp / PER_RANK / f"rank-{self.dist_env.rank}.pt")
+        except Exception as e:  # e.g. a full disk: every rank must learn it  # noqa: BLE001
+            error = f"rank {self.dist_env.rank}: {type(e).__name__}: {one_line(e)}"
+        failed = [e for e in distributed.all_gather(self.dist_env, error) if e]
+        if failed:
+            if self.dist_env.is_rank_zero:
+                shutil.rmtree(tmp, ignore_errors=True)
+            free_mb = shutil.disk_usage(self.root).free / 2**20
+            raise CheckpointError(f"checkpoint step-{step}: save failed: {failed[0]} "
+                                  f"({free_mb:.1f} MB free in {self.root})")
 
     def _start_write(self, step, model_tensors, trainer_state, state, config_yaml, rngs, keep_also,
                      tmp: Path | None, shards: Future | None) -> _Write:
@@ -494,7 +523,16 @@ class Checkpointer:
             # refuses: it then starts from its default.
             if name not in _OWN_FILE and saved.get(name):
                 stateful.load_state_dict(saved[name])
-        if state["world_size"] == self.dist_env.world_size:
+        same_world = state["world_size"] == self.dist_env.world_size
+        saved_by = path / PER_RANK / f"rank-{self.dist_env.rank if same_world else 0}.pt"
+        for name in _PER_RANK:
+            # Absent from a checkpoint of one process, which had no DDP and so no comm hook.
+            if name in states and saved_by.is_file():
+                own = torch.load(saved_by, weights_only=True)[name]
+                if not same_world:
+                    own.pop("error", None)  # another rank's error feedback: PowerSGD starts it anew
+                states[name].load_state_dict(own)
+        if same_world:
             set_rng_state(torch.load(path / "rng.pt", weights_only=True)[self.dist_env.rank])
         else:
             reseed_rngs(seed, state["step"], self.dist_env.rank)

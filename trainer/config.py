@@ -261,6 +261,16 @@ class DDPConfig:
     instead of a dense matrix: on MiniLM over half of all gradient bytes, and the last
     bucket, which no backward compute can hide. gloo on CPU only: NCCL has no sparse
     all-reduce, and GPU links are fast enough not to need it."""
+    comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = key("none", FIXED)
+    """Compress the gradient all-reduce, through torch's DDP comm hooks, where the link and
+    not the GPU sets the pace (docs/compression.md): bf16 or fp16 halve the bytes; powersgd
+    sends rank-`powersgd_rank` factors of each gradient matrix, with error feedback. none
+    is exact: 2 ranks equal 1 process. A compressed run is not an uncompressed one: fixed."""
+    powersgd_rank: int = key(1, FIXED, at_least(1))
+    """PowerSGD's rank: the factors' width. Higher sends more and approximates better."""
+    powersgd_start_step: int = key(10, FIXED, at_least(2))
+    """PowerSGD compresses from this step on; before it, the exact all-reduce (torch's
+    advice: let the first ~10% of training run uncompressed)."""
 
 
 @dataclass
@@ -486,6 +496,9 @@ def _check_cross_field(cfg: DictConfig) -> None:
                           f"(data.num_labels), got {list(names)}")
     if ckpt.export_adapter and cfg.model.lora.r is None:
         raise ConfigError("checkpoint.export_adapter: needs model.lora.r (without LoRA there is no adapter)")
+    if cfg.ddp.comm_hook != "none" and train.strategy != "ddp":
+        raise ConfigError(f"ddp.comm_hook: {cfg.ddp.comm_hook} compresses DDP's all-reduce, and "
+                          f"train.strategy={train.strategy} has none; set ddp.comm_hook=none")
     if train.strategy == "fsdp" and train.compile:
         raise ConfigError("train.strategy: fsdp does not run with train.compile yet; use ddp with it")
     if cfg.model.dtype == "bf16":

@@ -257,8 +257,11 @@ class Trainer:
     @property
     def states(self) -> dict:
         """What a checkpoint holds (checkpoint.Stateful)."""
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler,
-                "train": self.state}
+        states = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
+                  "scaler": self.scaler, "train": self.state}
+        if self.parallel.powersgd is not None:  # each rank's own: checkpoint.PER_RANK
+            states["comm_hook"] = self.parallel.powersgd
+        return states
 
     def _start_output_dir(self) -> None:
         # Through any link first: in the image, runs/ links to /workspace/runs, which a fresh

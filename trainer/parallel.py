@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer import compression, distributed
 from trainer.data import BatchPlan
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
@@ -128,7 +129,11 @@ def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.de
             static_graph=ddp.static_graph,
             # Every parameter that trains gets a gradient (DDP leaves frozen ones, LoRA's base,
             # out of its buckets); searching for unused ones costs a graph traversal per step.
-            find_unused_parameters=False,
+            # Except under PowerSGD, whose state is keyed by bucket: DDP re-buckets after its
+            # first step (in the order gradients became ready) unless it searches, and a
+            # resumed process would compress its first step's buckets with another bucket's
+            # error feedback. Searching, DDP keeps its first buckets in every process.
+            find_unused_parameters=ddp.comm_hook == "powersgd",
             **no_buffer_sync,
         )
     else:
@@ -181,7 +186,8 @@ def fully_shard_model(model: nn.Module, cfg: DictConfig, amp_dtype: torch.dtype)
 
 
 class CommClock:
-    """A DDP comm hook: the default all-reduce, noting when each bucket became ready.
+    """A DDP comm hook: ddp.comm_hook's (trainer/compression.py), noting when each bucket
+    became ready.
 
     The last bucket is ready when backward's compute is done, so whatever backward() still
     takes after that is communication that did not overlap with compute (exposed). Exact
@@ -190,21 +196,19 @@ class CommClock:
     are time.perf_counter's, the clock of the Meter's phases.
     """
 
-    def __init__(self, allreduce_hook) -> None:
-        self.allreduce_hook = allreduce_hook
+    def __init__(self, hook) -> None:
+        self.hook = hook
         self.last_ready: float | None = None
 
     @classmethod
-    def attach(cls, ddp: torch.nn.parallel.DistributedDataParallel) -> CommClock:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        clock = cls(allreduce_hook)
-        ddp.register_comm_hook(None, clock._hook)
+    def attach(cls, ddp: torch.nn.parallel.DistributedDataParallel, hook_state, hook) -> CommClock:
+        clock = cls(hook)
+        ddp.register_comm_hook(hook_state, clock._hook)
         return clock
 
-    def _hook(self, process_group, bucket):
+    def _hook(self, state, bucket):
         self.last_ready = time.perf_counter()
-        return self.allreduce_hook(process_group, bucket)
+        return self.hook(state, bucket)
 
     def take(self) -> float | None:
         """When the last bucket of the latest backward became ready (None without one)."""
@@ -229,8 +233,13 @@ class Parallel:
         """What the step calls for logits: DDP, DataParallel, compiled, or the model itself."""
         ddp = getattr(self.module, "_orig_mod", self.module)  # under torch.compile
         self._ddp = ddp if isinstance(ddp, DistributedDataParallel) else None
-        self.comm_clock = CommClock.attach(self._ddp) if self._ddp is not None else None
+        self.comm_clock: CommClock | None = None
         """When the last gradient bucket became ready, for the exposed-communication phase."""
+        self.powersgd: compression.PowerSGD | None = None
+        """PowerSGD's state on this rank (ddp.comm_hook=powersgd), for the checkpoint."""
+        if self._ddp is not None:
+            hook_state, hook, self.powersgd = compression.make(cfg.ddp, distributed.backend(dist_env))
+            self.comm_clock = CommClock.attach(self._ddp, hook_state, hook)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The batch's mean loss, through whatever runs the model on this rank."""

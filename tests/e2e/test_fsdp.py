@@ -16,7 +16,6 @@ from conftest import (
     BASE_ENV,
     REPO,
     compare_weights,
-    kill_then_resume,
     run,
     sharded_checkpoint,
     tiny_overrides,

@@ -77,6 +77,10 @@ BAD_OVERRIDES = [
     ("bf16-base-fp32-compute", ["model.dtype=bf16", "model.lora.r=8", "train.precision=fp32"],
      "model.dtype: bf16 weights need bf16 compute, but train.precision is fp32"),
     ("unknown-base-dtype", ["model.dtype=fp16"], "model.dtype"),
+    ("hook-without-ddp", ["train.strategy=fsdp", "ddp.comm_hook=powersgd"],
+     "ddp.comm_hook: powersgd compresses DDP's all-reduce, and train.strategy=fsdp has none"),
+    ("powersgd-rank-zero", ["ddp.powersgd_rank=0"], "ddp.powersgd_rank: must be >= 1"),
+    ("unknown-hook", ["ddp.comm_hook=int8"], "ddp.comm_hook"),
     ("fsdp-compiled", ["train.strategy=fsdp", "train.compile=true"],
      "train.strategy: fsdp does not run with train.compile yet"),
 ]

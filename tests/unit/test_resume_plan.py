@@ -94,6 +94,17 @@ def test_lora_settings_and_the_base_are_refused_on_resume(tmp_path, saved, given
         plan(tmp_path, saved, given)
 
 
+@pytest.mark.parametrize("saved, given, change", [
+    ("ddp.comm_hook=none", "ddp.comm_hook=bf16", "ddp.comm_hook: none -> bf16"),
+    ("ddp.comm_hook=powersgd", "ddp.powersgd_rank=4", "ddp.powersgd_rank: 1 -> 4"),
+], ids=["hook", "powersgd-rank"])
+def test_a_change_of_gradient_compression_is_refused_on_resume(tmp_path, saved, given, change):
+    """A compressed run is not an uncompressed one, nor one compressed otherwise."""
+    checkpointed(tmp_path, saved)
+    with pytest.raises(ConfigError, match=re.escape(change)):
+        plan(tmp_path, saved, given)
+
+
 def test_allow_changes_accepts_a_key_or_a_section(tmp_path):
     checkpointed(tmp_path)
     accepted = plan(tmp_path, "train.lr=0.001", "data.max_length=64", "checkpoint.allow_changes=[train.lr,data]")
