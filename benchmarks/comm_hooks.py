@@ -29,7 +29,8 @@ RATE_MBIT = 500
 """MiniLM sends ~45 MB of dense gradients a step; at 500 Mb/s that is ~0.8 s on the wire per
 node, against ~0.2 s of compute on one core: a link-bound step, as on 10 GbE with a GPU."""
 SIDES = {"none": ["ddp.comm_hook=none"], "bf16": ["ddp.comm_hook=bf16"], "fp16": ["ddp.comm_hook=fp16"],
-         "powersgd r=1": ["ddp.comm_hook=powersgd"], "powersgd r=4": ["ddp.comm_hook=powersgd", "ddp.powersgd_rank=4"]}
+         "powersgd r=1": ["ddp.comm_hook=powersgd", "ddp.powersgd_rank=1"],
+         "powersgd r=4": ["ddp.comm_hook=powersgd", "ddp.powersgd_rank=4"]}
 
 
 def one_run(data: str, steps: int, extra: list[str]) -> dict:

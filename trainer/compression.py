@@ -67,9 +67,9 @@ def make(ddp_cfg: DictConfig, backend: str) -> tuple[Any, Hook, PowerSGD | None]
     # gloo completes in threads of its own, so the next bucket's all-reduce, issued meanwhile by
     # the backward, could take its place in the group's order on one rank and not on another:
     # a hang. Waiting for each bucket, the sparse one too, keeps one order and one collective
-    # in flight: with the sparse all-reduce still running beside PowerSGD's, 2 of 4 runs of
-    # the demo across two nodes died of heap corruption. (NCCL completes a future as its
-    # kernel is enqueued, in this thread: its order is the issuing order already.)
+    # in flight (a sparse all-reduce left running beside PowerSGD's corrupted the heap, see
+    # docs/compression.md). NCCL completes a future as its kernel is enqueued, in this
+    # thread: its order is the issuing order already.
     in_order = powersgd is not None and backend == "gloo"
 
     def hook(state, bucket):
