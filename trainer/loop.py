@@ -278,8 +278,9 @@ class Trainer:
 
     def export_final(self) -> None:
         """output_dir/final: save_pretrained model (LoRA's adapters merged in) and tokenizer,
-        loadable by plain transformers. Written by rank 0; a failure stops every rank with rank
-        0's reason. The run's last use of the model: merging changes it in place."""
+        loadable by plain transformers. Written by rank 0 (sharded, each rank writes its shards
+        first); a failure stops every rank with the reason. The run's last use of the model:
+        merging changes it in place."""
         final, tmp = self.output_dir / "final", self.output_dir / ".final.tmp"
         distributed.rank_zero_does(self.dist_env, f"output_dir: {tmp}", lambda: _fresh_folder(tmp))
         if self.cfg.checkpoint.export_adapter:  # only with model.lora (config.py checks)
