@@ -16,6 +16,7 @@ from conftest import (
     BASE_ENV,
     REPO,
     compare_weights,
+    kill_then_resume,
     run,
     sharded_checkpoint,
     tiny_overrides,
@@ -63,23 +64,23 @@ def test_fsdp_matches_one_process_and_ddp_with_and_without_accumulation(tiny_mod
     assert not compare_weights(last, {name: final[name] for name in last}).differing
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_fsdp_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_path, async_save):
+def test_fsdp_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_path):
     """Dropout on, so a resume that lost any rank's RNG state is not bitwise: rank 1
     SIGKILLed at step 13, relaunched, ends as the uninterrupted run did, its AdamW moments
     included. The checkpoint is DCP's: each rank wrote its own shards, with async_save in a
-    thread of its own while training went on (the GPU default)."""
+    thread of its own while training went on (the GPU default; the uninterrupted run saved
+    synchronously, as the resumes at another world size do)."""
     options = {**FSDP, "train.batch_size": 8}
     uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
     train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
-    overrides = tiny_overrides(dropout_model, reviews, resumed, **{**options, "checkpoint.async_save": async_save})
+    overrides = tiny_overrides(dropout_model, reviews, resumed, **{**options, "checkpoint.async_save": True})
     killed = run(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
     assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
-    assert ("saved " in killed.output and " (in the background)" in killed.output) == async_save
+    assert "saved " in killed.output and " (in the background)" in killed.output
     train(overrides)
     # A background write of step 10 is complete only once rank 1 has written its shards too:
     # killed before that, the run resumes from step 5 (on this machine, rank 1 is 3 steps on).
-    assert read_summary(resumed)["resumed_from_step"] in ((5, 10) if async_save else (10,))
+    assert read_summary(resumed)["resumed_from_step"] in (5, 10)
     assert not compare_weights(uninterrupted, resumed, STEPS).differing
     import torch
 
@@ -247,3 +248,56 @@ def test_a_checkpoint_of_the_other_strategy_is_refused_in_one_line(tiny_model, r
     written, this = [f"{name} \\(sharded\\)" if name == "fsdp" else name for name in (saved_by, resumed_by)]
     assert re.search(rf"error: checkpoint.resume: \S+step-5: written by train.strategy={written}, and this run is "
                      rf"{this}: the two formats don't convert", result.output), result.output[-3000:]
+
+
+def test_lora_under_fsdp_matches_one_process_at_any_world_size_and_exports_merged(tiny_model, reviews, tmp_path):
+    """LoRA's adapters and head train over a sharded frozen base: 2 sharded ranks end with
+    the weights of 1 process; killed at step 13 and resumed by 1 process from the DCP
+    checkpoint of step 10, the same trajectory. The checkpoint holds what trains alone, and
+    final/ is the merged model, whose logits are the unsharded run's."""
+    import torch
+    from test_lora import adapter_logits, logits_without_peft
+
+    options = {**FSDP, **LORA}
+    single, ranks, elastic = tmp_path / "single", tmp_path / "ranks", tmp_path / "elastic"
+    train(tiny_overrides(tiny_model, reviews, single, **{**options, "train.strategy": "ddp",
+                                                         "train.batch_size": 16}), nproc=None)
+    trained = train(tiny_overrides(tiny_model, reviews, ranks, **{**options, "train.batch_size": 8,
+                                                                  "checkpoint.export_adapter": True}))
+    assert "trains 1,189 of 1,000,261 parameters" in trained.output
+    saved = weights(ranks, STEPS)
+    assert sum(t.numel() for t in saved.values()) == 1189, sorted(saved)  # nothing of the frozen base
+    assert max(float(t.abs().max()) for name, t in saved.items() if "lora_B" in name) > 1e-3  # it trained
+    assert compare_weights(single, ranks, STEPS).max_abs <= 1e-6
+    merged = torch.tensor(logits_without_peft(ranks / "final"))
+    assert float((merged - torch.tensor(logits_without_peft(single / "final"))).abs().max()) <= 1e-5
+    assert float((merged - adapter_logits(tiny_model, ranks / "final" / "adapter")).abs().max()) <= 1e-5
+
+    overrides = tiny_overrides(tiny_model, reviews, elastic, **{**options, "train.batch_size": 8})
+    killed = run(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
+    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+    resumed = train([*overrides, "train.batch_size=16"], nproc=None)
+    assert f"resumed from {elastic / 'checkpoints' / 'step-10'}" in resumed.output, resumed.output[-3000:]
+    assert compare_weights(single, elastic, STEPS).max_abs <= 1e-5
+
+
+def test_lora_under_fsdp_over_a_bf16_base_resumes_bitwise(dropout_model, reviews, tmp_path):
+    """model.dtype=bf16 under FSDP: the sharded frozen base is bf16, what trains is fp32 (one
+    dtype per FSDP unit's trained weights, as FSDP2 requires); rank 1 SIGKILLed at step 13
+    resumes bitwise, adapters' dropout and AdamW moments included."""
+    options = {**FSDP, **LORA, "model.lora.dropout": 0.1, "train.batch_size": 8, "model.dtype": "bf16",
+               "train.precision": "bf16"}
+    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    first = train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
+    assert "kept in fp32, the frozen rest in bf16; computes in bf16" in first.output
+    kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
+                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
+    assert not compare_weights(uninterrupted, resumed, STEPS).differing
+    import torch
+
+    saved = [sharded_checkpoint(d / "checkpoints" / f"step-{STEPS}") for d in (uninterrupted, resumed)]
+    assert {t.dtype for t in saved[1]["model"].values()} == {torch.float32}
+    assert sorted(saved[0]["optimizer"]["state"]) == sorted(saved[1]["model"])  # adapters and head alone
+    assert all(torch.equal(saved[0]["optimizer"]["state"][n][k], saved[1]["optimizer"]["state"][n][k])
+               for n in saved[0]["optimizer"]["state"] for k in ("exp_avg", "exp_avg_sq"))
+    assert read_summary(resumed)["precision"] == {"compute": "bf16", "trained": "fp32", "frozen": "bf16"}
