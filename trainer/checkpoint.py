@@ -329,9 +329,7 @@ class Checkpointer:
             except Exception as e:  # a full disk on any rank: every rank fails with why  # noqa: BLE001
                 if self.dist_env.is_rank_zero:
                     shutil.rmtree(shared_tmp, ignore_errors=True)
-                free_mb = shutil.disk_usage(self.root).free / 2**20
-                raise CheckpointError(f"checkpoint step-{step}: save failed: {type(e).__name__}: {one_line(e)} "
-                                      f"({free_mb:.1f} MB free in {self.root})") from None
+                raise CheckpointError(self._save_failed(step, f"{type(e).__name__}: {one_line(e)}")) from None
         trainer_state = {name: stateful.state_dict() for name, stateful in states.items() if name not in own_file}
         if self.dist_env.is_rank_zero:
             if not self.sharded:
@@ -340,6 +338,12 @@ class Checkpointer:
                                               config_yaml, rngs, keep_also, tmp, self._shards)
         if not self.async_save:
             self.finish()
+
+    def _save_failed(self, step: int, why: str) -> str:
+        """The one-line error of a failed save, with the room left on the checkpoints' disk:
+        torch.save reports a full disk as "unexpected pos ...", DCP as a rank's OSError."""
+        free_mb = shutil.disk_usage(self.root).free / 2**20 if self.root.exists() else float("nan")
+        return f"checkpoint step-{step}: save failed: {why} ({free_mb:.1f} MB free in {self.root})"
 
     def _write_per_rank(self, step: int, tmp: Path, per_rank: dict) -> None:
         """Collective: each rank's own states into `tmp`/per-rank/rank-N.pt; every rank fails
@@ -354,9 +358,7 @@ class Checkpointer:
         if failed:
             if self.dist_env.is_rank_zero:
                 shutil.rmtree(tmp, ignore_errors=True)
-            free_mb = shutil.disk_usage(self.root).free / 2**20
-            raise CheckpointError(f"checkpoint step-{step}: save failed: {failed[0]} "
-                                  f"({free_mb:.1f} MB free in {self.root})")
+            raise CheckpointError(self._save_failed(step, failed[0]))
 
     def _start_write(self, step, model_tensors, trainer_state, state, config_yaml, rngs, keep_also,
                      tmp: Path | None, shards: Future | None) -> _Write:
@@ -388,10 +390,7 @@ class Checkpointer:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             if pending.wait():
-                # torch.save reports a full disk as "unexpected pos ...": say how much room is left.
-                free_mb = shutil.disk_usage(self.root).free / 2**20 if self.root.exists() else float("nan")
-                error = (f"checkpoint step-{pending.step}: save failed: {pending.error} "
-                         f"({free_mb:.1f} MB free in {self.root})")
+                error = self._save_failed(pending.step, pending.error)
             else:
                 self.write_seconds.append(pending.seconds)
         error = distributed.broadcast_from_rank_zero(self.dist_env, error)
@@ -524,14 +523,13 @@ class Checkpointer:
             if name not in _OWN_FILE and saved.get(name):
                 stateful.load_state_dict(saved[name])
         same_world = state["world_size"] == self.dist_env.world_size
+        # At another world size no saved rank is this one: each takes rank 0's, and keeps of
+        # it what is not one rank's own.
         saved_by = path / PER_RANK / f"rank-{self.dist_env.rank if same_world else 0}.pt"
         for name in _PER_RANK:
             # Absent from a checkpoint of one process, which had no DDP and so no comm hook.
             if name in states and saved_by.is_file():
-                own = torch.load(saved_by, weights_only=True)[name]
-                if not same_world:
-                    own.pop("error", None)  # another rank's error feedback: PowerSGD starts it anew
-                states[name].load_state_dict(own)
+                states[name].load_state_dict(torch.load(saved_by, weights_only=True)[name])
         if same_world:
             set_rng_state(torch.load(path / "rng.pt", weights_only=True)[self.dist_env.rank])
         else:

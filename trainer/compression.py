@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 if TYPE_CHECKING:
@@ -41,18 +42,19 @@ class PowerSGD:
 
     def state_dict(self) -> dict:
         rng = cast("tuple[str, np.ndarray, int, int, float]", self.state.rng.get_state())  # MT19937's, not a dict
-        return {"iter": self.state.iter, "error": dict(self.state.error_dict),
+        return {"world_size": dist.get_world_size(), "iter": self.state.iter, "error": dict(self.state.error_dict),
                 "p": dict(self.state.p_memory_dict), "q": dict(self.state.q_memory_dict),
                 "rng": [rng[0], torch.from_numpy(rng[1].astype(np.int64)), *rng[2:]]}
 
     def load_state_dict(self, saved: dict) -> None:
-        """`saved` without "error": resumed at another world size, where no rank's error
-        feedback is this rank's; it starts from zero, the factors and the step count carry on."""
+        """A rank's saved state. Saved at another world size (the checkpoint then hands every
+        rank rank 0's), no rank's error feedback is this rank's: it starts from zero, and the
+        factors and the step count carry on."""
         name, keys, *rest = saved["rng"]
         self.state.rng.set_state((name, keys.numpy().astype(np.uint32), *rest))
         self.state.iter = saved["iter"]
         self.state.p_memory_dict, self.state.q_memory_dict = dict(saved["p"]), dict(saved["q"])
-        self.state.error_dict = dict(saved.get("error", {}))
+        self.state.error_dict = dict(saved["error"]) if saved["world_size"] == dist.get_world_size() else {}
 
 
 def make(ddp_cfg: DictConfig, backend: str) -> tuple[Any, Hook, PowerSGD | None]:
