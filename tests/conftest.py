@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -420,6 +421,14 @@ def train(overrides: list[str], nproc: int | None = 2, **kwargs) -> Run:
     result = run(trainer_command(overrides, nproc), **kwargs)
     assert result.returncode == 0, failure_output(result.output)
     return result
+
+
+def train_together(*launches: tuple[list[str], int | None]) -> list[Run]:
+    """Independent trainings, each (overrides, nproc), run at once: a one-process reference
+    and the 2-rank run compared with it spend most of their seconds importing and loading,
+    which overlap. Nothing here is timed, so sharing the cores changes no result."""
+    with ThreadPoolExecutor(len(launches)) as pool:
+        return list(pool.map(lambda launch: train(*launch), launches))
 
 
 def failure_output(output: str, tail: int = 6000) -> str:

@@ -5,7 +5,7 @@ shuffling and length-grouped batches on, so sampler epochs and grouping are cove
 """
 
 import pytest
-from conftest import EXACT_STEPS, compare_weights, kill_then_resume, tiny_overrides, train, weights
+from conftest import EXACT_STEPS, compare_weights, kill_then_resume, tiny_overrides, train, train_together, weights
 
 STEPS = EXACT_STEPS
 
@@ -46,9 +46,9 @@ def test_decoder_only_classifiers_match_one_process_and_llamas_resume_is_bitwise
     steps = 24
     options = {"data.max_train_samples": 320, "train.max_steps": steps, "checkpoint.every": 5}
     single, ranks, resumed = tmp_path / "single", tmp_path / "ranks", tmp_path / "resumed"
-    train(tiny_overrides(model, reviews, single, **options, **{"train.batch_size": 16,
-                                                              "ddp.sparse_embedding_grad": False}), nproc=None)
-    train(tiny_overrides(model, reviews, ranks, **options, **{"train.batch_size": 8}), nproc=2)
+    train_together((tiny_overrides(model, reviews, single, **options, **{"train.batch_size": 16,
+                                                                        "ddp.sparse_embedding_grad": False}), None),
+                   (tiny_overrides(model, reviews, ranks, **options, **{"train.batch_size": 8}), 2))
     assert compare_weights(weights(model), weights(ranks, steps)).max_abs > 1e-2
     assert compare_weights(single, ranks, steps).max_abs <= 1e-5
     if not resume:

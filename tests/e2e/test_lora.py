@@ -12,7 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import compare_weights, kill_then_resume, run, tiny_overrides, train, trainer_command, weights
+from conftest import (
+    compare_weights,
+    kill_then_resume,
+    run,
+    tiny_overrides,
+    train,
+    train_together,
+    trainer_command,
+    weights,
+)
 from support import read_summary
 
 STEPS = 24
@@ -56,9 +65,10 @@ def test_lora_is_exact_at_any_world_size_and_final_holds_the_merged_model(tiny_m
     import torch
 
     single, ranks, elastic = tmp_path / "single", tmp_path / "ranks", tmp_path / "elastic"
-    train(tiny_overrides(tiny_model, reviews, single, **LORA, **{"train.batch_size": 16}), nproc=None)
-    trained = train(tiny_overrides(tiny_model, reviews, ranks, **LORA, **{"train.batch_size": 8,
-                                                                         "checkpoint.export_adapter": True}))
+    _, trained = train_together(
+        (tiny_overrides(tiny_model, reviews, single, **LORA, **{"train.batch_size": 16}), None),
+        (tiny_overrides(tiny_model, reviews, ranks, **LORA, **{"train.batch_size": 8,
+                                                                 "checkpoint.export_adapter": True}), 2))
     assert ("trains 1,189 of 1,000,261 parameters (0.12%: LoRA adapters and the head), kept in fp32, the frozen "
             "rest in fp32; computes in fp32") in trained.output
 
@@ -142,8 +152,8 @@ def test_lora_on_decoder_only_classifiers_matches_one_process(decoder_models, re
     model = decoder_models(family, dropout=0.0)
     options = {**LORA, "train.max_steps": 8, "checkpoint.every": 0}
     single, ranks = tmp_path / "single", tmp_path / "ranks"
-    train(tiny_overrides(model, reviews, single, **options, **{"train.batch_size": 16}), nproc=None)
-    train(tiny_overrides(model, reviews, ranks, **options, **{"train.batch_size": 8}))
+    train_together((tiny_overrides(model, reviews, single, **options, **{"train.batch_size": 16}), None),
+                   (tiny_overrides(model, reviews, ranks, **options, **{"train.batch_size": 8}), 2))
     saved = weights(ranks, 8)
     assert any("lora_B" in name for name in saved) and any("score.modules_to_save" in name for name in saved)
     assert max(float(t.abs().max()) for name, t in saved.items() if "lora_B" in name) > 1e-3
@@ -165,8 +175,8 @@ def test_more_families_match_one_process_and_load_back(decoder_models, reviews, 
     elif family == "modernbert":
         options["model.lora.target_modules"] = "[Wqkv]"
     single, ranks = tmp_path / "single", tmp_path / "ranks"
-    train(tiny_overrides(model, reviews, single, **options, **{"train.batch_size": 16}), nproc=None)
-    train(tiny_overrides(model, reviews, ranks, **options, **{"train.batch_size": 8}))
+    train_together((tiny_overrides(model, reviews, single, **options, **{"train.batch_size": 16}), None),
+                   (tiny_overrides(model, reviews, ranks, **options, **{"train.batch_size": 8}), 2))
     assert compare_weights(weights(model), weights(ranks, 6)).max_abs > 1e-3 if not with_lora else \
         max(float(t.abs().max()) for name, t in weights(ranks, 6).items() if "lora_B" in name) > 1e-3
     assert compare_weights(single, ranks, 6).max_abs <= 1e-5
