@@ -37,6 +37,16 @@ ENV PYTHONUNBUFFERED=1 \
     TRITON_CACHE_DIR=/workspace/cache/triton \
     TORCHINDUCTOR_CACHE_DIR=/workspace/cache/torchinductor
 
+# NCCL reaches InfiniBand and RoCE through the RDMA userspace libraries: libibverbs, its
+# providers (mlx5, efa, ...) and librdmacm. The PyTorch base has none, so NCCL would fall back
+# to TCP sockets without a word; `doctor` reports the transport it chose. ibverbs-utils gives
+# `ibv_devinfo` to check the ports. Not the rdma-core package itself: it adds only daemons
+# and udev rules, which a container does not run. Debian and Ubuntu name these alike.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers librdmacm1 ibverbs-utils \
+ && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /app
 
 # Dependencies first, from the same lock file as `make install`: this layer is rebuilt only

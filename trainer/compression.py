@@ -32,12 +32,12 @@ Hook = Callable[[Any, "torch.distributed.GradBucket"], "torch.futures.Future[tor
 class PowerSGD:
     """torch's PowerSGDState for this rank, and its checkpoint state (Stateful)."""
 
-    def __init__(self, ddp_cfg: DictConfig):
+    def __init__(self, ddp_cfg: DictConfig, group: ProcessGroup | None = None):
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
         # The hook counts the all-reduces it has run (its `iter`), and compresses from
         # start_powerSGD_iter on: the steps before run the exact all-reduce.
-        self.state = PowerSGDState(process_group=None, matrix_approximation_rank=ddp_cfg.powersgd_rank,
+        self.state = PowerSGDState(process_group=group, matrix_approximation_rank=ddp_cfg.powersgd_rank,
                                    start_powerSGD_iter=ddp_cfg.powersgd_start_step)
 
     def state_dict(self) -> dict:
@@ -57,11 +57,12 @@ class PowerSGD:
         self.state.error_dict = dict(saved["error"]) if saved["world_size"] == dist.get_world_size() else {}
 
 
-def make(ddp_cfg: DictConfig, backend: str) -> tuple[Any, Hook, PowerSGD | None]:
-    """(hook state, hook, PowerSGD's checkpointed state or None) for ddp.comm_hook."""
+def make(ddp_cfg: DictConfig, backend: str, group: ProcessGroup | None = None) -> tuple[Any, Hook, PowerSGD | None]:
+    """(hook state, hook, PowerSGD's checkpointed state or None) for ddp.comm_hook, over
+    `group` (None: every rank; DDP's group must be the same)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    powersgd = PowerSGD(ddp_cfg) if ddp_cfg.comm_hook == "powersgd" else None
+    powersgd = PowerSGD(ddp_cfg, group) if ddp_cfg.comm_hook == "powersgd" else None
     compress = {"none": default_hooks.allreduce_hook, "bf16": default_hooks.bf16_compress_hook,
                 "fp16": default_hooks.fp16_compress_hook, "powersgd": powerSGD_hook.powerSGD_hook}[ddp_cfg.comm_hook]
 
@@ -78,11 +79,11 @@ def make(ddp_cfg: DictConfig, backend: str) -> tuple[Any, Hook, PowerSGD | None]
         if bucket.buffer().is_sparse:
             if powersgd is not None:  # PowerSGD counts its steps at the last bucket, which this may be
                 powersgd.state.maybe_increase_iter(bucket)
-            reduced = default_hooks.allreduce_hook(cast("ProcessGroup", None), bucket)  # None: DDP's group
+            reduced = default_hooks.allreduce_hook(cast("ProcessGroup", group), bucket)
         else:
             reduced = cast(Hook, compress)(state, bucket)
         if in_order:
             reduced.wait()
         return reduced
 
-    return (powersgd.state if powersgd else None), hook, powersgd
+    return (powersgd.state if powersgd else group), hook, powersgd

@@ -250,7 +250,9 @@ class TrainConfig:
 @dataclass
 class DDPConfig:
     bucket_cap_mb: float = key(25.0, FREE, above(0))
-    """Gradient bucket size: each bucket's all-reduce starts as soon as its gradients are ready."""
+    """Gradient bucket size: each bucket's all-reduce starts as soon as its gradients are ready.
+    Smaller buckets start sooner, larger ones pay the link's latency less often: doctor's
+    scaling forecast names the size that would be fastest on the job's link (docs/forecast.md)."""
     gradient_as_bucket_view: bool = key(True, FREE)
     """Gradients live inside the communication buckets: no copy, less memory."""
     static_graph: bool = key(False, FREE)

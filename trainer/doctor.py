@@ -1,14 +1,19 @@
 """`python -m trainer doctor`: a preflight check, run under the same launcher as training.
 
 Minutes on the cluster instead of hours: it forms the job's real process group and checks
-what makes multi-node jobs hang or crawl, before any model is loaded.
+what makes multi-node jobs hang or crawl, before any model is loaded (the forecast's timed
+steps come last).
 - who is where: each rank's host, local rank and device, and no GPU used twice on a node;
 - the NCCL_* / GLOO_* / TORCH_* settings, with known-bad values flagged;
 - that every rank reaches the job's store and forms the process group, and how fast;
 - a timed all-reduce at several sizes: algorithm and bus bandwidth, and the slowest rank;
+- the network the collectives really use: NCCL's transport (InfiniBand, RoCE or sockets, from
+  its own log), gloo's interface (trainer/network.py);
 - that output_dir is writable by every rank and is one shared filesystem across hosts;
 - the wandb settings;
-- that the memory plan (trainer/memory.py) fits each rank's device.
+- that the memory plan (trainer/memory.py) fits each rank's device;
+- a scaling forecast (trainer/forecast.py): a few timed steps of the real model on every
+  rank, and the all-reduce timings, predict the step time at more nodes.
 
 Every rank checks itself; rank 0 gathers the answers and prints one report. Exit 0 when
 nothing is wrong (warnings allowed), 1 when something is.
@@ -20,6 +25,7 @@ import os
 import shutil
 import socket
 import statistics
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,7 +35,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer import distributed, memory
+from trainer import distributed, forecast, memory, network
 from trainer.distributed import DistEnv
 from trainer.errors import TrainerError
 
@@ -224,20 +230,24 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, backend: str) 
         for problem in own.problems:
             print(f"error: rank {dist_env.rank} on {host}: {problem}", flush=True)
         return 1
+    scratch = Path(tempfile.mkdtemp(prefix="trainer-doctor-"))
+    nccl_log = network.capture_nccl_log(scratch) if backend == "nccl" else None
     try:
         distributed.init(dist_env, device, backend, timeout_s, Path(cfg.output_dir))
     except Exception as e:  # whatever init raised, the rank reports it and exits 1  # noqa: BLE001
         print(f"error: rank {dist_env.rank} on {host}: could not form the process group through the store at "
               f"{dist_env.master_addr}:{dist_env.master_port} within {timeout_s:g}s ({type(e).__name__}); "
               "a rank failed its own checks, never started, or cannot reach that address", flush=True)
+        shutil.rmtree(scratch, ignore_errors=True)
         return 1
     try:
-        return _collective_checks(cfg, dist_env, device, backend, host, env, own)
+        return _collective_checks(cfg, dist_env, device, backend, host, env, own, nccl_log)
     finally:
         distributed.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings) -> int:
+def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings, nccl_log: Path | None) -> int:
     device_name, device_id = describe_device(device)
     facts = {"rank": dist_env.rank, "host": host, "local_rank": dist_env.local_rank, "device": device_name,
              "device_id": device_id, "env": env, "rtt": store_round_trip(dist_env),
@@ -251,16 +261,67 @@ def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings)
         seconds, correct = time_all_reduce(numel, device, iterations=5 if numel >= 2**20 else 20)
         per_rank: list[tuple[float, bool]] = distributed.all_gather(dist_env, (seconds, correct))
         results.append(per_rank)
+    # After the first collective: NCCL connects its communicator then, and logs its choice.
+    transport = network.describe_nccl(nccl_log) if backend == "nccl" else (f"gloo over {network.gloo_interface()}",
+                                                                            None)
+    links: list[tuple[str, str | None]] = distributed.all_gather(dist_env, transport)
 
     output_dir = Path(cfg.output_dir)
     write_error, seen = shared_output_dir(output_dir, dist_env)
     shared: list[tuple[str, list[int]]] = distributed.all_gather(dist_env, (write_error, seen))
 
+    plan = plan_or_reason(cfg, device, dist_env.world_size)
+    measured = _measure(cfg, dist_env, device, plan)
+    computes: list = distributed.all_gather(dist_env, measured if isinstance(measured, str) else measured[:2])
+
     code = 0
     if dist_env.is_rank_zero:  # the others wait in the broadcast below, for seconds
-        plan = plan_or_reason(cfg, device, dist_env.world_size)
-        code = _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir, plan)
+        outlook = _forecast(cfg, dist_env, backend, sizes, results, computes, measured, len(hosts))
+        code = _report(cfg, dist_env, gathered, findings, sizes, results, links, shared, backend, hosts, output_dir,
+                       plan, outlook)
     return distributed.broadcast_from_rank_zero(dist_env, code)
+
+
+def _measure(cfg, dist_env: DistEnv, device: torch.device, plan) -> tuple | str:
+    """This rank's timed training steps for the forecast, or why there are none. Not when
+    the memory plan fails this rank: doctor reports that instead of running out of memory."""
+    if cfg.train.strategy != "ddp":
+        return f"the forecast models DDP, not train.strategy={cfg.train.strategy} (docs/forecast.md)"
+    if isinstance(plan, str):
+        return "no memory plan"
+    if not plan.fits(memory.device_bytes(device, dist_env.local_world_size)):
+        return "the memory plan does not fit"
+    try:
+        return forecast.measure(cfg, dist_env, device)
+    except TrainerError as e:
+        return str(e)
+    except Exception as e:  # a forecast that can't be made is a warning, not a failed check  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the timed model is gone: give its memory back
+
+
+def _forecast(cfg, dist_env: DistEnv, backend, sizes, results, computes, own,
+              hosts: int) -> tuple[list[str], list[str]]:
+    """(the "Scaling forecast" section's lines, warnings)."""
+    reasons = [m for m in computes if isinstance(m, str)]
+    if reasons:
+        return [], [f"no scaling forecast on rank {computes.index(reasons[0])}: {reasons[0]}"]
+    if dist_env.world_size == 1:
+        return [], ["no scaling forecast: one rank has no link to measure"]
+    timings = [(numel * 4, statistics.median(t for t, _ in per_rank))
+               for numel, per_rank in zip(sizes, results, strict=True)]
+    link = forecast.Link.fit(timings, dist_env.world_size)
+    _, batches, params = own
+    slowest = max((c for c, _ in computes), key=lambda c: c.forward_s + c.backward_s + c.optimizer_s)
+    lines = forecast.section(cfg, backend, link, slowest, batches, params, dist_env.world_size,
+                             dist_env.local_world_size)
+    warnings = []
+    if hosts == 1:
+        warnings.append("the scaling forecast's link was measured within one host: its rows for more nodes assume "
+                        "the same link between nodes; run doctor across two nodes to measure the network")
+    return lines, warnings
 
 
 def plan_or_reason(cfg: DictConfig, device: torch.device, world_size: int) -> memory.MemoryPlan | str:
@@ -272,7 +333,8 @@ def plan_or_reason(cfg: DictConfig, device: torch.device, world_size: int) -> me
         return str(e)
 
 
-def _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, hosts, output_dir, plan) -> int:
+def _report(cfg, dist_env, gathered, findings, sizes, results, links, shared, backend, hosts, output_dir, plan,
+            outlook: tuple[list[str], list[str]]) -> int:
     world = len(gathered)
     problems = [p for f in findings for p in f.problems]
     warnings = sorted({w for f in findings for w in f.warnings})
@@ -323,6 +385,14 @@ def _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, 
         if wrong:
             problems.append(f"all-reduce of {_human_bytes(nbytes)} gave wrong sums on ranks {wrong}")
 
+    by_host: dict[tuple[str, str], list[int]] = {}
+    for f, (line, warning) in zip(gathered, links, strict=True):
+        by_host.setdefault((f["host"], line), []).append(f["rank"])
+        if warning and warning not in warnings:
+            warnings.append(warning)
+    out += ["", "network"] + [f"  {host} ({_count(len(ranks), 'rank')}): {line}"
+                              for (host, line), ranks in sorted(by_host.items())]
+
     out += ["", f"output_dir {output_dir}"]
     unwritable = [(r, e) for r, (e, _) in enumerate(shared) if e]
     for rank, error in unwritable:
@@ -364,6 +434,9 @@ def _report(cfg, dist_env, gathered, findings, sizes, results, shared, backend, 
                             f"{world} ranks can hold ({where}: {least} usable); lower "
                             "train.batch_size (train.global_batch stays), or set model.gradient_checkpointing=true "
                             "or model.lora.r")
+    section, more = outlook
+    out += section + ([""] if section else [])
+    warnings += more
     out += [f"warning: {w}" for w in warnings]
     out += [f"problem: {p}" for p in problems]
     if problems:

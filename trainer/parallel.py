@@ -29,6 +29,7 @@ from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.fsdp import FSDPModule
     from transformers import PreTrainedModel
 
@@ -117,30 +118,36 @@ def _wrap(model: nn.Module, cfg: DictConfig, dist_env: DistEnv, device: torch.de
     elif cfg.train.strategy == "dp":
         wrapped = nn.DataParallel(model) if torch.cuda.device_count() > 1 else model
     elif dist_env.is_distributed:
-        ddp = cfg.ddp
-        # Buffers (position ids) never change: no broadcast before each forward.
-        no_buffer_sync: dict[str, Any] = {_FORWARD_SYNC_BUFFERS: False}
-        _skip_frozen_at_start(model)
-        wrapped = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            bucket_cap_mb=ddp.bucket_cap_mb,
-            gradient_as_bucket_view=ddp.gradient_as_bucket_view,
-            static_graph=ddp.static_graph,
-            # Every parameter that trains gets a gradient (DDP leaves frozen ones, LoRA's base,
-            # out of its buckets); searching for unused ones costs a graph traversal per step.
-            # Except under PowerSGD, whose state is keyed by bucket: DDP re-buckets after its
-            # first step (in the order gradients became ready) unless it searches, and a
-            # resumed process would compress its first step's buckets with another bucket's
-            # error feedback. Searching, DDP keeps its first buckets in every process.
-            find_unused_parameters=ddp.comm_hook == "powersgd",
-            **no_buffer_sync,
-        )
+        wrapped = ddp_wrap(model, cfg.ddp, device)
     else:
         wrapped = model
     if cfg.train.compile:
         wrapped = cast(nn.Module, torch.compile(wrapped))  # of a Module: an OptimizedModule, a Module
     return wrapped
+
+
+def ddp_wrap(model: nn.Module, ddp_cfg: DictConfig, device: torch.device,
+             group: ProcessGroup | None = None) -> DistributedDataParallel:
+    """DDP as ddp.* configures it, over `group` (None: every rank)."""
+    # Buffers (position ids) never change: no broadcast before each forward.
+    no_buffer_sync: dict[str, Any] = {_FORWARD_SYNC_BUFFERS: False}
+    _skip_frozen_at_start(model)
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=group,
+        bucket_cap_mb=ddp_cfg.bucket_cap_mb,
+        gradient_as_bucket_view=ddp_cfg.gradient_as_bucket_view,
+        static_graph=ddp_cfg.static_graph,
+        # Every parameter that trains gets a gradient (DDP leaves frozen ones, LoRA's base,
+        # out of its buckets); searching for unused ones costs a graph traversal per step.
+        # Except under PowerSGD, whose state is keyed by bucket: DDP re-buckets after its
+        # first step (in the order gradients became ready) unless it searches, and a
+        # resumed process would compress its first step's buckets with another bucket's
+        # error feedback. Searching, DDP keeps its first buckets in every process.
+        find_unused_parameters=ddp_cfg.comm_hook == "powersgd",
+        **no_buffer_sync,
+    )
 
 
 def _skip_frozen_at_start(model: nn.Module) -> None:

@@ -37,6 +37,20 @@ def test_the_build_keeps_the_bases_torch_and_copies_only_what_it_needs(engine, a
     assert listing == ["configs", "data", "pyproject.toml", "requirements.lock", "runs", "trainer"], listing
 
 
+def test_the_image_holds_the_rdma_libraries_that_nccl_loads(engine, app_image):
+    """NCCL opens libibverbs (and librdmacm, for RoCE) when it starts, and needs the NIC's
+    provider: without them it runs over TCP sockets. As the image's user: both load, the
+    Mellanox (mlx5) and AWS EFA providers are there, and ibv_devinfo is on PATH."""
+    probe = ("import ctypes, glob\n"
+             "for name in ('libibverbs.so.1', 'librdmacm.so.1'):\n"
+             "    ctypes.CDLL(name)\n"
+             "print(*sorted(p.rsplit('/', 1)[1] for p in glob.glob('/usr/lib/*/libibverbs/*.so')))")
+    result = engine("run", "--rm", app_image.id, "sh", "-c", 'python -c "$0" && command -v ibv_devinfo', probe)
+    providers, tool = result.stdout.splitlines()
+    assert re.search(r"\blibmlx5-rdmav\d+\.so\b", providers) and "libefa-rdmav" in providers, providers
+    assert tool == "/usr/bin/ibv_devinfo"
+
+
 def test_the_image_runs_as_its_user_and_its_command_resolves(engine, app_image):
     """As uid 1000, /app not writable, every cache on the /workspace volume; the CMD's
     trainer arguments, run with `check`, give a config whose output lands in /workspace;

@@ -39,10 +39,23 @@ def test_doctor_reports_a_healthy_two_node_job(tiny_model, reviews, tmp_path):
                        report, re.M)
     assert [size for size, *_ in sizes] == ["1 KiB", "256 KiB", "4 MiB", "16 MiB"]
     assert float(sizes[-1][3]) > 0  # the largest size moves real bandwidth
+    for i, host in enumerate(("node0", "node1")):
+        assert f"  {host} (2 ranks): gloo over eth0 (10.99.0.{11 + i}, GLOO_SOCKET_IFNAME)" in report
     assert "writable by all 4 ranks, one shared filesystem across 2 hosts" in report
     assert "wandb: mode disabled" in report
     assert "memory plan per rank on cpu: micro-batch 16 x 64 tokens, compute in fp32" in report
     assert re.search(r"the smallest device \(rank \d on node\d, cpu\): fits in ", report)
+    # The forecast: the real model timed on every rank, on this job's link and buckets.
+    assert "Scaling forecast (docs/forecast.md)" in report
+    assert re.search(r"compute, the slowest rank, a micro-batch of 16 x \d+ tokens: forward \d+ ms", report)
+    assert re.search(r"gradients: [\d.]+ MB a step per rank in \d+ buckets \(ddp, ddp.comm_hook=none", report)
+    this_job = re.search(r"this job, 2 nodes x 2: (\d+) ms a step", report)
+    forecast_rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+16\s+(\d+) ms\s+[\d.]+\s+(\d+)%$", report, re.M)
+    assert [(nodes, ranks) for nodes, ranks, _, _ in forecast_rows] == [
+        ("1", "2"), ("2", "4"), ("4", "8"), ("8", "16"), ("16", "32"), ("32", "64")]
+    assert this_job and forecast_rows[1][2] == this_job.group(1)
+    efficiency = [int(e) for *_, e in forecast_rows]  # each rank keeps its batch: more ranks, more waiting
+    assert efficiency == sorted(efficiency, reverse=True) and efficiency[0] <= 100
     assert "warning: NCCL_IB_DISABLE=1: InfiniBand is off" in report
     for host in ("node0", "node1"):  # each "node" has one core (taskset) for its two ranks
         assert f"warning: OMP_NUM_THREADS=1 x 2 local ranks exceeds the 1 CPU(s) of {host}" in report

@@ -1,0 +1,466 @@
+"""The scaling forecast that doctor prints: step time, samples/s and scaling efficiency at
+more nodes, before the job runs (docs/forecast.md).
+
+It is the product of three measurements and one model:
+- the link: doctor's timed all-reduces, fitted as latency plus bytes over bus bandwidth
+  (alpha-beta, `Link.fit`);
+- the gradient traffic: the job's own buckets, in the order backward fills them, with the
+  bytes that ddp.comm_hook puts on the wire (`traffic`);
+- the compute: forward, backward and optimizer seconds of the real model on a micro-batch
+  of the data's mean padded length, timed on every rank (`time_compute`);
+- the model (`step_seconds`): each bucket's all-reduce starts when backward has produced its
+  gradients and the previous bucket's all-reduce is done, as DDP runs them; the step ends
+  with the last one. What outlasts backward is the exposed communication.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+MIB = 1024**2
+BUCKET_SIZES_MB = (5.0, 10.0, 25.0, 50.0, 100.0)
+"""ddp.bucket_cap_mb values the forecast compares."""
+NODE_COUNTS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A ring all-reduce of B bytes over n ranks takes 2(n-1) hops of `latency_s` plus
+    2(n-1)/n x B / `busbw`: the bus bandwidth, in bytes/s, that nccl-tests report."""
+
+    latency_s: float
+    busbw: float
+
+    @classmethod
+    def fit(cls, timings: list[tuple[int, float]], world: int) -> Link:
+        """From (bytes, seconds) all-reduces at `world` ranks: the latency from the smallest,
+        which moves next to nothing; the bandwidth from the slope of least squares over
+        those of 1 MiB and more, so that whatever a link lets through at full speed before
+        it throttles (a token bucket's burst, a switch's buffers) doesn't count as bandwidth."""
+        hops = 2 * (world - 1)
+        smallest_bytes, smallest_s = min(timings)
+        large = [(b, s) for b, s in timings if b >= MIB] or timings
+        nbytes = np.array([b for b, _ in large], dtype=float)
+        seconds = np.array([s for _, s in large], dtype=float)
+        slope = np.polyfit(nbytes, seconds, 1)[0] if len(large) > 1 else seconds[0] / nbytes[0]
+        slope = max(float(slope), 1e-15)  # a link faster than the clock can tell
+        busbw = hops / world / slope
+        latency_s = max(smallest_s - smallest_bytes * slope, 0.0) / hops
+        return cls(latency_s=latency_s, busbw=busbw)
+
+    def all_reduce_s(self, nbytes: float, world: int) -> float:
+        if world == 1:
+            return 0.0
+        return 2 * (world - 1) * (self.latency_s + nbytes / world / self.busbw)
+
+    def all_gather_s(self, nbytes_per_rank: float, world: int) -> float:
+        """Every rank receives every other rank's bytes: a sparse gradient's rows."""
+        if world == 1:
+            return 0.0
+        return (world - 1) * (self.latency_s + nbytes_per_rank / self.busbw)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    nbytes: float
+    """Bytes each rank puts in: all-reduced, or (sparse) all-gathered."""
+    ready: float
+    """The fraction of backward done when its last gradient is ready."""
+    collectives: int = 1
+    """All-reduces it takes one after another: PowerSGD's are three."""
+    sparse: bool = False
+
+    def seconds(self, link: Link, world: int) -> float:
+        if self.sparse:
+            return link.all_gather_s(self.nbytes, world)
+        return link.all_reduce_s(self.nbytes, world) + (self.collectives - 1) * link.all_reduce_s(0, world)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    buckets: list[Bucket]
+    overlapped: bool
+    """Each all-reduce runs beside backward (DDP), or backward waits for it: PowerSGD on
+    gloo runs its buckets one at a time (trainer/compression.py)."""
+
+    @property
+    def nbytes(self) -> float:
+        return sum(b.nbytes for b in self.buckets)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Seconds of one micro-batch's forward and backward, and of the optimizer step, on
+    `micro_batch` samples; forward and backward scale with the samples."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    micro_batch: int
+
+    def at(self, micro_batch: int) -> Compute:
+        scale = micro_batch / self.micro_batch
+        return Compute(self.forward_s * scale, self.backward_s * scale, self.optimizer_s, micro_batch)
+
+
+def step_seconds(compute: Compute, traffic: Traffic, link: Link, world: int, grad_accum: int = 1) -> float:
+    """One optimizer step: the micro-batches before the last compute alone; the last one's
+    backward releases the buckets, in order, onto one link."""
+    backward_s, delay, link_free = compute.backward_s, 0.0, 0.0
+    for bucket in traffic.buckets:
+        start = max(bucket.ready * backward_s + delay, link_free)
+        link_free = start + bucket.seconds(link, world)
+        if not traffic.overlapped:
+            delay = link_free - bucket.ready * backward_s  # backward resumes when it is done
+    last_backward = max(backward_s + delay, link_free)
+    return grad_accum * compute.forward_s + (grad_accum - 1) * backward_s + last_backward + compute.optimizer_s
+
+
+# --- the job's gradient traffic -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Param:
+    """What the traffic model needs of a parameter, in the model's definition order."""
+
+    name: str
+    shape: tuple[int, ...]
+    element_size: int
+    trained: bool
+    lookup: bool
+    """An embedding's table: a lookup does no matmul, and its gradient may go sparse."""
+    input_embedding: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @classmethod
+    def all_of(cls, model: nn.Module) -> list[Param]:
+        lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        get = getattr(model, "get_input_embeddings", None)
+        embedding = get() if callable(get) else None
+        source = embedding.weight if isinstance(embedding, nn.Embedding) else None
+        return [cls(name, tuple(p.shape), p.element_size(), p.requires_grad, id(p) in lookups, p is source)
+                for name, p in model.named_parameters()]
+
+
+def _ready_fractions(params: list[Param]) -> list[float]:
+    """When backward has produced each parameter's gradient, as the fraction of backward's
+    matmul work done by then. Backward visits the modules in reverse; a module's weight and
+    bias are ready together, when its work, proportional to its weights, is done. Embedding
+    lookups do no matmul: their rows are ready last."""
+    def module(p: Param) -> str:
+        return p.name.rsplit(".", 1)[0]
+
+    work: dict[str, int] = {}
+    for p in params:
+        work[module(p)] = work.get(module(p), 0) + (0 if p.lookup else p.numel)
+    total, done, finished = max(sum(work.values()), 1), 0, {}
+    for name in reversed(work):
+        done += work[name]
+        finished[name] = done / total
+    return [1.0 if p.lookup else finished[module(p)] for p in params]
+
+
+def _powersgd_elements(p: Param, rank: int) -> int:
+    """Elements sent for one gradient: rank-`rank` factors P and Q where they are under half
+    the matrix (torch's rule), else the gradient as it is; vectors as they are."""
+    if len(p.shape) <= 1:
+        return p.numel
+    rows, cols = p.shape[0], p.numel // p.shape[0]
+    return (rows + cols) * rank if (rows + cols) * rank * 2 < rows * cols else p.numel
+
+
+def traffic(params: list[Param], cfg: DictConfig, backend: str, sparse_rows: float,
+            bucket_cap_mb: float | None = None, comm_hook: str | None = None) -> Traffic:
+    """What one DDP step puts on the wire per rank, bucket by bucket, under cfg's ddp.* and
+    LoRA (already in `params`), or the given bucket size and hook. `sparse_rows`:
+    the embedding rows a micro-batch touches, where its gradient goes sparse
+    (ddp.sparse_embedding_grad, on gloo)."""
+    hook = comm_hook or cfg.ddp.comm_hook
+    cap = (bucket_cap_mb or cfg.ddp.bucket_cap_mb) * MIB
+    ready = dict(zip((p.name for p in params), _ready_fractions(params), strict=True))
+    trained = [p for p in params if p.trained]
+    buckets: list[Bucket] = []
+    if backend == "gloo" and cfg.ddp.sparse_embedding_grad:
+        for p in [p for p in trained if p.input_embedding]:
+            row_bytes = p.numel // p.shape[0] * p.element_size + 8  # its values and an int64 index
+            buckets.append(Bucket(sparse_rows * row_bytes, 1.0, sparse=True))
+            trained.remove(p)
+
+    powersgd = hook == "powersgd"
+    # DDP rebuilds its buckets after the first step, in the order gradients became ready;
+    # under PowerSGD it keeps the first ones, cut in definition order (trainer/parallel.py).
+    position = {p.name: i for i, p in enumerate(params)}
+
+    def ready_order(p: Param) -> tuple:  # ties as autograd breaks them: later-defined first, lookups last
+        return ready[p.name], p.lookup, position[p.name] if p.lookup else -position[p.name]
+
+    order = trained if powersgd else sorted(trained, key=ready_order)
+    groups: list[list[Param]] = [[]]
+    size = 0
+    for p in order:
+        groups[-1].append(p)
+        size += p.numel * p.element_size
+        if size >= cap:
+            groups.append([])
+            size = 0
+    for group in filter(None, groups):
+        when = max(ready[p.name] for p in group)
+        if powersgd:
+            elements = sum(_powersgd_elements(p, cfg.ddp.powersgd_rank) for p in group)
+            buckets.append(Bucket(4.0 * elements, when, collectives=3))  # the plain ones, P, then Q
+        elif hook in ("bf16", "fp16"):
+            buckets.append(Bucket(2.0 * sum(p.numel for p in group), when))
+        else:
+            buckets.append(Bucket(float(sum(p.numel * p.element_size for p in group)), when))
+    buckets.sort(key=lambda b: b.ready)
+    return Traffic(buckets, overlapped=not (powersgd and backend == "gloo"))
+
+
+# --- timing the real model ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Batches:
+    """What the training data's micro-batches look like on this rank."""
+
+    padded_length: int
+    """The mean padded length of a micro-batch over the first epoch."""
+    sparse_rows: float
+    """The mean distinct tokens of a micro-batch: the embedding rows its gradient touches."""
+
+
+def describe_batches(train_ds, sampler, micro_batch: int, pad_multiple: int | None, samples: int = 64) -> Batches:
+    """From the tokenized training set and this rank's sampler: every micro-batch's padded
+    length, and the distinct tokens in the first `samples` micro-batches."""
+    positions = list(iter(sampler))
+    chunks = [positions[i:i + micro_batch] for i in range(0, len(positions) - micro_batch + 1, micro_batch)]
+    lengths = sampler.lengths
+    padded = [int(lengths[c].max()) for c in chunks]
+    if pad_multiple:
+        padded = [-(-n // pad_multiple) * pad_multiple for n in padded]
+    distinct = [len(np.unique(np.concatenate([np.asarray(ids) for ids in train_ds.select(c)["input_ids"]])))
+                for c in chunks[:samples]]
+    return Batches(round(statistics.fmean(padded)), statistics.fmean(distinct))
+
+
+def time_compute(step, micro_batch: int, length: int, vocab: int, device: torch.device,
+                 steps: int = 4) -> Compute:
+    """Median forward, backward and optimizer seconds over `steps` steps (after two that warm
+    up allocations and kernels) of `step`, on random tokens: the work depends on the shapes,
+    not the values. `step(batch)` returns (the loss, a callable that runs the optimizer)."""
+    generator = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, vocab, (micro_batch, length), generator=generator).to(device),
+             "attention_mask": torch.ones(micro_batch, length, dtype=torch.long, device=device),
+             "labels": torch.zeros(micro_batch, dtype=torch.long, device=device)}
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    times: list[tuple[float, float, float]] = []
+    for i in range(steps + 2):
+        started = now()
+        loss, optimizer_step = step(batch)
+        forward_done = now()
+        loss.backward()
+        backward_done = now()
+        optimizer_step()
+        if i >= 2:
+            times.append((forward_done - started, backward_done - forward_done, now() - backward_done))
+    forward_s, backward_s, optimizer_s = (statistics.median(t) for t in zip(*times, strict=True))
+    return Compute(forward_s, backward_s, optimizer_s, micro_batch)
+
+
+def measure(cfg: DictConfig, dist_env, device: torch.device) -> tuple[Compute, Batches, list[Param]]:
+    """This rank's compute on the job's real model, at the mean padded length of its real
+    micro-batches, as a training step runs it: LoRA, gradient checkpointing, precision, the
+    sparse embedding gradient, DDP with ddp.comm_hook (PowerSGD's compression included),
+    clipping and AdamW. Only the network is left out: DDP runs over a group of this rank
+    alone. Every rank times at once, so ranks that share a node's CPUs compete as they will
+    in training."""
+    import torch.distributed as dist
+
+    from trainer import compression, data, distributed, lora, model, optim, parallel
+
+    if device.type == "cpu":
+        torch.set_num_threads(distributed.cpu_threads(dist_env, cfg.train.threads))
+    amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
+    plan = data.BatchPlan.of(cfg.train, dist_env.world_size)
+    with distributed.local_rank_zero_first(dist_env) if model.from_hub(cfg.model) else nullcontext():
+        tokenizer = model.load_tokenizer(cfg.model)
+        config = model.load_config(cfg.model, cfg.data.num_labels, device.type, tokenizer.pad_token_id)
+        model.check_max_length(cfg.model, cfg.data.max_length, config, tokenizer)
+        bare = model.load_model(cfg.model, config, cfg.seed, device, lora.frozen_dtype(cfg.model, amp_dtype))
+    built = data.build(cfg, dist_env, data.load(cfg, dist_env), tokenizer, device, plan)
+    try:
+        pad_multiple = cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None)
+        batches = describe_batches(built.train_loader.dataset, built.train_sampler, plan.micro_batch, pad_multiple)
+    finally:
+        built.close()
+    trained = lora.apply(bare, cfg.model)
+    if cfg.model.gradient_checkpointing:
+        model.use_gradient_checkpointing(trained)
+    trained.train()
+    params = Param.all_of(trained)
+    sparse = parallel.SparseEmbeddingGrad.maybe(trained, cfg, device)
+    logits = parallel.LogitsUnderAutocast(trained, device.type, amp_dtype)
+    alone, _ = dist.new_subgroups(group_size=1)  # collective: every rank makes its own
+    try:
+        ddp = parallel.ddp_wrap(logits, cfg.ddp, device, alone)
+        state, hook, powersgd = compression.make(cfg.ddp, distributed.backend(dist_env), alone)
+        if powersgd is not None:
+            powersgd.state.start_powerSGD_iter = 2  # compressing from the first timed step
+        ddp.register_comm_hook(state, hook)
+        optimizer = optim.optimizer(trained, cfg.train)
+
+        def step(batch: dict):
+            inputs = dict(batch)
+            labels = inputs.pop("labels")
+            loss = parallel.mean_loss(ddp(**inputs), labels)
+
+            def optimizer_step() -> None:
+                if sparse is not None:
+                    sparse.densify()
+                if cfg.train.max_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(trained.parameters(), cfg.train.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            return loss, optimizer_step
+
+        compute = time_compute(step, plan.micro_batch, batches.padded_length, config.vocab_size, device)
+    finally:
+        dist.destroy_process_group(alone)
+    return compute, batches, params
+
+
+# --- the forecast -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    nodes: int
+    world: int
+    micro_batch: int
+    grad_accum: int
+    step_s: float
+    samples_per_s: float
+    efficiency: float
+    """samples/s per rank against one rank's, the same global-batch rule."""
+
+
+def rows(compute: Compute, make_traffic, link: Link, ranks_per_node: int, batch_plan, node_counts=NODE_COUNTS
+         ) -> list[Row]:
+    """The forecast at each node count: `batch_plan(world)` is (global batch, micro-batch,
+    grad accumulation) or None where the global batch can't be split; `make_traffic(micro_batch)`."""
+    out: list[Row] = []
+    base = None
+    for nodes in node_counts:
+        world = nodes * ranks_per_node
+        plan = batch_plan(world)
+        if plan is None:
+            continue
+        global_batch, micro_batch, grad_accum = plan
+        seconds = step_seconds(compute.at(micro_batch), make_traffic(micro_batch), link, world, grad_accum)
+        per_rank = global_batch / seconds / world
+        if base is None:
+            single = batch_plan(1)
+            base = per_rank if single is None else single[0] / step_seconds(
+                compute.at(single[1]), make_traffic(single[1]), link, 1, single[2])
+        out.append(Row(nodes, world, micro_batch, grad_accum, seconds, global_batch / seconds, per_rank / base))
+    return out
+
+
+def best_change(current: float, options: dict[str, float]) -> tuple[str, float] | None:
+    """The option that saves the most, if it saves at least 5% of `current` seconds."""
+    if not options:
+        return None
+    name, seconds = min(options.items(), key=lambda item: item[1])
+    return (name, seconds) if seconds < 0.95 * current else None
+
+
+def fmt_rate(bytes_per_s: float) -> str:
+    bits = bytes_per_s * 8
+    for unit, scale in (("Tb/s", 1e12), ("Gb/s", 1e9), ("Mb/s", 1e6)):
+        if bits >= scale * 0.9995:
+            return f"{bits / scale:.3g} {unit}"
+    return f"{bits / 1e3:.3g} kb/s"
+
+
+def table(found: list[Row]) -> list[str]:
+    lines = [f"  {'nodes':>5}  {'ranks':>5}  {'micro-batch':>11}  {'step':>9}  {'samples/s':>10}  efficiency"]
+    for r in found:
+        batch = f"{r.micro_batch}" + (f" x{r.grad_accum}" if r.grad_accum > 1 else "")
+        lines.append(f"  {r.nodes:>5}  {r.world:>5}  {batch:>11}  {r.step_s * 1e3:>6.0f} ms  {r.samples_per_s:>10.1f}  "
+                     f"{r.efficiency:>9.0%}")
+    return lines
+
+
+def section(cfg: DictConfig, backend: str, link: Link, compute: Compute, batches: Batches, params: list[Param],
+            world: int, ranks_per_node: int) -> list[str]:
+    """doctor's "Scaling forecast": what it was made from, the table, and what would help."""
+    from trainer.data import BatchPlan
+    from trainer.errors import ConfigError
+
+    nodes = world // ranks_per_node
+
+    def batch_plan(ranks: int) -> tuple[int, int, int] | None:
+        try:
+            plan = BatchPlan.of(cfg.train, ranks)
+        except ConfigError:
+            return None  # a global batch that this world size can't split
+        return plan.global_batch, plan.micro_batch, plan.grad_accum
+
+    def make_traffic(micro_batch: int, **what_if) -> Traffic:
+        return traffic(params, cfg, backend, batches.sparse_rows * micro_batch / compute.micro_batch, **what_if)
+
+    def seconds_at(ranks: int, **what_if) -> float:
+        plan = batch_plan(ranks)
+        assert plan is not None, "asked only at world sizes that split the global batch"
+        return step_seconds(compute.at(plan[1]), make_traffic(plan[1], **what_if), link, ranks, plan[2])
+
+    found = rows(compute, make_traffic, link, ranks_per_node, batch_plan, sorted({*NODE_COUNTS, nodes}))
+    now = make_traffic(compute.micro_batch)
+    mode = "overlapped with backward" if now.overlapped else "not overlapped with backward"
+    this_job = seconds_at(world)
+    lines = ["Scaling forecast (docs/forecast.md)",
+             (f"  link: {fmt_rate(link.busbw)} bus bandwidth, {link.latency_s * 1e3:.2f} ms a hop "
+              "(fitted to the all-reduces above)"),
+             (f"  compute, the slowest rank, a micro-batch of {compute.micro_batch} x {batches.padded_length} "
+              f"tokens: forward {compute.forward_s * 1e3:.0f} ms, backward {compute.backward_s * 1e3:.0f} ms, "
+              f"optimizer {compute.optimizer_s * 1e3:.0f} ms"),
+             (f"  gradients: {now.nbytes / 1e6:.1f} MB a step per rank in {len(now.buckets)} buckets "
+              f"({cfg.train.strategy}, ddp.comm_hook={cfg.ddp.comm_hook}, "
+              f"ddp.bucket_cap_mb={cfg.ddp.bucket_cap_mb:g}), {mode}"),
+             f"  this job, {nodes} nodes x {ranks_per_node}: {this_job * 1e3:.0f} ms a step",
+             *table(found)]
+    ranks = max(found, key=lambda r: r.world).world if nodes == 1 else world
+    at = f"at {ranks // ranks_per_node} nodes"
+    current = seconds_at(ranks)
+    hooks = {f"ddp.comm_hook={h}": seconds_at(ranks, comm_hook=h) for h in ("bf16", "powersgd")
+             if h != cfg.ddp.comm_hook}
+    caps = {f"ddp.bucket_cap_mb={mb:g}": seconds_at(ranks, bucket_cap_mb=mb) for mb in BUCKET_SIZES_MB
+            if mb != cfg.ddp.bucket_cap_mb}
+    for what, options in (("compression", hooks), ("bucket size", caps)):
+        best = best_change(current, options)
+        if best is None:
+            lines.append(f"  {what} {at}: no other value saves 5% of the step")
+            continue
+        name, seconds = best
+        caveat = " (approximate gradients: docs/compression.md)" if "powersgd" in name else ""
+        lines.append(f"  {what} {at}: {name}, {seconds * 1e3:.0f} ms a step instead of {current * 1e3:.0f} "
+                     f"({current / seconds:.2f}x){caveat}")
+    return lines
