@@ -230,21 +230,19 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, backend: str) 
         for problem in own.problems:
             print(f"error: rank {dist_env.rank} on {host}: {problem}", flush=True)
         return 1
-    scratch = Path(tempfile.mkdtemp(prefix="trainer-doctor-"))
-    nccl_log = network.capture_nccl_log(scratch) if backend == "nccl" else None
-    try:
-        distributed.init(dist_env, device, backend, timeout_s, Path(cfg.output_dir))
-    except Exception as e:  # whatever init raised, the rank reports it and exits 1  # noqa: BLE001
-        print(f"error: rank {dist_env.rank} on {host}: could not form the process group through the store at "
-              f"{dist_env.master_addr}:{dist_env.master_port} within {timeout_s:g}s ({type(e).__name__}); "
-              "a rank failed its own checks, never started, or cannot reach that address", flush=True)
-        shutil.rmtree(scratch, ignore_errors=True)
-        return 1
-    try:
-        return _collective_checks(cfg, dist_env, device, backend, host, env, own, nccl_log)
-    finally:
-        distributed.close()
-        shutil.rmtree(scratch, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="trainer-doctor-", ignore_cleanup_errors=True) as scratch:
+        nccl_log = network.capture_nccl_log(Path(scratch)) if backend == "nccl" else None
+        try:
+            distributed.init(dist_env, device, backend, timeout_s, Path(cfg.output_dir))
+        except Exception as e:  # whatever init raised, the rank reports it and exits 1  # noqa: BLE001
+            print(f"error: rank {dist_env.rank} on {host}: could not form the process group through the store at "
+                  f"{dist_env.master_addr}:{dist_env.master_port} within {timeout_s:g}s ({type(e).__name__}); "
+                  "a rank failed its own checks, never started, or cannot reach that address", flush=True)
+            return 1
+        try:
+            return _collective_checks(cfg, dist_env, device, backend, host, env, own, nccl_log)
+        finally:
+            distributed.close()
 
 
 def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings, nccl_log: Path | None) -> int:
