@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trainer import config, errors
 from trainer.errors import ConfigError, TrainerError
+from trainer.exit_codes import MEANING, Exit
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -149,10 +150,11 @@ def run_train(cfg, arguments: dict) -> int:
     setup_logging(dist_env)
     from trainer import distributed
     from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here
-    from trainer.preemption import EXIT_PREEMPTED, Preempted
+    from trainer.preemption import Preempted
 
     startup.mark("imports")
-    exit_code, trainer = 1, None
+    exit_code: int = Exit.CRASH
+    trainer = None
     try:
         distributed.init(dist_env, device, backend, cfg.dist.init_timeout_s, Path(cfg.output_dir))
         startup.mark("rendezvous")
@@ -162,12 +164,15 @@ def run_train(cfg, arguments: dict) -> int:
     except TrainerError as e:  # the data, the model, a checkpoint: found once they are loaded
         exit_code = errors.report(e)
     except Preempted as e:
-        logging.getLogger("trainer").warning("%s; exiting with %d, relaunch to resume", e, EXIT_PREEMPTED)
-        exit_code = EXIT_PREEMPTED
+        logging.getLogger("trainer").warning("%s; exiting with %d, relaunch to resume", e, Exit.PREEMPTED)
+        exit_code = Exit.PREEMPTED
     except Exception as e:  # a crash or a collective timeout: explain it, then the traceback
-        if trainer is not None:
-            trainer.report_failure(e)
-        raise
+        if trainer is None:
+            raise
+        exit_code = trainer.report_failure(e)
+        if exit_code == Exit.CRASH:
+            raise
+        logging.getLogger("trainer").exception("exiting with %d: %s", exit_code, MEANING[exit_code])
     finally:
         if trainer is not None:
             trainer.close(exit_code)

@@ -306,6 +306,10 @@ class FaultConfig:
     """...and slower than this, with every rank's Python stacks, before dist.timeout_s fires."""
     heartbeat_s: float = key(5.0, FREE, above(0))
     """How often each rank records its step in the rendezvous store, for those reports."""
+    max_stalled_restarts: int = key(3, FREE, at_least(0))
+    """A start of the job after this many attempts that all resumed from the same checkpoint
+    and failed exits with code 77 (no progress: launchers stop retrying) instead of failing
+    the same way again. Attempts stopped by a preemption don't count; 0 never stops."""
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -120,10 +121,42 @@ def granted_gpus(environ: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
+CUDA_DRIVER_FLOOR = {"12": "525.60.13", "13": "580.65.06"}
+"""The oldest Linux driver each CUDA major version runs on (NVIDIA's minor version
+compatibility); TRAINER_MIN_CUDA_DRIVER, which the image sets for its base, wins."""
+
+
+def nvidia_driver(version_file: Path = Path("/proc/driver/nvidia/version")) -> str | None:
+    """The host's NVIDIA kernel driver version (a container sees the host's), or None."""
+    try:
+        found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", version_file.read_text())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
+def driver_check(driver: str | None, environ: Mapping[str, str] = os.environ) -> tuple[str, str | None]:
+    """(a line on `driver` and the CUDA torch is built for, why it is too old or None)."""
+    cuda = torch.version.cuda
+    if driver is None or cuda is None:
+        return ("no NVIDIA driver" if driver is None else f"NVIDIA driver {driver}, CPU-only torch"), None
+    floor = environ.get("TRAINER_MIN_CUDA_DRIVER") or CUDA_DRIVER_FLOOR.get(cuda.split(".")[0])
+    line = f"NVIDIA driver {driver}, torch built for CUDA {cuda}" + (f" (needs {floor} or newer)" if floor else "")
+    def parts(version: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in version.split("."))
+    if floor and parts(driver) < parts(floor):
+        return line, (f"the NVIDIA driver {driver} is older than {floor}, the oldest CUDA {cuda} runs on: upgrade "
+                      "the nodes' driver, or use a torch (an image) built for an older CUDA")
+    return line, None
+
+
 def _no_usable_cuda(why_gpus: str) -> LaunchError:
+    _, old_driver = driver_check(nvidia_driver())
     build = (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} (is the driver older, or "
              "was the container started without --gpus / --nv?)" if torch.version.cuda
              else f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)")
+    if old_driver:
+        build = old_driver
     return LaunchError(
         f"train.device: {why_gpus}, but torch.cuda.is_available() is False: {build}; "
         "to train on CPU on purpose, set train.device=cpu dist.backend=gloo"

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer import distributed, forecast, memory, network
+from trainer import data, distributed, forecast, grace, memory, network
 from trainer.distributed import DistEnv
 from trainer.errors import TrainerError
 
@@ -249,7 +249,8 @@ def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings,
     device_name, device_id = describe_device(device)
     facts = {"rank": dist_env.rank, "host": host, "local_rank": dist_env.local_rank, "device": device_name,
              "device_id": device_id, "env": env, "rtt": store_round_trip(dist_env),
-             "memory": memory.device_bytes(device, dist_env.local_world_size)}
+             "memory": memory.device_bytes(device, dist_env.local_world_size),
+             "driver": distributed.driver_check(distributed.nvidia_driver()) if device.type == "cuda" else None}
     gathered: list[dict] = distributed.all_gather(dist_env, facts)
     hosts = sorted({f["host"] for f in gathered})
     findings: list[Findings] = distributed.all_gather(dist_env, own)
@@ -271,13 +272,30 @@ def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings,
     plan = plan_or_reason(cfg, device, dist_env.world_size)
     measured = _measure(cfg, dist_env, device, plan)
     computes: list = distributed.all_gather(dist_env, measured if isinstance(measured, str) else measured[:2])
+    save_s = None
+    if not any(isinstance(m, str) for m in computes) and not any(e for e, _ in shared):
+        assert isinstance(measured, forecast.Measured), "every rank measured"
+        save_s = grace.time_save(dist_env, measured.model, measured.optimizer,
+                                 Path(os.path.realpath(output_dir)) / f".doctor-save-{uuid.uuid4().hex}")
 
     code = 0
     if dist_env.is_rank_zero:  # the others wait in the broadcast below, for seconds
         outlook = _forecast(cfg, dist_env, backend, sizes, results, computes, measured, len(hosts))
+        stopping = _grace(cfg, dist_env, computes, save_s)
         code = _report(cfg, dist_env, gathered, findings, sizes, results, links, shared, backend, hosts, output_dir,
-                       plan, outlook)
+                       plan, outlook, stopping)
     return distributed.broadcast_from_rank_zero(dist_env, code)
+
+
+def _grace(cfg, dist_env: DistEnv, computes: list, save_s: float | None) -> tuple[list[str], list[str]]:
+    """(the preemption grace section's lines, warnings): the slowest rank's step, then the save."""
+    if save_s is None:
+        reason = next((m for m in computes if isinstance(m, str)), "output_dir is not writable")
+        return [], [f"preemption grace not checked: no save timed ({reason})"]
+    batch = data.BatchPlan.of(cfg.train, dist_env.world_size)
+    steps = [c.at(batch.micro_batch) for c, _ in computes]
+    step_s = max((c.forward_s + c.backward_s) * batch.grad_accum + c.optimizer_s for c in steps)
+    return grace.check(step_s, save_s)
 
 
 def _measure(cfg, dist_env: DistEnv, device: torch.device, plan) -> tuple | str:
@@ -311,7 +329,7 @@ def _forecast(cfg, dist_env: DistEnv, backend, sizes, results, computes, own,
     timings = [(numel * 4, statistics.median(t for t, _ in per_rank))
                for numel, per_rank in zip(sizes, results, strict=True)]
     link = forecast.Link.fit(timings, dist_env.world_size)
-    _, batches, params = own
+    batches, params = own.batches, own.params
     slowest = max((c for c, _ in computes), key=lambda c: c.forward_s + c.backward_s + c.optimizer_s)
     lines = forecast.section(cfg, backend, link, slowest, batches, params, dist_env.world_size,
                              dist_env.local_world_size)
@@ -332,7 +350,7 @@ def plan_or_reason(cfg: DictConfig, device: torch.device, world_size: int) -> me
 
 
 def _report(cfg, dist_env, gathered, findings, sizes, results, links, shared, backend, hosts, output_dir, plan,
-            outlook: tuple[list[str], list[str]]) -> int:
+            outlook: tuple[list[str], list[str]], stopping: tuple[list[str], list[str]]) -> int:
     world = len(gathered)
     problems = [p for f in findings for p in f.problems]
     warnings = sorted({w for f in findings for w in f.warnings})
@@ -349,6 +367,12 @@ def _report(cfg, dist_env, gathered, findings, sizes, results, links, shared, ba
         if len(ids) != len(set(ids)):
             problems.append(f"{host}: two ranks share one GPU ({', '.join(f['device'] for f in on_host)}); "
                             "--nproc-per-node must not exceed the GPUs per node")
+        driver = on_host[0]["driver"]
+        if driver is not None:
+            line, too_old = driver
+            out.append(f"  {host}: {line}")
+            if too_old:
+                problems.append(f"{host}: {too_old}")
 
     out += ["", "settings (NCCL_*, GLOO_*, TORCH_*, OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES)"]
     names = sorted({k for f in gathered for k in f["env"]})
@@ -410,6 +434,10 @@ def _report(cfg, dist_env, gathered, findings, sizes, results, links, shared, ba
     else:
         out.append(f"  writable by all {_count(world, 'rank')}, "
                    f"one shared filesystem across {_count(len(hosts), 'host')}")
+
+    grace_lines, grace_warnings = stopping
+    out += ["", *grace_lines] if grace_lines else []
+    warnings += grace_warnings
 
     wandb_line, wandb_found = check_wandb(cfg, output_dir)
     problems += wandb_found.problems

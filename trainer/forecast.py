@@ -20,6 +20,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -284,7 +285,16 @@ def time_compute(step, micro_batch: int, length: int, vocab: int, device: torch.
     return Compute(forward_s, backward_s, optimizer_s, micro_batch)
 
 
-def measure(cfg: DictConfig, dist_env, device: torch.device) -> tuple[Compute, Batches, list[Param]]:
+class Measured(NamedTuple):
+    compute: Compute
+    batches: Batches
+    params: list[Param]
+    model: torch.nn.Module
+    """The timed model and its optimizer, with the state a checkpoint would hold."""
+    optimizer: torch.optim.Optimizer
+
+
+def measure(cfg: DictConfig, dist_env, device: torch.device) -> Measured:
     """This rank's compute on the job's real model, at the mean padded length of its real
     micro-batches, as a training step runs it: LoRA, gradient checkpointing, precision, the
     sparse embedding gradient, DDP with ddp.comm_hook (PowerSGD's compression included),
@@ -344,7 +354,7 @@ def measure(cfg: DictConfig, dist_env, device: torch.device) -> tuple[Compute, B
         compute = time_compute(step, plan.micro_batch, batches.padded_length, config.vocab_size, device)
     finally:
         dist.destroy_process_group(alone)
-    return compute, batches, params
+    return Measured(compute, batches, params, trained, optimizer)
 
 
 # --- the forecast -------------------------------------------------------------------------

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-"""The torchrun of this Python environment (not whichever is first on PATH)."""
+TORCHRUN = (sys.executable, "-m", "trainer.torchrun")
+"""torchrun with the restart contract's exit codes (trainer/torchrun.py), in this Python
+environment (not whichever is first on PATH)."""
 
 
 def trainer_program(command: str = "train", config: str | None = None, overrides: Sequence[str] = ()) -> list[str]:
@@ -21,7 +21,8 @@ def trainer_program(command: str = "train", config: str | None = None, overrides
 
 
 def torchrun_argv(nproc: int, program: list[str], *, nnodes: int | str = 1, rdzv_endpoint: str | None = None,
-                  rdzv_id: str = "trainer", torchrun_args: tuple[str, ...] = (), torchrun: str = TORCHRUN) -> list[str]:
+                  rdzv_id: str = "trainer", torchrun_args: tuple[str, ...] = (),
+                  torchrun: Sequence[str] = TORCHRUN) -> list[str]:
     """`torchrun ... PROGRAM` (a `trainer_program`, or a script and its arguments): one node
     on its own (--standalone), or one of `nnodes` nodes (a count, or elastic `MIN:MAX`)
     meeting through the trainer-c10d rendezvous at `rdzv_endpoint` (host:port)."""
@@ -30,4 +31,4 @@ def torchrun_argv(nproc: int, program: list[str], *, nnodes: int | str = 1, rdzv
     else:
         rendezvous = [f"--nnodes={nnodes}", "--rdzv-backend=trainer-c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                       f"--rdzv-id={rdzv_id}"]
-    return [torchrun, *rendezvous, f"--nproc-per-node={nproc}", *torchrun_args, *program]
+    return [*torchrun, *rendezvous, f"--nproc-per-node={nproc}", *torchrun_args, *program]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -14,11 +13,14 @@ import torch
 from omegaconf import DictConfig
 
 from trainer import (
+    attempts,
     checkpoint,
     config,
     data,
     distributed,
+    errors,
     evaluation,
+    exit_codes,
     flops,
     inject,
     lora,
@@ -34,6 +36,7 @@ from trainer import (
 )
 from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError, one_line
+from trainer.exit_codes import Exit
 from trainer.policy import Policy, Selection
 from trainer.startup import StartupClock
 from trainer.train_state import TrainState
@@ -59,6 +62,11 @@ class Trainer:
         )
         # Decided first: a resume the config can't make is refused in seconds.
         self.resume_plan = resume.decide(cfg, dist_env, self.checkpointer)
+        # A job that keeps failing from this checkpoint stops here (exit 77), before any weights load.
+        distributed.rank_zero_does(dist_env, f"output_dir: {self.output_dir / attempts.FILE}", lambda: attempts.check(
+            self.output_dir, self.resume_plan.step, cfg.fault.max_stalled_restarts, fresh=self.fresh_history))
+        self.attempt_begun = False
+        """Whether rank 0 recorded this attempt (trainer/attempts.py): once training starts."""
         self.batch = self.resume_plan.batch
         """The global batch, split over this run's ranks."""
 
@@ -252,7 +260,16 @@ class Trainer:
             resume.describe(plan, self.dist_env)
         if self.watchdog.nccl_dump is not None:  # torch writes its dump into this folder blindly
             Path(self.watchdog.nccl_dump).parent.mkdir(parents=True, exist_ok=True)
+        # Recorded only now: a start refused for a mistake (exit 2) writes nothing.
+        distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir / attempts.FILE}",
+                                   lambda: attempts.begin(self.output_dir, plan.step, fresh=self.fresh_history))
+        self.attempt_begun = True
         return plan.step
+
+    @property
+    def fresh_history(self) -> bool:
+        """checkpoint.resume=never: the attempts of the runs before don't count."""
+        return self.cfg.checkpoint.resume == "never"
 
     @property
     def states(self) -> dict:
@@ -264,9 +281,7 @@ class Trainer:
         return states
 
     def _start_output_dir(self) -> None:
-        # Through any link first: in the image, runs/ links to /workspace/runs, which a fresh
-        # volume over /workspace (a new PVC) does not have yet, and mkdir stops at a dangling link.
-        Path(os.path.realpath(self.output_dir)).mkdir(parents=True, exist_ok=True)
+        errors.make_writable_dir(self.output_dir)
         (self.output_dir / "config.yaml").write_text(config.to_yaml(self.cfg))
 
     def save(self) -> None:
@@ -309,11 +324,18 @@ class Trainer:
 
     # --- ending ---------------------------------------------------------------------------
 
-    def report_failure(self, error: BaseException) -> None:
+    def report_failure(self, error: BaseException) -> Exit:
         """What a failed step tells the user: the step, the error, every peer's state and
         this rank's stacks. Each rank reports for itself, so every local rank's stacks land
-        in the log even when only one of them hit the timeout."""
+        in the log even when only one of them hit the timeout. Returns the exit code, and
+        names the suspect nodes to the launcher on a node fault."""
         self.watchdog.report(f"step {self.watchdog.step} failed: {type(error).__name__}: {one_line(error)}")
+        exit_code, suspects = watchdog.verdict(error, self.watchdog.silent_hosts)
+        for host in suspects:
+            exit_codes.record_suspect(host)
+        if suspects:
+            log.error("node fault: suspect %s", ", ".join(suspects))
+        return exit_code
 
     def close(self, exit_code: int) -> None:
         """On every exit path: nothing this rank started may outlive it, or hold its exit."""
@@ -321,6 +343,8 @@ class Trainer:
         self.data.close()
         self.watchdog.close()
         self.preemption.close(clean_exit=exit_code == 0)
+        if self.dist_env.is_rank_zero and self.attempt_begun:
+            attempts.end(self.output_dir, exit_code)
         if self.tracker is not None:
             self.tracker.close(exit_code)
 

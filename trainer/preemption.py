@@ -13,10 +13,9 @@ import torch.distributed as dist
 
 from trainer import distributed
 from trainer.distributed import DistEnv
+from trainer.exit_codes import Exit
 
-# EX_TEMPFAIL from sysexits.h: "temporary failure, try again". The checkpoint is saved, and a
-# relaunch (Slurm requeue, Kubernetes restart) resumes from it.
-EXIT_PREEMPTED = 75
+EXIT_PREEMPTED = Exit.PREEMPTED
 
 _received: set[str] = set()
 

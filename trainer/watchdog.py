@@ -26,11 +26,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
 from trainer import distributed, inject
 from trainer.distributed import DistEnv
+from trainer.exit_codes import Exit
 
 log = logging.getLogger(__name__)
 
@@ -63,26 +65,29 @@ class Heartbeats:
         record = {"step": step, "time": time.time(), "host": socket.gethostname()}
         self._client().set(f"{self.prefix}/{self.dist_env.rank}", json.dumps(record))
 
-    def peers(self, my_step: int, stale_after_s: float) -> list[str]:
-        """One line per other rank: quiet (no heartbeat lately), behind, or waiting with us."""
-        store, now, lines = self._client(), time.time(), []
+    def peers(self, my_step: int, stale_after_s: float) -> list[tuple[str, str | None]]:
+        """Each other rank: a line saying whether it is quiet (no heartbeat lately), behind, or
+        waiting with us; and its host if it is quiet, else None."""
+        store, now = self._client(), time.time()
+        peers: list[tuple[str, str | None]] = []
         for rank in range(self.dist_env.world_size):
             if rank == self.dist_env.rank:
                 continue
             key = f"{self.prefix}/{rank}"
             if not store.check([key]):
-                lines.append(f"rank {rank}: no heartbeat yet")
+                peers.append((f"rank {rank}: no heartbeat yet", None))
                 continue
             beat = json.loads(store.get(key))
             age = now - beat["time"]
             where = f"rank {rank} on {beat['host']}"
             if age > stale_after_s:
-                lines.append(f"{where}: NOT RESPONDING, last heartbeat {age:.1f}s ago at step {beat['step']}")
+                peers.append((f"{where}: NOT RESPONDING, last heartbeat {age:.1f}s ago at step {beat['step']}",
+                              beat["host"]))
             elif beat["step"] < my_step:
-                lines.append(f"{where}: behind, at step {beat['step']}")
+                peers.append((f"{where}: behind, at step {beat['step']}", None))
             else:
-                lines.append(f"{where}: alive, at step {beat['step']}")
-        return lines
+                peers.append((f"{where}: alive, at step {beat['step']}", None))
+        return peers
 
 
 PHASES = {
@@ -140,6 +145,8 @@ class Watchdog:
         self._watching: _Watch | None = None
         self.step = 0  # the step in progress, or the last one done
         self._reported: _Watch | None = None
+        self.silent_hosts: set[str] = set()
+        """The hosts of the peers any report found not responding."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainer-watchdog", daemon=True)
         # Python stacks on SIGABRT/SIGSEGV too: the NCCL watchdog aborts a timed-out rank.
@@ -214,7 +221,10 @@ class Watchdog:
         lines = [f"rank {self.dist_env.rank} on {socket.gethostname()}: {what}"]
         if self.heartbeats is not None:
             try:
-                lines += ["  " + line for line in self.heartbeats.peers(self.step, 3 * self.heartbeat_s)]
+                for line, silent_host in self.heartbeats.peers(self.step, 3 * self.heartbeat_s):
+                    lines.append("  " + line)
+                    if silent_host is not None:
+                        self.silent_hosts.add(silent_host)
             except Exception as e:  # the report goes out whatever the store raised  # noqa: BLE001
                 lines.append(f"  rendezvous store {self.dist_env.master_addr}:{self.dist_env.master_port} "
                              f"unreachable ({type(e).__name__}: {e}); this node may be the one cut off")
@@ -226,6 +236,19 @@ class Watchdog:
         message = "\n".join(lines)
         log.error("%s", message)
         dump_stacks(message, self.stacks_file)
+
+
+def verdict(error: BaseException, silent_hosts: set[str]) -> tuple[Exit, list[str]]:
+    """What a failed step means for the scheduler (trainer/exit_codes.py), and the hosts to
+    suspect: peers that stopped responding point at their nodes; a CUDA error other than an
+    out-of-memory (NCCL's "unhandled cuda error" included) at this node's GPU. Anything else,
+    a peer that crashed and closed its connections among them, is a crash."""
+    if silent_hosts:
+        return Exit.NODE_FAULT, sorted(silent_hosts)
+    message = str(error)
+    if not isinstance(error, torch.cuda.OutOfMemoryError) and ("CUDA error" in message or "cuda error" in message):
+        return Exit.NODE_FAULT, [socket.gethostname()]
+    return Exit.CRASH, []
 
 
 def dump_stacks(header: str, path: Path) -> None:

@@ -18,6 +18,8 @@ import yaml
 from conftest import assert_usage_error, previous_run, run, snapshot, tiny_overrides, trainer_command
 from support import read_summary
 
+from trainer.exit_codes import Exit
+
 # id: (extra overrides, text the one-line error must contain)
 BAD_OVERRIDES = {
     "unknown-key": (["train.bogus=1"], "train.bogus: unknown key"),  # the config's, for the contract
@@ -116,10 +118,11 @@ def test_cpu_on_purpose_trains_where_gpus_are_granted(tiny_model, reviews, tmp_p
 
 def test_dp_refuses_several_ranks(tiny_model, reviews, tmp_path):
     """Under torchrun, 2 ranks. Each refuses as it starts, but torchrun ends the other rank
-    as soon as one has exited, maybe before it printed: the line is there once or twice."""
+    as soon as one has exited, maybe before it printed: the line is there once or twice. The
+    launch exits 2, as one process would: a launcher must not retry it (docs/restarts.md)."""
     out = tmp_path / "run"
     result = run(trainer_command(tiny_overrides(tiny_model, reviews, out, **{"train.strategy": "dp"}), nproc=2))
-    assert result.returncode != 0
+    assert result.returncode == Exit.USAGE, result.output[-3000:]
     assert result.output.count("error: train.strategy: dp (nn.DataParallel) runs in one process") in (1, 2), \
         result.output[-3000:]
     assert not out.exists()

@@ -20,7 +20,9 @@ def report_of(logs) -> str:
 
 def test_doctor_reports_a_healthy_two_node_job(tiny_model, reviews, tmp_path):
     out = tmp_path / "run"
-    env = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"}
+    # The grace the compose file and the Kubernetes manifests give (docs/restarts.md).
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1", "TRAINER_GRACE_S": "120",
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "110"}
     with Network(TWO_NODES) as net:
         procs = multinode.launch(net, tmp_path / "logs", tiny_overrides(tiny_model, reviews, out), nproc=2,
                                  env=env, command="doctor")
@@ -42,6 +44,11 @@ def test_doctor_reports_a_healthy_two_node_job(tiny_model, reviews, tmp_path):
     for i, host in enumerate(("node0", "node1")):
         assert f"  {host} (2 ranks): gloo over eth0 (10.99.0.{11 + i}, GLOO_SOCKET_IFNAME)" in report
     assert "writable by all 4 ranks, one shared filesystem across 2 hosts" in report
+    # The save, timed on output_dir's storage, against the grace a stopped job has.
+    assert ("preemption grace: 110s from the stop signal to SIGKILL: the shorter of TRAINER_GRACE_S=120s and "
+            "torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT=110s") in report
+    assert re.search(r"a stop needs ~[\d.]+s: the step under way \(~[\d.]+s of compute\), then a save of the model "
+                     r"and optimizer \([\d.]+s measured on output_dir's storage\)", report), report
     assert "wandb: mode disabled" in report
     assert "memory plan per rank on cpu: micro-batch 16 x 64 tokens, compute in fp32" in report
     assert re.search(r"the smallest device \(rank \d on node\d, cpu\): fits in ", report)
@@ -60,7 +67,7 @@ def test_doctor_reports_a_healthy_two_node_job(tiny_model, reviews, tmp_path):
     for host in ("node0", "node1"):  # each "node" has one core (taskset) for its two ranks
         assert f"warning: OMP_NUM_THREADS=1 x 2 local ranks exceeds the 1 CPU(s) of {host}" in report
     assert report.rstrip().endswith("doctor: OK, 3 warnings")
-    assert not (out / ".doctor").exists()
+    assert not (out / ".doctor").exists() and not list(out.glob(".doctor-save-*"))
 
 
 def test_doctor_fails_when_output_dir_is_not_shared(tiny_model, reviews, tmp_path):

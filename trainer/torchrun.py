@@ -1,0 +1,57 @@
+"""`python -m trainer.torchrun ARGS`: torchrun, with an exit code that says what went wrong.
+
+torchrun exits 1 whatever its workers' exit codes were, so a scheduler cannot tell a config
+error (never retry) from a preemption (restart) or a lost node (retry elsewhere). This runs
+torch's own torchrun in this process, with the same arguments and the same signal handling,
+and exits with the most severe of the failed workers' verdicts (trainer/exit_codes.py), or
+128+N when torchrun itself was stopped by signal N, as a shell would report it; a failure of
+torchrun's own (its rendezvous) is a crash, retryable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from trainer import errors
+from trainer.exit_codes import MEANING, RETRYABLE_ENV, Exit, for_launcher, worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    retryable_as = os.environ.get(RETRYABLE_ENV, "")
+    if retryable_as and not (retryable_as.isdigit() and 0 < int(retryable_as) < 256):
+        return errors.report(f"{RETRYABLE_ENV}={retryable_as!r} is not an exit code from 1 to 255")
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(argv)
+    except ChildFailedError as e:
+        # torchrun's own report (each failed rank, its exit code, its error file), without
+        # the traceback through torchrun's internals that an uncaught exception would add.
+        print(e.format_msg(), file=sys.stderr)
+        verdict = worst(failure.exitcode for failure in e.failures.values())
+        code = for_launcher(verdict)
+        print(f"trainer.torchrun: exiting with {code}: {MEANING[verdict]}", file=sys.stderr, flush=True)
+        return code
+    except SignalException as e:
+        # The workers got the same signal and, for a stop signal, saved before exiting.
+        return 128 + int(e.sigval)
+    except Exception:  # noqa: BLE001
+        # torchrun's own failure, before or between its workers: a rendezvous that timed out
+        # waiting for a node still pending, a store lost with its node. Retryable, and it must
+        # read so in the launcher's dialect: a PyTorchJob's ExitCode policy takes a plain 1 as
+        # permanent and would fail the job for a peer that was only late.
+        traceback.print_exc()
+        code = for_launcher(Exit.CRASH)
+        print(f"trainer.torchrun: exiting with {code}: torchrun failed, {MEANING[Exit.CRASH]}", file=sys.stderr,
+              flush=True)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
