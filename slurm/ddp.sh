@@ -4,11 +4,12 @@
 #   sbatch slurm/ddp.sh [-c CONFIG] [key=value ...]
 #   sbatch --nodes=4 --gpus-per-node=4 slurm/ddp.sh -c configs/yelp_bert.yaml train.lr=3e-5
 #   sbatch --partition=cpu --gpus-per-node=0 slurm/ddp.sh -c configs/demo.yaml      # CPUs, gloo
-#   sbatch $(slurm/fit.sh PARTITION) slurm/ddp.sh -c CONFIG   # every CPU and GPU of the partition's nodes
+#   sbatch $(slurm/fit.sh PARTITION) slurm/ddp.sh -c CONFIG   # the partition's GPUs and MaxTime
 #
-# The #SBATCH defaults below ask for 2 nodes x 8 GPUs x 32 CPUs. On a partition whose nodes are
-# smaller, Slurm queues the job anyway and it pends forever (squeue: PartitionConfig): check
-# first with `sbatch --test-only ...`, or size the request with slurm/fit.sh.
+# The #SBATCH defaults below ask for 2 whole nodes with 8 GPUs each, all their CPUs and
+# memory, for 24 hours. A node with fewer GPUs is refused at submit ("Requested node
+# configuration is not available"); a --time above the partition's MaxTime pends for ever
+# (squeue: PartitionTimeLimit), so slurm/fit.sh prints a --time that fits.
 #
 # Submit from the repository (or any folder holding your configs): relative paths, the
 # default venv and the default log file are all relative to the submit directory.
@@ -19,21 +20,31 @@
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=32
+#SBATCH --exclusive
+#SBATCH --mem=0
 #SBATCH --time=24:00:00
 #SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@300
+# Many sites refuse a job without an account, and some have no default partition: pass them
+# on the command line (sbatch --account=LAB --partition=gpu ...), or export SBATCH_ACCOUNT and
+# SBATCH_PARTITION once, or remove one "#" from these lines and fill them in:
+##SBATCH --account=YOUR_ACCOUNT
+##SBATCH --partition=YOUR_PARTITION
 #
 # --ntasks-per-node=1: srun starts ONE torchrun per node, and torchrun one process per GPU.
 #   A task per GPU, each running torchrun, is how jobs die of "Duplicate GPU detected".
+# --exclusive --mem=0: the whole node, whatever its CPU count and memory (NeMo's defaults).
+#   A fixed --cpus-per-task fits some nodes and pends for ever on the others; the per-rank
+#   threads are derived below from what the job really got.
 # --open-mode=append: a requeued job appends to its log instead of truncating it.
 # --signal=B:USR1@300: 5 minutes before the time limit Slurm sends USR1 to this script only
 #   (B:). The trap below turns it into "every rank checkpoints, exits, the job requeues".
 #   USR1 rather than TERM, because TERM is also what scancel and preemption send, and those
 #   must not requeue. Not to the training processes directly: torchrun dies of USR1 (it
 #   forwards only TERM, INT, HUP and QUIT), so a relay on each node hands it on as a TERM.
+#   Slurm does not tell the job this lead: if you change @300, export TRAINER_SIGNAL_LEAD_S.
 set -euo pipefail
 
 die() {
@@ -44,16 +55,56 @@ die() {
 [[ -n ${SLURM_JOB_ID:-} ]] || die "not inside a Slurm job; submit it with: sbatch [\$(slurm/fit.sh PARTITION)] slurm/ddp.sh [-c CONFIG] [key=value ...]"
 cd "$SLURM_SUBMIT_DIR"
 
+# --- The restart contract (trainer/exit_codes.py, docs/restarts.md) -----------------------
+# Each node runs `python -m trainer.torchrun`, which exits with its workers' verdict: 0 done,
+# 1 crash, 2 usage error, 75 preempted (saved), 76 node fault, 77 no progress. srun cannot pass
+# those on: with --kill-on-bad-exit the other nodes' tasks are terminated, and srun exits with
+# the highest code of all, 143 (a TERM) above a node's 76. So each node's relay writes its own
+# code to this job's folder on the shared submit directory, and the verdict is read there.
+state=$SLURM_SUBMIT_DIR/.trainer-workspace/slurm/$SLURM_JOB_ID
+# Where the ranks name the node they suspect on a node fault (76): the requeue excludes it.
+export TRAINER_NODE_FAULTS=${TRAINER_NODE_FAULTS:-$state/node-faults}
+# The Kubernetes dialect (every retryable verdict as 138) would hide 75 and 76 from this script.
+unset TRAINER_RETRYABLE_EXIT_CODE
+
+# Grace. TRAINER_GRACE_S: the seconds from the time-limit signal to the limit (--signal's lead).
+# But the relays TERM torchrun at once, and torchrun SIGKILLs its workers
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default, whatever the lead): keep it a
+# little below the lead, so that the workers have the time to save and this script the time
+# to requeue before the limit. `python -m trainer doctor` checks the checkpoint's save time
+# against the shorter of the two.
+lead=${TRAINER_SIGNAL_LEAD_S:-300}
+[[ $lead =~ ^[1-9][0-9]*$ ]] || die "TRAINER_SIGNAL_LEAD_S=$lead is not a positive number of seconds"
+export TRAINER_GRACE_S=${TRAINER_GRACE_S:-$lead}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$(( lead - (lead / 4 < 30 ? lead / 4 : 30) ))}
+
 # --- Where the code runs: a container image, a venv, or whatever is on PATH -------------
 # TRAINER_CONTAINER_IMAGE runs every step in the image built from our Dockerfile.
 #   pyxis/enroot (the default runtime):  srun --container-image=IMAGE ...
 #   Apptainer (TRAINER_CONTAINER_RUNTIME=apptainer, IMAGE a .sif or docker://...):
-#                                        apptainer exec --nv IMAGE ...
+#                                        apptainer exec --nv --no-home --cleanenv IMAGE ...
 # Either way the submit directory is mounted at the same path and is the working directory,
 # so configs, data and runs on the shared filesystem are where they are outside.
 srun_flags=()    # extra srun options (pyxis)
 exec_prefix=()   # a command that wraps each process (Apptainer)
+# What the job needs from the host environment, and all a clean container gets (Apptainer
+# --cleanenv) or gets over the image's own values (pyxis --container-env); TRAINER_CONTAINER_ENV
+# adds names (comma-separated). SLURM_* differ on each node, so they are read on each node.
+passed_env='SLURM_*|SLURMD_NODENAME|TRAINER_*|NCCL_*|GLOO_*|TORCH_*|TORCHELASTIC_*|PYTORCH_*|CUDA_VISIBLE_DEVICES|OMP_NUM_THREADS|PYTHONSAFEPATH|PYTHONNOUSERSITE|WANDB_API_KEY|WANDB_MODE|WANDB_PROJECT|WANDB_ENTITY|HF_TOKEN|FI_*|UCX_*'
+if [[ -n ${TRAINER_CONTAINER_ENV:-} ]]; then
+    [[ $TRAINER_CONTAINER_ENV =~ ^[A-Za-z_][A-Za-z0-9_]*(,[A-Za-z_][A-Za-z0-9_]*)*$ ]] \
+        || die "TRAINER_CONTAINER_ENV=$TRAINER_CONTAINER_ENV is not a comma-separated list of variable names"
+    passed_env+="|${TRAINER_CONTAINER_ENV//,/|}"
+fi
 if [[ -n ${TRAINER_CONTAINER_IMAGE:-} ]]; then
+    image=$TRAINER_CONTAINER_IMAGE
+    # A file (a squashfs made once by `enroot import`, a .sif): pyxis takes a value that starts
+    # with "/" or "." for a file, anything else for a registry image, so make it absolute.
+    if [[ -f $image ]]; then
+        image=$(realpath "$image")
+    elif [[ $image == *.sqsh || $image == *.squashfs || $image == *.sif ]]; then
+        die "TRAINER_CONTAINER_IMAGE=$image: no such file"
+    fi
     # The image keeps its caches and runs under /workspace (HF_HOME, WANDB_*, TRITON_CACHE_DIR, ...,
     # runs/). An image is read-only (a SIF always), so /workspace is a folder of the submit
     # directory, on the shared filesystem, created here by the submitting user.
@@ -61,39 +112,69 @@ if [[ -n ${TRAINER_CONTAINER_IMAGE:-} ]]; then
     mkdir -p "$workspace/cache" "$workspace/runs" "$workspace/wandb" \
         || die "TRAINER_WORKSPACE=$workspace cannot be created"
     mounts="${TRAINER_CONTAINER_MOUNTS:-$SLURM_SUBMIT_DIR},$workspace:/workspace"
+    # The image has the package installed; a `trainer/` folder in the submit directory
+    # (a repository clone) must not shadow it, which `python -m` would otherwise do, and
+    # neither may the user's ~/.local site-packages.
+    export PYTHONSAFEPATH=1 PYTHONNOUSERSITE=1
     case ${TRAINER_CONTAINER_RUNTIME:-pyxis} in
         pyxis)
-            srun_flags=(--container-image="$TRAINER_CONTAINER_IMAGE" --container-mounts="$mounts"
-                        --container-workdir="$SLURM_SUBMIT_DIR" --no-container-mount-home) ;;
-        apptainer)  # --writable-tmpfs: anything else the processes write stays in memory
-            exec_prefix=(apptainer exec --nv --writable-tmpfs --bind "$mounts" --pwd "$SLURM_SUBMIT_DIR"
-                         "$TRAINER_CONTAINER_IMAGE") ;;
+            # --container-name: the check step and the training step share one container per
+            # node, imported once; pyxis removes it when the job ends (a requeue included).
+            # --container-env: the image's ENV would otherwise win over these host values.
+            # What it names must be set: the variables this script exports, and yours.
+            container_env=OMP_NUM_THREADS,PYTHONSAFEPATH,PYTHONNOUSERSITE,TORCH_ELASTIC_SHUTDOWN_TIMEOUT,TRAINER_GRACE_S,TRAINER_NODE_FAULTS
+            [[ -z ${TRAINER_CONTAINER_ENV:-} ]] || container_env+=,$TRAINER_CONTAINER_ENV
+            srun_flags=(--container-image="$image" --container-name="${TRAINER_CONTAINER_NAME:-trainer}"
+                        --container-mounts="$mounts" --container-workdir="$SLURM_SUBMIT_DIR"
+                        --no-container-mount-home --container-env="$container_env") ;;
+        apptainer)
+            # --no-home --cleanenv: nothing of $HOME (~/.local, caches, config) and no host
+            # variable (PYTHONPATH, LD_LIBRARY_PATH, conda's) reaches the image, except those
+            # that match $passed_env, handed over as APPTAINERENV_NAME on each node.
+            # --writable-tmpfs: anything else the processes write stays in memory.
+            # shellcheck disable=SC2016  # expanded on each node, not here
+            to_container='for name in $(compgen -e); do
+    [[ $name == @($1) ]] && export "APPTAINERENV_$name=${!name}"
+done
+shift; exec "$@"'
+            exec_prefix=(bash -O extglob -c "$to_container" apptainer-env "$passed_env"
+                         apptainer exec --nv --no-home --cleanenv --writable-tmpfs --bind "$mounts"
+                         --pwd "$SLURM_SUBMIT_DIR" "$image") ;;
         *) die "TRAINER_CONTAINER_RUNTIME=${TRAINER_CONTAINER_RUNTIME} is not one of: pyxis, apptainer" ;;
     esac
-    # The image has the package installed; a `trainer/` folder in the submit directory
-    # (a repository clone) must not shadow it, which `python -m` would otherwise do.
-    export PYTHONSAFEPATH=1
 elif [[ -n ${TRAINER_VENV:-} || -d .venv ]]; then
     venv=${TRAINER_VENV:-.venv}
-    [[ -x $venv/bin/torchrun ]] || die "TRAINER_VENV: no torchrun in $venv/bin (create it with: make install)"
+    [[ -x $venv/bin/python ]] || die "TRAINER_VENV: no python in $venv/bin (create it with: make install)"
     export PATH="$(cd "$venv/bin" && pwd):$PATH"
 fi
 if [[ -z ${TRAINER_CONTAINER_IMAGE:-} ]]; then
-    command -v torchrun >/dev/null || die "torchrun not found: set TRAINER_VENV, TRAINER_CONTAINER_IMAGE, or load an environment that has it"
+    command -v python >/dev/null || die "python not found: set TRAINER_VENV, TRAINER_CONTAINER_IMAGE, or load an environment that has the package"
 fi
 
 # --- The job's layout ---------------------------------------------------------------------
-# One process per allocated GPU; on CPU partitions (no GPUs) TRAINER_NPROC_PER_NODE, else 1.
-nproc_per_node=${TRAINER_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+# One process per GPU asked for (--gpus-per-node, as TYPE:COUNT or COUNT: an --exclusive job is
+# given all of the node's GPUs, but the processes are what you asked for), else per allocated
+# GPU; with --gpus-per-node=0 (CPUs, even on a node that has GPUs) or on CPU partitions (no
+# GPUs), TRAINER_NPROC_PER_NODE, else 1.
+gpus_asked=${SLURM_GPUS_PER_NODE:-}
+gpus_asked=${gpus_asked##*:}
+case $gpus_asked in
+    0) processes=1 ;;
+    '') processes=${SLURM_GPUS_ON_NODE:-1} ;;
+    *) processes=$gpus_asked ;;
+esac
+nproc_per_node=${TRAINER_NPROC_PER_NODE:-$processes}
 [[ $nproc_per_node =~ ^[1-9][0-9]*$ ]] || die "TRAINER_NPROC_PER_NODE=$nproc_per_node is not a positive integer"
 nnodes=$SLURM_JOB_NUM_NODES
-# Slurm 22.05 to 23.02: srun no longer inherits the job's --cpus-per-task, so each node's one
-# task would be bound to a single CPU, torchrun, every rank and their loader workers on it.
-cpus_per_task=()
-[[ -z ${SLURM_CPUS_PER_TASK:-} ]] || cpus_per_task=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+# The CPUs each node's task gets: --cpus-per-task if you gave one, else every CPU the job
+# got on its smallest node (SLURM_JOB_CPUS_PER_NODE: "64(x2),32"). srun is told explicitly:
+# a step's task gets one CPU by default (and Slurm 22.05 to 23.02 don't pass on the job's
+# --cpus-per-task), so torchrun, every rank and their loader workers would share it.
+cpus=${SLURM_CPUS_PER_TASK:-$(tr ',' '\n' <<<"${SLURM_JOB_CPUS_PER_NODE:-1}" | sed 's/(.*//' | sort -n | head -n 1)}
+[[ $cpus =~ ^[1-9][0-9]*$ ]] || die "cannot tell the job's CPUs per node from SLURM_JOB_CPUS_PER_NODE=${SLURM_JOB_CPUS_PER_NODE:-}"
 # The task's CPUs split between its processes. Without this, every rank starts a thread per
 # core of the node and they all thrash.
-threads=$(( ${SLURM_CPUS_PER_TASK:-1} / nproc_per_node ))
+threads=$(( cpus / nproc_per_node ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
@@ -110,8 +191,10 @@ rdzv_port=${TRAINER_RDZV_PORT:-$(( 20000 + SLURM_JOB_ID % 12000 ))}
 args=("$@")
 [[ -n ${TRAINER_OUTPUT_DIR:-} ]] && args=("output_dir=$TRAINER_OUTPUT_DIR" "${args[@]}")
 
+# trainer.torchrun: torchrun itself, whose exit code is the workers' verdict (torchrun's own
+# is 1 whatever happened).
 torchrun_cmd=(
-    torchrun --nnodes="$nnodes" --nproc-per-node="$nproc_per_node"
+    python -m trainer.torchrun --nnodes="$nnodes" --nproc-per-node="$nproc_per_node"
     --rdzv-backend=trainer-c10d --rdzv-endpoint="$rdzv_host:$rdzv_port" --rdzv-id="$SLURM_JOB_ID"
     --rdzv-conf=join_timeout="${TRAINER_JOIN_TIMEOUT:-600}" --max-restarts="${TRAINER_MAX_RESTARTS:-0}"
     -m trainer train "${args[@]}"
@@ -122,43 +205,55 @@ torchrun_cmd=(
 # ignored across fork and exec); the relay turns USR1 into a TERM to torchrun alone, which
 # passes it to its workers. `scancel --signal=TERM` would reach every process of the step
 # instead, wandb's service among them, which exits on TERM before the run's last records.
+# The relay records torchrun's exit code for the verdict; a relay that srun terminates
+# (--kill-on-bad-exit) records nothing, as it has nothing to say.
+# shellcheck disable=SC2016  # expanded on each node, not here
 node_task='
-getent hosts "$0" >/dev/null || { echo "slurm/ddp.sh: error: $(hostname) cannot resolve the first node $0" >&2; exit 2; }
+record() { echo "$1" > "$state/exit.$(uname -n)"; exit "$1"; }
+host=$0 state=$1
+shift
+getent hosts "$host" >/dev/null || { echo "slurm/ddp.sh: error: $(uname -n) cannot resolve the first node $host" >&2; record 2; }
 trap "" USR1
 "$@" &
 child=$!
 trap "kill -TERM $child" USR1
-while :; do wait "$child"; status=$?; kill -0 "$child" 2>/dev/null || exit "$status"; done'
+while :; do wait "$child"; status=$?; kill -0 "$child" 2>/dev/null || record "$status"; done'
 # --kill-on-bad-exit: one node's torchrun failing ends the step on every node at once,
 # instead of leaving the others blocked in a collective until their timeout.
-launch=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${cpus_per_task[@]}" "${srun_flags[@]}"
-        "${exec_prefix[@]}" bash -c "$node_task" "$rdzv_host" "${torchrun_cmd[@]}")
+launch=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task="$cpus" "${srun_flags[@]}"
+        "${exec_prefix[@]}" bash -c "$node_task" "$rdzv_host" "$state" "${torchrun_cmd[@]}")
+# A bad config or key fails here, in seconds, with one line, before any node starts torchrun.
+# Run where training runs (the venv or the image); it also logs the resolved config.
+if [[ ${#srun_flags[@]} -gt 0 ]]; then  # pyxis: in a one-task step, in the job's container
+    check=(srun --nodes=1 --ntasks=1 --quiet "${srun_flags[@]}" python -m trainer check "${args[@]}")
+else
+    check=("${exec_prefix[@]}" python -m trainer check "${args[@]}")
+fi
 
 echo "slurm/ddp.sh: job $SLURM_JOB_ID (attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 ))): $nnodes node(s) $SLURM_JOB_NODELIST" \
      "x $nproc_per_node process(es), rendezvous $rdzv_host:$rdzv_port"
+echo "slurm/ddp.sh: $cpus CPU(s) a node, OMP_NUM_THREADS=$OMP_NUM_THREADS; after the time-limit signal, the" \
+     "ranks have ${TORCH_ELASTIC_SHUTDOWN_TIMEOUT}s to save (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; TRAINER_GRACE_S=$TRAINER_GRACE_S)"
 if [[ -n ${TRAINER_DRY_RUN:-} ]]; then  # print what would run, for checking a setup
+    printf 'slurm/ddp.sh: would check:'; printf ' %q' "${check[@]}"; echo
     printf 'slurm/ddp.sh: would run:'; printf ' %q' "${launch[@]}"; echo
     exit 0
 fi
 
-# A bad config or key fails here, in seconds, with one line, before any node starts torchrun.
-# Run where training runs (the venv or the image); it also logs the resolved config.
-if [[ -n ${TRAINER_CONTAINER_IMAGE:-} && ${TRAINER_CONTAINER_RUNTIME:-pyxis} == pyxis ]]; then
-    srun --nodes=1 --ntasks=1 --quiet "${srun_flags[@]}" python -m trainer check "${args[@]}" || exit
-else
-    "${exec_prefix[@]}" python -m trainer check "${args[@]}" || exit
-fi
+mkdir -p "$state" || die "cannot create $state: the submit directory must be writable"
+rm -f "$state"/exit.*
+"${check[@]}" || { status=$?; rm -rf "$state"; exit "$status"; }
 
 # --- Run it, and turn signals into checkpoints ---------------------------------------------
 # The training processes' own handler (fault.preempt_signals, default SIGTERM) only sets a
 # flag; all ranks agree on it at the next step boundary, save one checkpoint and exit. This
 # script therefore must not exit early: srun runs in the background so that `wait` returns
 # to the traps, and the loop goes back to waiting until the step has finished saving.
-requeue_after=0
+time_limit=0
 on_time_limit() {
     trap '' USR1
     echo "slurm/ddp.sh: time limit near (SIGUSR1): every rank saves at its next step, then the job requeues"
-    requeue_after=1
+    time_limit=1
     scancel --signal=USR1 "$SLURM_JOB_ID"  # to every node's relay (the steps, not this script)
 }
 on_term() {
@@ -178,10 +273,69 @@ while kill -0 "$srun_pid" 2>/dev/null; do  # a trap interrupted `wait`; the step
     wait "$srun_pid" || status=$?
 done
 
-if (( requeue_after && status != 0 )); then
-    # The ranks saved and exited. Requeued, the job keeps its id, so it finds the same
-    # output_dir, resumes from that checkpoint and continues the same wandb run.
-    echo "slurm/ddp.sh: checkpoint saved; requeueing job $SLURM_JOB_ID"
-    scontrol requeue "$SLURM_JOB_ID"
-fi
-exit "$status"
+# The job's verdict: the most severe code a node's torchrun exited with (2 > 77 > 76 > 1 > 75),
+# 143 counting as 75 (torchrun stopped by a TERM, the relay's or Slurm's: it forwarded it, and
+# its ranks saved) and any other code as a crash (1); srun's own code if no node recorded one.
+codes=$(cat "$state"/exit.* 2>/dev/null || true)
+[[ -n $codes ]] || codes=$status
+verdict=0
+for candidate in 2 77 76 1 75; do
+    for code in $codes; do
+        case $code in 0|2|75|76|77) ;; 143) code=75 ;; *) code=1 ;; esac
+        if [[ $code == "$candidate" ]]; then verdict=$candidate; break 2; fi
+    done
+done
+
+# Requeue for a node fault: without the nodes the ranks named, within a budget, and only if the
+# partition keeps enough nodes (a job excluded from too many would pend for ever).
+requeue_without_suspects() {
+    local used=0 budget=${TRAINER_MAX_FAULT_REQUEUES:-3} excluded suspects left
+    [[ ! -f $state/fault-requeues ]] || used=$(wc -l < "$state/fault-requeues")
+    if (( used >= budget )); then
+        echo "slurm/ddp.sh: node fault (76) after $used requeue(s) for node faults (TRAINER_MAX_FAULT_REQUEUES=$budget): not requeueing"
+        return 1
+    fi
+    # Hostnames, as the ranks saw them: Slurm's node names are the short ones.
+    suspects=$(sed 's/\..*//' "$TRAINER_NODE_FAULTS" 2>/dev/null | grep -v '^$' | sort -u | paste -sd, || true)
+    excluded=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*' | cut -d= -f2)
+    [[ $excluded == "(null)" ]] && excluded=
+    excluded=$( { [[ -z $excluded ]] || scontrol show hostnames "$excluded"; tr , '\n' <<<"$suspects"; } | grep -v '^$' | sort -u || true)
+    left=$(sinfo -h -N -p "$SLURM_JOB_PARTITION" -o %N | sort -u | comm -23 - <(echo "$excluded") | grep -c . || true)
+    if (( left < nnodes )); then
+        echo "slurm/ddp.sh: node fault (76): without $(paste -sd, <<<"$excluded"), partition $SLURM_JOB_PARTITION" \
+             "has $left node(s) for a job of $nnodes: not requeueing"
+        return 1
+    fi
+    echo "slurm/ddp.sh: node fault (76): requeueing job $SLURM_JOB_ID without ${suspects:-(no node named)}"
+    echo "${SLURM_RESTART_COUNT:-0}" >> "$state/fault-requeues"
+    : > "$TRAINER_NODE_FAULTS"
+    # Requeue first, then exclude: Slurm refuses a running job's ExcNodeList, and the
+    # requeued job cannot start again before this script has ended. The requeue TERMs every
+    # process of the job at once, the update's scontrol included unless it ignores TERM.
+    trap '' TERM
+    scontrol requeue "$SLURM_JOB_ID" || return 1
+    # Requeued whatever follows: a refused exclusion must not fail the job (nor reset the budget).
+    [[ -z $excluded ]] || scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$(paste -sd, <<<"$excluded")" \
+        || echo "slurm/ddp.sh: warning: requeued, but Slurm refused ExcNodeList=$(paste -sd, <<<"$excluded")" >&2
+}
+
+case $verdict in
+    2|77)  # the same job would fail the same way: never requeue, even after the time-limit signal
+        echo "slurm/ddp.sh: exit $verdict: not requeueing" ;;
+    76)
+        requeue_without_suspects && exit 0 ;;
+    *)
+        if (( time_limit && status != 0 )); then
+            # The ranks saved and exited. Requeued, the job keeps its id, so it finds the same
+            # output_dir, resumes from that checkpoint and continues the same wandb run.
+            echo "slurm/ddp.sh: checkpoint saved; requeueing job $SLURM_JOB_ID"
+            scontrol requeue "$SLURM_JOB_ID" && exit 0
+        fi ;;
+    # 0 done; 1 a crash: torchrun's own --max-restarts (TRAINER_MAX_RESTARTS) is its budget,
+    # and a requeue would most often meet the same bug; 75 without the time-limit signal:
+    # scancel (stays cancelled) or a preemption (Slurm requeues it itself).
+esac
+# The job's folder goes with the job; after a preemption (75) Slurm requeues the same job
+# itself, which keeps its node-fault budget there.
+[[ $verdict == 75 ]] || rm -rf "$state"
+exit "$verdict"

@@ -16,13 +16,22 @@ save and return 75. Then, and only after USR2, the time-limit signal is handed t
 own handler, which requeues the job (this callable is a submitit Checkpointable); the
 requeued job resumes from that checkpoint with the same wandb run. After TERM alone nothing
 is requeued: a cancelled job stays cancelled, and Slurm requeues a preempted one itself.
+submitit gives up after `slurm_max_num_timeout` time limits (3 by default); --max-timeouts
+raises it, since a long run meets its time limit at every attempt.
+
+The other verdicts of the restart contract (trainer/exit_codes.py): a node fault (76)
+requeues the job without the nodes the ranks named (like slurm/ddp.sh, within
+--max-fault-requeues); a crash (1), a usage error (2) and no progress (77) fail the job.
 Config errors are caught here, before submitting.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +40,7 @@ import submitit
 from trainer import config
 from trainer.__main__ import main as trainer_main
 from trainer.errors import ConfigError, report
+from trainer.exit_codes import MEANING, NODE_FAULTS_ENV, RETRYABLE_ENV, Exit
 from trainer.preemption import EXIT_PREEMPTED, received_signals
 
 # submitit's time-limit signal, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise. The
@@ -43,10 +53,21 @@ class TrainJob(submitit.helpers.Checkpointable):
     """One Slurm task = one rank. Checkpointable: submitit requeues it as it was submitted,
     and the trainer itself finds its latest checkpoint in output_dir."""
 
+    def __init__(self, grace_s: int = 300, max_fault_requeues: int = 3):
+        self.grace_s = grace_s
+        self.max_fault_requeues = max_fault_requeues
+
     def __call__(self, trainer_args: list[str]) -> int:
         # set_cuda_visible_devices=False: each rank picks cuda:LOCAL_RANK among the node's
         # GPUs, exactly as under torchrun.
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        job = submitit.JobEnvironment()
+        state = job.paths.folder / f"{job.job_id}_faults"
+        state.mkdir(exist_ok=True)
+        os.environ.setdefault(NODE_FAULTS_ENV, str(state / "node-faults"))
+        # No torchrun between Slurm and the ranks: they have the signal's whole lead to save.
+        os.environ.setdefault("TRAINER_GRACE_S", str(self.grace_s))
+        os.environ.pop(RETRYABLE_ENV, None)  # the Kubernetes dialect would hide 75 and 76 here
         exit_code = trainer_main(["train", *trainer_args])
         if exit_code == EXIT_PREEMPTED and TIME_LIMIT_SIGNAL.name in received_signals():
             # The checkpoint is on disk and the trainer has given the signals back to
@@ -58,9 +79,69 @@ class TrainJob(submitit.helpers.Checkpointable):
             return exit_code
         if exit_code == EXIT_PREEMPTED:
             return exit_code  # saved; not requeued by us
+        if exit_code == Exit.NODE_FAULT and requeue_without_suspects(job.job_id, state, self.max_fault_requeues):
+            return 0  # as after USR2: exiting 0 so that --kill-on-bad-exit leaves the requeue be
         if exit_code != 0:
-            raise RuntimeError(f"python -m trainer train exited with {exit_code}; see the job's log")
+            meaning = MEANING.get(exit_code, "crashed")
+            raise RuntimeError(f"python -m trainer train exited with {exit_code} ({meaning}); see the job's log")
         return exit_code
+
+
+def requeue_without_suspects(job_id: str, state: Path, budget: int) -> bool:
+    """Requeue the job without the nodes the ranks named in the node-fault file, as
+    slurm/ddp.sh does: within `budget` such requeues, and only if the partition keeps enough
+    nodes for the job. False if it did not. One rank requeues; the others find it done."""
+    attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
+    try:  # the first rank with a node fault in this attempt requeues; the others return
+        os.close(os.open(state / f"requeue.{attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return True
+    used = len(list(state.glob("requeue.*"))) - 1
+    if used >= budget:
+        print(f"node fault (76) after {used} requeue(s) for node faults (--max-fault-requeues {budget}): "
+              "not requeueing", file=sys.stderr)
+        return False
+    faults = Path(os.environ[NODE_FAULTS_ENV])
+    suspects = {line.split(".")[0] for line in faults.read_text().split()} if faults.exists() else set()
+    shown = dict(field.split("=", 1) for field in _scontrol("show", "job", "-o", job_id).split() if "=" in field)
+    excluded = set(suspects)
+    if shown.get("ExcNodeList", "(null)") != "(null)":
+        excluded |= set(_scontrol("show", "hostnames", shown["ExcNodeList"]).split())
+    partition_nodes = set(subprocess.run(["sinfo", "-h", "-N", "-p", shown["Partition"], "-o", "%N"], check=True,
+                                         capture_output=True, text=True).stdout.split())
+    if len(partition_nodes - excluded) < int(shown["NumNodes"]):
+        print(f"node fault (76): without {','.join(sorted(excluded))}, partition {shown['Partition']} has "
+              f"{len(partition_nodes - excluded)} node(s) for a job of {shown['NumNodes']}: not requeueing",
+              file=sys.stderr)
+        return False
+    print(f"node fault (76): requeueing job {job_id} without {','.join(sorted(suspects)) or '(no node named)'}",
+          file=sys.stderr, flush=True)
+    faults.unlink(missing_ok=True)
+    # Requeue first, then exclude: Slurm refuses a running job's ExcNodeList, and the requeued
+    # job cannot start again before its tasks have ended. The requeue TERMs every process of
+    # the job, this one included: ignore it until the update is sent.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _scontrol("requeue", job_id)
+    if excluded:
+        _scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(sorted(excluded))}")
+    return True
+
+
+def _scontrol(*args: str) -> str:
+    return subprocess.run(["scontrol", *args], check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def node_cpus(partition: str | None) -> int | None:
+    """The CPUs of the partition's smallest node (the default partition's without one), or
+    None if sinfo cannot say."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        rows = subprocess.run(["sinfo", "-h", "-N", "-o", "%P %c"], check=True, capture_output=True, text=True,
+                              timeout=30).stdout.splitlines()
+        # sinfo marks the default partition "NAME*", named or not.
+        cpus = [int(cpu_count) for name, cpu_count in (row.split() for row in rows)
+                if name.rstrip("*") == partition or (not partition and name.endswith("*"))]
+        return min(cpus) if cpus else None
+    return None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,11 +152,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpus-per-node", type=int, default=8, help="0 for a CPU partition")
     parser.add_argument("--tasks-per-node", type=int,
                         help="ranks per node (default: one per GPU, or 1 without GPUs)")
-    parser.add_argument("--cpus-per-task", type=int, default=4, help="CPUs per rank")
+    parser.add_argument("--cpus-per-task", type=int,
+                        help="CPUs per rank (default: the partition's smallest node's, shared by its ranks)")
     parser.add_argument("--time", type=int, default=24 * 60, help="time limit in minutes")
     parser.add_argument("--partition")
     parser.add_argument("--signal-delay-s", type=int, default=300,
                         help="seconds between the time-limit signal and the limit: time to save")
+    parser.add_argument("--max-timeouts", type=int, default=100,
+                        help="time limits after which submitit stops requeueing (its default is 3)")
+    parser.add_argument("--max-fault-requeues", type=int, default=3,
+                        help="requeues without a faulty node (exit code 76) before the job fails")
     parser.add_argument("--folder", default="runs/submitit/%j", help="submitit's pickles and logs")
     parser.add_argument("--sbatch", action="append", default=[], metavar="KEY=VALUE",
                         help="any other sbatch option, e.g. --sbatch account=lab --sbatch qos=high")
@@ -98,16 +184,21 @@ def main(argv: list[str] | None = None) -> int:
             return report(f"--sbatch {option!r} is not KEY=VALUE")
         extra[key] = value
 
-    executor = submitit.AutoExecutor(folder=args.folder, cluster="slurm")
+    tasks_per_node = args.tasks_per_node or max(args.gpus_per_node, 1)
+    # Whole nodes (--exclusive --mem=0), as slurm/ddp.sh takes them; each task is bound to its
+    # own --cpus-per-task, so the node's CPUs are split between its ranks.
+    cpus_per_task = args.cpus_per_task or max((node_cpus(args.partition) or tasks_per_node) // tasks_per_node, 1)
+    executor = submitit.AutoExecutor(folder=args.folder, cluster="slurm", slurm_max_num_timeout=args.max_timeouts)
     executor.update_parameters(
-        name="trainer", nodes=args.nodes, tasks_per_node=args.tasks_per_node or max(args.gpus_per_node, 1),
-        gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, timeout_min=args.time,
+        name="trainer", nodes=args.nodes, tasks_per_node=tasks_per_node,
+        gpus_per_node=args.gpus_per_node, cpus_per_task=cpus_per_task, timeout_min=args.time,
         slurm_partition=args.partition, slurm_signal_delay_s=args.signal_delay_s,
+        slurm_exclusive=True, slurm_mem="0",
         # --kill-on-bad-exit: one rank that dies ends every task, instead of leaving them in a
         # collective until the timeout. --requeue: allowed even where the cluster's default is not.
         slurm_srun_args=["--kill-on-bad-exit=1"], slurm_additional_parameters={"requeue": True, **extra},
     )
-    job = executor.submit(TrainJob(), trainer_args)
+    job = executor.submit(TrainJob(args.signal_delay_s, args.max_fault_requeues), trainer_args)
     print(f"submitted job {job.job_id}; logs in {Path(job.paths.stdout).parent}")
     if not args.wait:
         return 0

@@ -13,6 +13,10 @@ Settings that keep the suite fast, each worth minutes:
   `--gpus-per-node` is scheduled and CUDA_VISIBLE_DEVICES set exactly as on a GPU node.
   No driver is behind them, so torch sees no CUDA and the trainer uses gloo.
 - No accounting daemon: job state comes from `scontrol show job` (MinJobAge keeps it).
+
+The nodes are small in CPUs (4) but have the GPUs slurm/ddp.sh's defaults ask for (8), so a
+plain `sbatch slurm/ddp.sh` must run on them. Two partitions over the same nodes: `debug`
+(the default, no time limit) and `short`, whose MaxTime is below ddp.sh's default --time.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from support import killpg, wait_for
 
 NODES = ("node1", "node2")
 CPUS_PER_NODE = 4
-GPUS_PER_NODE = 2
+GPUS_PER_NODE = 8
+SHORT_MAX_TIME = "30:00"
+"""The `short` partition's MaxTime, as sinfo prints it."""
 CTL_PORT = 16817
 
 
@@ -56,8 +62,9 @@ class SlurmCluster(TornDown):
         for node in NODES:
             self.net.spawn(node, ["slurmd", "-D", "-N", node], self.env, self.base,
                            log=self.base / "log" / f"{node}.out")
-        wait_for(lambda: self.client(["sinfo", "-h", "-N", "-o", "%t"]).stdout.split() == ["idle"] * len(NODES),
-                 30, "both nodes idle")
+        # One partition's view: sinfo -N lists a node once per partition it is in.
+        states = ["sinfo", "-h", "-N", "-p", "debug", "-o", "%t"]
+        wait_for(lambda: self.client(states).stdout.split() == ["idle"] * len(NODES), 30, "both nodes idle")
 
     def _write_conf(self) -> None:
         ctl_addr = self.net.addresses["ctl"]
@@ -100,6 +107,7 @@ JobAcctGatherType=jobacct_gather/none
 GresTypes=gpu
 {nodes}
 PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName=short Nodes={",".join(NODES)} MaxTime={SHORT_MAX_TIME} State=UP OverSubscribe=NO
 """)
         for index in range(GPUS_PER_NODE):
             os.mknod(self.base / "dev" / f"nvidia{index}", 0o666 | stat.S_IFCHR, os.makedev(195, index))

@@ -21,7 +21,8 @@ import wandb_log
 from conftest import BASE_ENV, PYTHON, REPO, compare_weights, failure_output, tiny_overrides
 from image import dockerfile_env
 from multinode import complete_steps
-from slurm_cluster import CPUS_PER_NODE, GPUS_PER_NODE, SlurmCluster
+from slurm_cluster import CPUS_PER_NODE, GPUS_PER_NODE, NODES, SHORT_MAX_TIME, SlurmCluster
+from slurm_stand_ins import fake_apptainer, fake_venv, recorded_env
 from support import read_summary, wait_for
 from users import UID, as_user
 
@@ -159,32 +160,90 @@ def test_submitit_job_is_requeued_on_preemption_and_matches_sbatch(cluster, unin
     for task in (0, 1):
         with open(tmp_path / "submitit" / f"{job_id}_{task}_result.pkl", "rb") as f:
             assert pickle.load(f) == ("success", 0)
+    # The time limits submitit still allows (slurm_max_num_timeout, 3 unless set), as its
+    # USR2 handler reads them. It counts a USR2 in a job's last 10 minutes as a time limit, and
+    # with --time 10 every USR2 is: this one spent one of the 100.
+    with open(tmp_path / "submitit" / f"{job_id}_submitted.pkl", "rb") as f:
+        assert pickle.load(f)._timeout_countdown == 99
     assert 0 < read_summary(run)["resumed_from_step"] < STEPS
     assert compare_weights(reference, run, STEPS).differing == []
     one_wandb_run(run, attempts=2)
 
 
-def test_a_request_that_fits_no_node_is_caught_and_fit_sizes_it(cluster):
-    """ddp.sh's #SBATCH defaults (8 GPUs, 32 CPUs a node) fit no node here (2 fake GPUs, 4
-    CPUs): sbatch would queue the job and leave it pending (PartitionConfig); --test-only says
-    so at once, and slurm/fit.sh sizes the request to the partition's nodes, which then fits."""
-    refused = cluster.client(["sbatch", "--test-only", "slurm/ddp.sh"], check=False, env=JOB_ENV, cwd=REPO)
+@pytest.fixture
+def stand_in(tmp_path):
+    """(the env that runs ddp.sh's jobs with the fake venv of tests/slurm_stand_ins.py, the
+    folder where its torchrun records each call)."""
+    out = tmp_path / "recorded"
+    out.mkdir()
+    return {"TRAINER_VENV": str(fake_venv(tmp_path / "venv")), "FAKE_OUT": str(out)}, out
+
+
+def test_the_defaults_run_on_small_nodes_and_fit_keeps_the_time_within_max_time(cluster, stand_in, tmp_path):
+    """A plain `sbatch slurm/ddp.sh` (2 nodes x 8 GPUs, --exclusive --mem=0, 24 h) on nodes of
+    4 CPUs runs, its task on each node given the node's 4 CPUs; more GPUs than a node has are
+    refused at submit. The `short` partition's MaxTime is below 24 h: sbatch --test-only
+    accepts the job there and it would pend for ever; slurm/fit.sh cuts --time to MaxTime (a
+    TIME given above it is refused in one line), and the fitted job runs. The trainer is the
+    stand-in: what is tested is the script and the cluster's scheduling."""
+    env, recorded = stand_in
+    log = tmp_path / "job.out"
+    job_id = cluster.sbatch([f"--output={log}", "slurm/ddp.sh", "-c", "configs/demo.yaml"], env=env, cwd=REPO)
+    record = finished(cluster, job_id, log, timeout=60)
+    assert (record["JobState"], record["NodeList"]) == ("COMPLETED", "node[1-2]"), explain(record, cluster)
+    assert f"{CPUS_PER_NODE} CPU(s) a node, OMP_NUM_THREADS=1;" in record["log"]  # 4 CPUs, 8 ranks
+    for node in NODES:
+        argv, task_env = recorded_env(recorded / f"torchrun.0.{node}")
+        assert f"--nnodes=2 --nproc-per-node={GPUS_PER_NODE} " in argv, argv
+        assert (task_env["SLURM_CPUS_PER_TASK"], task_env["SLURM_GPUS_ON_NODE"]) == (str(CPUS_PER_NODE), "8")
+        # The grace after --signal=B:USR1@300: torchrun SIGKILLs its workers 270 s after the
+        # relay's TERM (not 30), and the ranks are told the launcher's 300 s.
+        assert (task_env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"], task_env["TRAINER_GRACE_S"]) == ("270", "300")
+        assert "TRAINER_RETRYABLE_EXIT_CODE" not in task_env
+
+    refused = cluster.client(["sbatch", f"--gpus-per-node={GPUS_PER_NODE * 2}", "slurm/ddp.sh"], check=False,
+                             env=env, cwd=REPO)
     assert refused.returncode != 0 and "Requested node configuration is not available" in refused.stderr
-    fit = cluster.client(["slurm/fit.sh"], env=JOB_ENV, cwd=REPO).stdout.split()
-    assert fit == ["--partition=debug", f"--cpus-per-task={CPUS_PER_NODE}", f"--gpus-per-node={GPUS_PER_NODE}"]
-    fits = cluster.client(["sbatch", "--test-only", *fit, "slurm/ddp.sh"], check=False, env=JOB_ENV, cwd=REPO)
-    assert fits.returncode == 0, fits.stderr
+
+    assert cluster.client(["sbatch", "--test-only", "--partition=short", "slurm/ddp.sh"], check=False,
+                          env=env, cwd=REPO).returncode == 0  # --test-only does not see MaxTime
+    pending = cluster.sbatch([f"--output={tmp_path / 'pending.out'}", "--partition=short", "slurm/ddp.sh"],
+                             env=env, cwd=REPO)
+    try:
+        wait_for(lambda: cluster.job(pending).get("Reason") == "PartitionTimeLimit", 20, "PartitionTimeLimit")
+        assert cluster.job(pending)["JobState"] == "PENDING"
+    finally:
+        cluster.client(["scancel", pending])
+
+    fit = cluster.client(["slurm/fit.sh", "short"], env=env, cwd=REPO)
+    assert fit.stdout.split() == ["--partition=short", f"--gpus-per-node={GPUS_PER_NODE}", f"--time={SHORT_MAX_TIME}"]
+    assert fit.stderr.strip() == (f"slurm/fit.sh: partition short allows at most {SHORT_MAX_TIME}; "
+                                  "asking for that instead of ddp.sh's 24:00:00")
+    assert cluster.client(["slurm/fit.sh"], env=env, cwd=REPO).stdout.split() == [
+        "--partition=debug", f"--gpus-per-node={GPUS_PER_NODE}", "--time=24:00:00"]
+    too_long = cluster.client(["slurm/fit.sh", "short", "1-00:00"], check=False, env=env, cwd=REPO)
+    assert (too_long.returncode, too_long.stderr.strip()) == (2, (
+        f"slurm/fit.sh: error: --time=1-00:00 is above partition short's MaxTime {SHORT_MAX_TIME}: "
+        "the job would pend for ever"))
+    log = tmp_path / "fitted.out"
+    job_id = cluster.sbatch([f"--output={log}", *fit.stdout.split(), "--nodes=1", "slurm/ddp.sh"], env=env, cwd=REPO)
+    record = finished(cluster, job_id, log, timeout=60)
+    assert (record["JobState"], record["TimeLimit"]) == ("COMPLETED", "00:30:00"), explain(record, cluster)
 
 
 def test_scancel_of_a_submitit_job_saves_and_stays_cancelled(cluster, dropout_model, reviews, tmp_path):
     """scancel sends TERM: the ranks save and stop, and nothing requeues the job (only the
     time-limit signal does, above; Slurm requeues a preempted job by itself)."""
     run = tmp_path / "run"
-    argv = [PYTHON, "slurm/submit.py", "--nodes", "2", "--gpus-per-node", "1", "--cpus-per-task", "1",
+    argv = [PYTHON, "slurm/submit.py", "--nodes", "2", "--gpus-per-node", "1",
             "--time", "10", "--folder", str(tmp_path / "submitit"),
             *tiny_overrides(dropout_model, reviews, run, **OPTIONS)]
     submitted = cluster.client(argv, env=JOB_ENV, cwd=REPO)
     job_id = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
+    # Whole nodes, as ddp.sh takes them, and without --cpus-per-task each node's one rank is
+    # given the node's CPUs.
+    sbatch_lines = (tmp_path / "submitit" / f"{job_id}_submission.sh").read_text().splitlines()
+    assert {"#SBATCH --exclusive", "#SBATCH --mem=0", f"#SBATCH --cpus-per-task={CPUS_PER_NODE}"} <= set(sbatch_lines)
     wait_for(lambda: complete_steps(run), 120, "the first checkpoint")
     cluster.client(["scancel", job_id])
     record = cluster.wait_job(job_id, timeout=120)
@@ -205,6 +264,28 @@ def test_bad_submission_fails_in_seconds_with_one_line(cluster, tmp_path, args, 
     errors = [line for line in record["log"].splitlines() if "error" in line.lower()]
     assert errors == [expected], record["log"]
     assert "Traceback" not in record["log"]
+
+
+def test_submitit_does_not_requeue_a_node_fault_that_would_leave_too_few_nodes(cluster, tmp_path):
+    """submit.py's node-fault requeue (exit code 76), run in a real 2-node job: the ranks named
+    node2, without which the partition has one node for a job of two, so it declines (the
+    requeue itself is ddp.sh's sequence, test_a_node_fault_requeues_...)."""
+    state = tmp_path / "faults"
+    state.mkdir()
+    (state / "node-faults").write_text("node2.cluster.example\n")
+    code = ("import importlib.util, os, sys; from pathlib import Path; "
+            "spec = importlib.util.spec_from_file_location('submit', 'slurm/submit.py'); "
+            "submit = importlib.util.module_from_spec(spec); spec.loader.exec_module(submit); "
+            f"requeued = submit.requeue_without_suspects(os.environ['SLURM_JOB_ID'], Path('{state}'), 3); "
+            "sys.exit(0 if requeued else 76)")
+    log = tmp_path / "job.out"
+    job_id = cluster.sbatch(["--nodes=2", f"--output={log}", "--wrap", shlex.join([PYTHON, "-c", code])],
+                            env={**JOB_ENV, "TRAINER_NODE_FAULTS": str(state / "node-faults")}, cwd=REPO)
+    record = finished(cluster, job_id, log, timeout=60)
+    assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("FAILED", "76:0", "0"), \
+        explain(record, cluster)
+    assert record["log"].splitlines() == [
+        "node fault (76): without node2, partition debug has 1 node(s) for a job of 2: not requeueing"]
 
 
 def test_submitit_refuses_a_bad_key_before_submitting(cluster):
@@ -251,45 +332,158 @@ def test_a_gpu_job_that_cuda_cannot_use_fails_at_once(cluster, tiny_model, revie
     assert "training " not in record["log"] and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("runtime, expected", [
-    ("pyxis", ("srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=1 "
-               "--container-image=registry#lab/trainer:0.1.0 --container-mounts={repo},{workspace}:/workspace "
-               "--container-workdir={repo} --no-container-mount-home bash -c")),
-    ("apptainer", ("srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=1 apptainer exec --nv "
-                   "--writable-tmpfs --bind {repo},{workspace}:/workspace --pwd {repo} registry#lab/trainer:0.1.0 "
-                   "bash -c")),
-])
-def test_container_launch_line(cluster, tmp_path, runtime, expected):
-    """No pyxis or Apptainer here: check the exact srun line a container job runs (from a
-    real job, TRAINER_DRY_RUN), around the same torchrun command as every other test.
-    Submitted as the image's user (uid 1000), as a user submits: the workspace the script
-    mounts at the image's /workspace, where the image points every cache, is that user's."""
-    public = Path(tempfile.mkdtemp(prefix="slurm-user-"))  # pytest's tmp folders are root's alone
+@pytest.mark.parametrize("nodes, torchrun, env, code, says", [
+    (2, "0:node1=2 0:node2=hang", {}, 2, "slurm/ddp.sh: exit 2: not requeueing"),
+    (2, "0:node1=77 0:node2=hang", {}, 77, "slurm/ddp.sh: exit 77: not requeueing"),
+    (2, "0:node2=1 0:node1=hang", {}, 1, None),
+    (2, "0:node1=76>node2 0:node2=hang", {}, 76,
+     "slurm/ddp.sh: node fault (76): without node2, partition debug has 1 node(s) for a job of 2: not requeueing"),
+    (1, "0:*=76>node1", {"TRAINER_MAX_FAULT_REQUEUES": "0"}, 76,
+     "slurm/ddp.sh: node fault (76) after 0 requeue(s) for node faults (TRAINER_MAX_FAULT_REQUEUES=0): not requeueing"),
+    # torchrun stopped by a TERM (Slurm's preemption, scancel): it forwarded it, its ranks saved.
+    (2, "0:node1=143 0:node2=hang", {}, 75, None),
+], ids=["usage", "no-progress", "crash", "node-fault-no-room", "node-fault-no-budget", "terminated"])
+def test_the_job_ends_with_its_nodes_verdict_and_requeues_only_what_may_be_retried(
+        cluster, stand_in, tmp_path, nodes, torchrun, env, code, says):
+    """One node's torchrun exits with CODE and srun terminates the other's (--kill-on-bad-exit),
+    so srun itself exits 143. The job ends with CODE all the same, the verdict its nodes
+    recorded: 2 and 77 are never requeued, nor a crash (torchrun's --max-restarts is its
+    budget), nor a node fault once its requeues are spent or the partition has too few
+    other nodes, nor a preempted job without the time-limit signal (Slurm requeues those)."""
+    stand_in_env, _ = stand_in
+    job_id, log = submit(cluster, tmp_path, ["-c", "configs/demo.yaml"], sbatch=[f"--nodes={nodes}"],
+                         env={**stand_in_env, "FAKE_TORCHRUN": torchrun, **env})
+    record = finished(cluster, job_id, log, timeout=60)
+    assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("FAILED", f"{code}:0", "0"), \
+        explain(record, cluster)
+    node_code = re.search(r"=(\d+)", torchrun).group(1)  # srun reports the node's own code
+    assert f"Exited with exit code {node_code}" in record["log"], record["log"]
+    if nodes == 2:
+        assert re.search(r"srun: error: node\d: task \d: Terminated", record["log"]), record["log"]
+    if says:
+        assert says in record["log"].splitlines(), record["log"]
+    assert "requeueing job" not in record["log"]
+    job_folder = REPO / ".trainer-workspace" / "slurm" / job_id
+    # Kept after a preemption, whose requeue by Slurm keeps the job id and its node-fault budget.
+    assert job_folder.exists() == (code == 75)
+    shutil.rmtree(job_folder, ignore_errors=True)
+
+
+def test_a_node_fault_requeues_the_job_without_the_node_the_ranks_named(cluster, stand_in, tmp_path):
+    """A 1-node job whose torchrun exits 76 after naming its own node (as a rank does after its
+    GPU's error; by its full name, which Slurm knows by the short one) is requeued, excluded
+    from that node, and runs its second attempt on the other one. (Submitted with a 60 s
+    --signal lead, which sets torchrun's SIGKILL 45 s after its TERM.)"""
+    env, recorded = stand_in
+    names_itself = " ".join(f"0:{node}=76>{node}.cluster.example" for node in NODES)
+    job_id, log = submit(cluster, tmp_path, ["-c", "configs/demo.yaml"], sbatch=["--nodes=1", "--signal=B:USR1@60"],
+                         env={**env, "FAKE_TORCHRUN": names_itself, "TRAINER_SIGNAL_LEAD_S": "60"})
+    record = finished(cluster, job_id, log, timeout=90)
+    assert (record["JobState"], record["Restarts"]) == ("COMPLETED", "1"), explain(record, cluster)
+    [first] = [path.name.split(".")[-1] for path in recorded.glob("torchrun.0.*")]
+    [second] = [path.name.split(".")[-1] for path in recorded.glob("torchrun.1.*")]
+    assert (record["ExcNodeList"], record["NodeList"]) == (first, second) and first != second, record
+    assert f"slurm/ddp.sh: node fault (76): requeueing job {job_id} without {first}" in record["log"].splitlines()
+    task_env = recorded_env(recorded / f"torchrun.0.{first}")[1]
+    assert (task_env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"], task_env["TRAINER_GRACE_S"]) == ("45", "60")
+    faults = Path(task_env["TRAINER_NODE_FAULTS"])
+    assert faults == REPO / ".trainer-workspace" / "slurm" / job_id / "node-faults"
+    assert not faults.parent.exists()  # the job's folder goes when the job ends
+
+
+@pytest.fixture
+def public():
+    """A folder the image's user (uid 1000) owns: pytest's tmp folders are root's alone."""
+    folder = Path(tempfile.mkdtemp(prefix="slurm-user-"))
     try:
-        os.chown(public, UID, UID)
-        workspace = public / "workspace"
-        env = {"TRAINER_CONTAINER_IMAGE": "registry#lab/trainer:0.1.0", "TRAINER_CONTAINER_RUNTIME": runtime,
-               "TRAINER_DRY_RUN": "1", "TRAINER_WORKSPACE": str(workspace)}
-        job_id, log = submit(cluster, public, ["-c", "configs/demo.yaml"], env=env,
-                             sbatch=[f"--uid={UID}", f"--gid={UID}"])
-        record = finished(cluster, job_id, log, timeout=60)
-        assert record["JobState"] == "COMPLETED", explain(record, cluster)
-        line = next(line for line in record["log"].splitlines() if line.startswith("slurm/ddp.sh: would run:"))
-        argv = shlex.split(line.removeprefix("slurm/ddp.sh: would run:"))  # printed with printf %q
-        prefix = expected.format(repo=REPO, workspace=workspace).split()
-        assert argv[:len(prefix)] == prefix, argv
-        assert argv[len(prefix) + 1:] == [
-            "node1", "torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=trainer-c10d",
-            f"--rdzv-endpoint=node1:{20000 + int(job_id) % 12000}", f"--rdzv-id={job_id}",
-            "--rdzv-conf=join_timeout=60",
-            "--max-restarts=0", "-m", "trainer", "train", "-c", "configs/demo.yaml"], argv
-        cache_paths = {key: value for key, value in dockerfile_env().items() if value.startswith("/workspace/")}
-        assert {"HF_HOME", "WANDB_DIR", "TRITON_CACHE_DIR"} <= set(cache_paths)
-        for key, path in cache_paths.items():
-            on_host = workspace / Path(path).relative_to("/workspace")
-            existing = next(p for p in [on_host, *on_host.parents] if p.exists())
-            assert existing.is_relative_to(workspace), (key, existing)
-            writable = subprocess.run(as_user(["test", "-w", str(existing)], tmp_path / "python"))
-            assert writable.returncode == 0, f"{key}={path}: {existing} is not writable by uid {UID}"
+        os.chown(folder, UID, UID)
+        yield folder
     finally:
-        shutil.rmtree(public, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def torchrun_line(job_id: str) -> list[str]:
+    return ["python", "-m", "trainer.torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=trainer-c10d",
+            f"--rdzv-endpoint=node1:{20000 + int(job_id) % 12000}", f"--rdzv-id={job_id}",
+            "--rdzv-conf=join_timeout=60", "--max-restarts=0", "-m", "trainer", "train", "-c", "configs/demo.yaml"]
+
+
+def dry_run(record: dict[str, str], what: str) -> list[str]:
+    line = next(line for line in record["log"].splitlines() if line.startswith(f"slurm/ddp.sh: would {what}:"))
+    return shlex.split(line.removeprefix(f"slurm/ddp.sh: would {what}:"))  # printed with printf %q
+
+
+def test_pyxis_launch_lines(cluster, tmp_path, public):
+    """No pyxis here: check the exact srun lines of a pyxis job (from a real job, TRAINER_DRY_RUN):
+    a prebuilt squashfs passed as a file, one container name for the check step and the
+    training step, the variables the image must not override. Submitted as the image's user
+    (uid 1000), as a user submits: the workspace the script mounts at the image's /workspace,
+    where the image points every cache, is that user's."""
+    workspace = public / "workspace"
+    image = public / "ddp-trainer.sqsh"
+    image.write_bytes(b"")
+    env = {"TRAINER_CONTAINER_IMAGE": str(image), "TRAINER_DRY_RUN": "1", "TRAINER_WORKSPACE": str(workspace),
+           "TRAINER_CONTAINER_ENV": "MY_SETTING"}
+    job_id, log = submit(cluster, public, ["-c", "configs/demo.yaml"], env=env, sbatch=[f"--uid={UID}", f"--gid={UID}"])
+    record = finished(cluster, job_id, log, timeout=60)
+    assert record["JobState"] == "COMPLETED", explain(record, cluster)
+    pyxis = [f"--container-image={image}", "--container-name=trainer",
+             f"--container-mounts={REPO},{workspace}:/workspace", f"--container-workdir={REPO}",
+             "--no-container-mount-home", ("--container-env=OMP_NUM_THREADS,PYTHONSAFEPATH,PYTHONNOUSERSITE,"
+                                           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT,TRAINER_GRACE_S,TRAINER_NODE_FAULTS,MY_SETTING")]
+    assert dry_run(record, "check") == ["srun", "--nodes=1", "--ntasks=1", "--quiet", *pyxis,
+                                        "python", "-m", "trainer", "check", "-c", "configs/demo.yaml"]
+    argv = dry_run(record, "run")
+    prefix = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", "--cpus-per-task=1", *pyxis, "bash", "-c"]
+    assert argv[:len(prefix)] == prefix, argv
+    assert argv[len(prefix) + 1:] == ["node1", str(REPO / ".trainer-workspace" / "slurm" / job_id),
+                                      *torchrun_line(job_id)], argv
+    cache_paths = {key: value for key, value in dockerfile_env().items() if value.startswith("/workspace/")}
+    assert {"HF_HOME", "WANDB_DIR", "TRITON_CACHE_DIR"} <= set(cache_paths)
+    for key, path in cache_paths.items():
+        on_host = workspace / Path(path).relative_to("/workspace")
+        existing = next(p for p in [on_host, *on_host.parents] if p.exists())
+        assert existing.is_relative_to(workspace), (key, existing)
+        writable = subprocess.run(as_user(["test", "-w", str(existing)], tmp_path / "python"))
+        assert writable.returncode == 0, f"{key}={path}: {existing} is not writable by uid {UID}"
+
+
+def test_apptainer_gets_a_clean_environment_with_what_the_job_needs(cluster, tmp_path):
+    """A real job, with a stand-in `apptainer` that records what each call gets: the check step
+    in the batch script, then each node's task. --no-home --cleanenv keep the host's home and
+    environment out (a PYTHONPATH set when submitting included); what the job needs is handed
+    over as APPTAINERENV_*, each node's own SLURM_* among it."""
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    image, workspace = tmp_path / "trainer.sif", tmp_path / "workspace"
+    image.write_bytes(b"")
+    env = {"TRAINER_CONTAINER_IMAGE": str(image), "TRAINER_CONTAINER_RUNTIME": "apptainer",
+           "TRAINER_WORKSPACE": str(workspace), "FAKE_OUT": str(recorded),
+           "PATH": f"{fake_apptainer(tmp_path / 'bin')}:{os.environ['PATH']}",
+           "PYTHONPATH": "/home/user/.conda/lib/site-packages", "NOT_FOR_THE_JOB": "1",
+           "TRAINER_CONTAINER_ENV": "MY_SETTING", "MY_SETTING": "kept"}
+    job_id, log = submit(cluster, tmp_path, ["-c", "configs/demo.yaml"], env=env)
+    record = finished(cluster, job_id, log, timeout=60)
+    assert record["JobState"] == "COMPLETED", explain(record, cluster)
+    calls = [recorded_env(path) for path in sorted(recorded.glob("apptainer.*"))]
+    assert len(calls) == 3, calls  # the check, then one task a node
+    apptainer = ["exec", "--nv", "--no-home", "--cleanenv", "--writable-tmpfs",
+                 "--bind", f"{REPO},{workspace}:/workspace", "--pwd", str(REPO), str(image)]
+    tasks = []
+    for argv_line, call_env in calls:
+        argv = shlex.split(argv_line.removeprefix("argv:"))
+        assert argv[:len(apptainer)] == apptainer, argv
+        given = {key.removeprefix("APPTAINERENV_"): value for key, value in call_env.items()
+                 if key.startswith("APPTAINERENV_")}
+        assert {key: given.get(key) for key in ("PYTHONNOUSERSITE", "PYTHONSAFEPATH", "MY_SETTING",
+                                               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "TRAINER_GRACE_S")} == {
+            "PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1", "MY_SETTING": "kept",
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "270", "TRAINER_GRACE_S": "300"}, given
+        assert not {"PYTHONPATH", "NOT_FOR_THE_JOB", "HOME", "PATH", "LD_LIBRARY_PATH"} & set(given), given
+        if argv[len(apptainer):len(apptainer) + 2] == ["bash", "-c"]:
+            tasks.append(given)
+            assert argv[len(apptainer) + 3:] == ["node1", str(REPO / ".trainer-workspace" / "slurm" / job_id),
+                                                 *torchrun_line(job_id)], argv
+        else:
+            assert argv[len(apptainer):] == ["python", "-m", "trainer", "check", "-c", "configs/demo.yaml"], argv
+    assert sorted((task["SLURMD_NODENAME"], task["SLURM_NODEID"]) for task in tasks) == [("node1", "0"), ("node2", "1")]

@@ -1,0 +1,30 @@
+"""slurm/submit.py's own arithmetic, without a cluster (its jobs run in tests/system/test_slurm.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def submit():
+    spec = importlib.util.spec_from_file_location("submit", REPO / "slurm" / "submit.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cpus_of_a_partition_are_its_smallest_nodes_the_default_one_found_by_its_name_too(submit, monkeypatch):
+    """sinfo's %P marks the default partition "debug*": `--partition debug` must find it."""
+    def sinfo(argv, **_):
+        assert argv == ["sinfo", "-h", "-N", "-o", "%P %c"]
+        return SimpleNamespace(stdout="debug* 8\ndebug* 4\nshort 2\nshort 16\n")
+    monkeypatch.setattr(subprocess, "run", sinfo)
+    assert [submit.node_cpus(p) for p in ("debug", None, "short", "gpu")] == [4, 4, 2, None]
