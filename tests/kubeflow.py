@@ -11,6 +11,14 @@
   replicatedjob-name).
 - `pytorchjob_webhook_violations`: the PyTorchJob validating webhook's rules
   (webhooks/pytorch/pytorchjob_webhook.go).
+- Each Pod's `spec` is the pod the operator creates: the template with the init container it
+  gives the Workers of a job that has a Master (controller.v1/pytorch/initcontainer.go, its
+  default template and image: the operator's --pytorch-init-container-* flags change them,
+  nothing in the job does) and the pod restartPolicy it derives (core/pod.go: ExitCode runs
+  as Never).
+- `pytorchjob_retries` and `jobset_action`: what the operator, or the Job and JobSet
+  controllers, do when a pod's container exits with a code (common/pod.go and
+  util/train/train_util.go; the Job controller's podFailurePolicy and JobSet's failurePolicy).
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_PYTORCHJOB_PORT = 23456  # pytorch_defaults.go
+INIT_CONTAINER_IMAGE = "alpine:3.10"  # config.PyTorchInitContainerImageDefault
+INIT_CONTAINER_MAX_TRIES = 100
 TRAINJOB_MASTER_PORT = 29500
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -93,6 +103,11 @@ def pytorchjob_pods(job: dict) -> list[Pod]:
             template = replica_specs[kind]["template"]
             (container,) = [c for c in template["spec"]["containers"] if c["name"] == "pytorch"]
             pod_name = f"{name}-{kind.lower()}-{index}"
+            pod_spec = dict(template["spec"])
+            restart = replica_specs[kind].get("restartPolicy", "OnFailure")  # PyTorchJob's default
+            pod_spec["restartPolicy"] = "Never" if restart == "ExitCode" else restart
+            if kind == "Worker" and "Master" in replica_specs:
+                pod_spec["initContainers"] = [*pod_spec.get("initContainers", []), _init_container(master)]
             annotations = template.get("metadata", {}).get("annotations", {})
             labels = {**template.get("metadata", {}).get("labels", {}),
                       "training.kubeflow.org/job-name": name,
@@ -101,8 +116,25 @@ def pytorchjob_pods(job: dict) -> list[Pod]:
                       "training.kubeflow.org/replica-index": str(index)}
             if kind == "Master":
                 labels["training.kubeflow.org/job-role"] = "master"
-            pods.append(Pod(pod_name, [pod_name], annotations, labels, template["spec"], container, env))
+            pods.append(Pod(pod_name, [pod_name], annotations, labels, pod_spec, container, env))
     return pods
+
+
+def _init_container(master: str) -> dict:
+    """initcontainer.go's default template: no securityContext, an image from Docker Hub."""
+    return {"name": "init-pytorch", "image": INIT_CONTAINER_IMAGE, "imagePullPolicy": "IfNotPresent",
+            "resources": {"limits": {"cpu": "100m", "memory": "20Mi"}, "requests": {"cpu": "50m", "memory": "10Mi"}},
+            "command": ["sh", "-c", (f"err=1;for i in $(seq {INIT_CONTAINER_MAX_TRIES}); do if nslookup {master}; "
+                                     "then err=0 && break; fi;echo waiting for master; sleep 2; done; exit $err")]}
+
+
+def pytorchjob_retries(job: dict, kind: str, exit_code: int) -> bool:
+    """Whether the operator recreates (or the kubelet restarts) a pod of `kind` whose pytorch
+    container exited with `exit_code`, rather than failing the job (common/pod.go)."""
+    policy = job["spec"]["pytorchReplicaSpecs"][kind].get("restartPolicy", "OnFailure")
+    if policy == "ExitCode":
+        return exit_code >= 128  # IsRetryableExitCode
+    return policy in ("OnFailure", "Always")
 
 
 def trainjob_pods(job: dict, runtime: dict) -> list[Pod]:
@@ -116,7 +148,11 @@ def trainjob_pods(job: dict, runtime: dict) -> list[Pod]:
     labels = {**template.get("metadata", {}).get("labels", {}),
               "jobset.sigs.k8s.io/jobset-name": name, "jobset.sigs.k8s.io/replicatedjob-name": replicated["name"]}
     (container,) = [dict(c) for c in pod_spec["containers"] if c["name"] == "node"]
-    container.update(image=trainer["image"], command=trainer["command"], env=trainer.get("env", []))
+    env = {e["name"]: e for e in container.get("env", [])}
+    env.update({e["name"]: e for e in trainer.get("env", [])})
+    container.update(image=trainer["image"], command=trainer["command"], env=list(env.values()))
+    if "resourcesPerNode" in trainer:
+        container["resources"] = trainer["resourcesPerNode"]
     if "args" in trainer:
         container["args"] = trainer["args"]
     for patch in job["spec"].get("runtimePatches", []):
@@ -146,6 +182,43 @@ def trainjob_pods(job: dict, runtime: dict) -> list[Pod]:
         pod_name = f"{name}-node-0-{index}"
         pods.append(Pod(pod_name, [pod_name, f"{pod_name}.{name}"], annotations, labels, pod_spec, container, env))
     return pods
+
+
+def jobset_action(runtime: dict, exit_code: int, container: str = "node") -> str:
+    """What happens to a TrainJob on `runtime` when a pod's `container` exits with
+    `exit_code`: the node Job's podFailurePolicy (the first rule that matches; FailJob fails
+    the Job with reason PodFailurePolicy and the Job controller's message), else the pod
+    counts against the Job's backoffLimit; a failed Job then meets JobSet's failurePolicy
+    rules (first match; none: RestartJobSet). Returns the action, or "RetryPod" when the
+    Job replaces the pod itself."""
+    jobset = runtime["spec"]["template"]["spec"]
+    (node,) = [r for r in jobset["replicatedJobs"] if r["name"] == "node"]
+    job = node["template"]["spec"]
+    reason = message = None
+    for index, rule in enumerate(job.get("podFailurePolicy", {}).get("rules", [])):
+        codes = rule.get("onExitCodes")
+        if not codes or codes.get("containerName", container) != container:
+            continue
+        if (exit_code in codes["values"]) == (codes["operator"] == "In"):
+            if rule["action"] == "FailJob":
+                reason = "PodFailurePolicy"
+                message = (f"Container {container} for pod default/job-node-0-0-x failed with exit code "
+                           f"{exit_code} matching FailJob rule at index {index}")
+            elif rule["action"] == "Ignore":
+                return "RetryPod"
+            break
+    if reason is None:
+        if job.get("backoffLimit", 6) > 0:
+            return "RetryPod"
+        reason, message = "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+    for rule in jobset.get("failurePolicy", {}).get("rules", []):
+        if rule.get("onJobFailureReasons") and reason not in rule["onJobFailureReasons"]:
+            continue
+        patterns = rule.get("onJobFailureMessagePatterns")
+        if patterns and not any(re.search(pattern, message) for pattern in patterns):
+            continue
+        return rule["action"]
+    return "RestartJobSet"
 
 
 def pytorchjob_webhook_violations(job: dict) -> list[str]:

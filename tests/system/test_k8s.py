@@ -10,7 +10,14 @@ No API server here, so each layer of acceptance is checked against the real thin
   ConfigMap materialized and its PVC shared, on a host named like the pod's Service. The
   2-pod job must finish with world size 2; so must the elastic variant (k8s/elastic/), from
   the elastic rendezvous the operator injects, and the TrainJob;
-- the image override renders with `kubectl kustomize`, and names the image we build.
+- the kustomize base renders to k8s/*.yaml exactly, and every overlay (sizes, the pinned
+  image, the restricted namespace) and every component (Kueue, priority, GPU nodes), under a
+  namePrefix/nameSuffix too, renders with `kubectl kustomize` (the load restrictions of
+  `kubectl apply -k`) into objects that pass the same checks;
+- every pod the operators would create, init containers included, passes the "restricted"
+  Pod Security Standard (tests/k8s_pss.py);
+- the restart contract (trainer/exit_codes.py) compiled into each job's restart rules: what
+  the operator, or the Job and JobSet controllers, do with each verdict's exit code.
 """
 
 from __future__ import annotations
@@ -28,10 +35,20 @@ import pytest
 import yaml
 from conftest import REPO
 from image import Container, Ended, run_containers
-from kubeflow import Pod, pytorchjob_pods, pytorchjob_webhook_violations, trainjob_pods
+from k8s_pss import restricted_violations
+from kubeflow import (
+    Pod,
+    jobset_action,
+    pytorchjob_pods,
+    pytorchjob_retries,
+    pytorchjob_webhook_violations,
+    trainjob_pods,
+)
 from netns import Network
 from support import read_summary
 from users import UID
+
+from trainer.exit_codes import Exit, for_launcher
 
 SCHEMAS = REPO / "tests/schemas"
 BIN = Path(sys.executable).parent
@@ -75,9 +92,11 @@ def crd_validator(file: str) -> jsonschema.Validator:
 
 PYTORCHJOB_SCHEMA = crd_validator("kubeflow.org_pytorchjobs.yaml")
 TRAINJOB_SCHEMA = crd_validator("trainer.kubeflow.org_trainjobs.yaml")
+RUNTIME_SCHEMA = crd_validator("trainer.kubeflow.org_trainingruntimes.yaml")
 TRAINJOB = yaml.safe_load((REPO / "k8s/trainjob/trainjob.yaml").read_text())
 ELASTIC = yaml.safe_load((REPO / "k8s/elastic/pytorchjob.yaml").read_text())
-RUNTIME = yaml.safe_load((SCHEMAS / "torch_distributed_runtime.yaml").read_text())
+RUNTIME = yaml.safe_load((REPO / "k8s/trainjob/trainingruntime.yaml").read_text())
+CLUSTER_RUNTIME = yaml.safe_load((SCHEMAS / "torch_distributed_runtime.yaml").read_text())
 POLICY_FILES = {"pytorchjob": REPO / "k8s/networkpolicy.yaml", "elastic": REPO / "k8s/elastic/networkpolicy.yaml",
                 "trainjob": REPO / "k8s/trainjob/networkpolicy.yaml"}
 
@@ -96,6 +115,7 @@ def test_jobs_validate_against_their_crds():
     PYTORCHJOB_SCHEMA.validate(k8s_objects()["PyTorchJob"])
     PYTORCHJOB_SCHEMA.validate(ELASTIC)
     TRAINJOB_SCHEMA.validate(TRAINJOB)
+    RUNTIME_SCHEMA.validate(RUNTIME)
     # ... and the closed schemas do reject what a cluster would drop or refuse:
     job = copy.deepcopy(k8s_objects()["PyTorchJob"])
     job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["gpus"] = 1
@@ -105,6 +125,9 @@ def test_jobs_validate_against_their_crds():
     job["spec"]["trainer"]["numProcPerNode"] = "1"
     with pytest.raises(jsonschema.ValidationError, match="integer"):
         TRAINJOB_SCHEMA.validate(job)
+    runtime = mutate("spec.template.spec.failurePolicy.rules.0.action", "Retry")(RUNTIME)
+    with pytest.raises(jsonschema.ValidationError, match="Retry"):
+        RUNTIME_SCHEMA.validate(runtime)
 
 
 def mutate(path: str, value):
@@ -131,8 +154,10 @@ REPLICAS = "spec.pytorchReplicaSpecs"
     (mutate(f"{REPLICAS}.Chief", {"replicas": 1, "template": {"spec": {"containers": [{"name": "pytorch"}]}}}),
      "not Master or Worker"),
     (mutate(f"{REPLICAS}.Worker.template.spec.containers.0.name", "trainer"), "Worker: no container named pytorch"),
-    (mutate(f"{REPLICAS}.Master.replicas", None), "Master.replicas must be set to 1"),
-    (mutate(f"{REPLICAS}.Master.replicas", 2), "Master.replicas must be set to 1"),
+    (mutate(f"{REPLICAS}.Master", {"template": {"spec": {"containers": [{"name": "pytorch"}]}}}),
+     "Master.replicas must be set to 1"),
+    (mutate(f"{REPLICAS}.Master", {"replicas": 2, "template": {"spec": {"containers": [{"name": "pytorch"}]}}}),
+     "Master.replicas must be set to 1"),
     (mutate(f"{REPLICAS}.Worker.replicas", 0), "Worker.replicas must be at least 1"),
     (mutate("spec.elasticPolicy", {"nProcPerNode": 1}), "both set"),
 ])
@@ -165,15 +190,21 @@ def test_manifests_follow_our_rules():
     objects = k8s_objects()
     job = objects["PyTorchJob"]
     assert job["spec"]["nprocPerNode"] == "1"
-    assert {"backoffLimit", "cleanPodPolicy"} <= set(job["spec"]["runPolicy"])
+    assert {"backoffLimit", "cleanPodPolicy", "ttlSecondsAfterFinished"} <= set(job["spec"]["runPolicy"])
+    assert RUNTIME["spec"]["template"]["spec"]["ttlSecondsAfterFinished"] > 0
     for pod in pytorchjob_pods(job) + pytorchjob_pods(ELASTIC) + trainjob_pods(TRAINJOB, RUNTIME):
         container = pod.container
         assert container["image"] == IMAGE
-        assert container["command"][:2] == ["torchrun", "-m"], "torchrun, with no rendezvous flags"
+        # tini as PID 1 (a `command:` replaces the image's entrypoint), then torchrun through
+        # trainer.torchrun (its exit code is the verdict), with no rendezvous flags.
+        assert container["command"][:6] == ["tini", "--", "python", "-m", "trainer.torchrun", "-m"], \
+            container["command"]
         assert not [arg for arg in container["command"] if arg.startswith("--")], container["command"]
         assert pod.annotations["sidecar.istio.io/inject"] == "false"
         assert pod.spec["securityContext"]["runAsNonRoot"] is True
         assert pod.spec["securityContext"]["runAsUser"] == UID != 0
+        assert pod.spec["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+        assert pod.spec["automountServiceAccountToken"] is False
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -189,7 +220,7 @@ def test_manifests_follow_our_rules():
         assert not [e for e in container["env"] if e["name"].startswith("PET_")]
     for each in (job, ELASTIC):
         for replica in each["spec"]["pytorchReplicaSpecs"].values():
-            assert replica["restartPolicy"] in ("OnFailure", "ExitCode")
+            assert replica["restartPolicy"] == "ExitCode"
             (container,) = replica["template"]["spec"]["containers"]
             assert container["resources"]["limits"]["nvidia.com/gpu"] == int(each["spec"]["nprocPerNode"])
     trainer = TRAINJOB["spec"]["trainer"]
@@ -241,20 +272,183 @@ def test_network_policy_admits_the_jobs_own_pods_and_no_other(variant):
             (pod.name, pod.labels)
 
 
-def test_image_override_renders_and_names_our_image():
-    rendered = subprocess.run(
-        [BIN / "kubectl", "kustomize", "--load-restrictor=LoadRestrictionsNone", REPO / "k8s/image"],
-        capture_output=True, text=True, check=True).stdout
-    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(rendered)}
-    kustomization = yaml.safe_load((REPO / "k8s/image/kustomization.yaml").read_text())
+KUSTOMIZE = REPO / "k8s/kustomize"
+OVERLAYS = sorted(path.name for path in (KUSTOMIZE / "overlays").iterdir())
+COMPONENTS = sorted(path.name for path in (KUSTOMIZE / "components").iterdir())
+
+
+def kustomize(folder: Path) -> list[dict]:
+    """`kubectl kustomize` as `kubectl apply -k` runs it: with the default load restrictions."""
+    result = subprocess.run([BIN / "kubectl", "kustomize", folder], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def by_kind(objects: list[dict]) -> dict[str, dict]:
+    kinds = {o["kind"]: o for o in objects}
+    assert len(kinds) == len(objects), [o["kind"] for o in objects]
+    return kinds
+
+
+@pytest.fixture(scope="module")
+def renderings(tmp_path_factory) -> dict[str, dict[str, dict]]:
+    """Every overlay's objects by kind, and a user's overlay of 4x8 with every component and
+    the job renamed (namePrefix and nameSuffix): the kustomization beside the tests reaches
+    the repository by a relative path, as `kubectl apply -k` requires."""
+    found = {"base": by_kind(kustomize(KUSTOMIZE / "base"))}
+    found.update({name: by_kind(kustomize(KUSTOMIZE / "overlays" / name)) for name in OVERLAYS})
+    user = tmp_path_factory.mktemp("overlay")
+    up = Path(os.path.relpath(KUSTOMIZE, user))
+    (user / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [str(up / "overlays/4x8")], "components": [str(up / "components" / c) for c in COMPONENTS],
+        "namePrefix": "team-a-", "nameSuffix": "-v2"}))
+    found["renamed-4x8-with-every-component"] = by_kind(kustomize(user))
+    return found
+
+
+def test_top_level_manifests_are_the_base_rendering(renderings):
+    """`kubectl apply -f k8s/` and `kubectl apply -k k8s/kustomize/base` apply the same objects."""
+    assert renderings["base"] == k8s_objects()
+    assert not (REPO / "k8s/kustomization.yaml").exists(), "it would break `kubectl apply -f k8s/`"
+
+
+def test_every_rendering_validates_and_fences_its_own_pods(renderings, tmp_path):
+    """Each rendering's PyTorchJob against the CRD and the webhook, its core objects with
+    kubernetes-validate --strict, and its NetworkPolicy selects every pod of its job (renamed
+    or not) and no pod of the job as the base names it."""
+    core = []
+    base_pods = pytorchjob_pods(renderings["base"]["PyTorchJob"])
+    for name, objects in renderings.items():
+        job = objects["PyTorchJob"]
+        PYTORCHJOB_SCHEMA.validate(job)
+        assert pytorchjob_webhook_violations(job) == [], name
+        core += [o for kind, o in objects.items() if kind != "PyTorchJob"]
+        spec = objects["NetworkPolicy"]["spec"]
+        (rule,) = spec["ingress"]
+        (peer,) = rule["from"]
+        pods = pytorchjob_pods(job)
+        for pod in pods:
+            assert selects(spec["podSelector"], pod.labels), (name, pod.name)
+            assert selects(peer["podSelector"], pod.labels), (name, pod.name)
+            volumes = {v["name"]: v for v in pod.spec["volumes"]}
+            assert volumes["config"]["configMap"]["name"] == objects["ConfigMap"]["metadata"]["name"], name
+            assert volumes["workspace"]["persistentVolumeClaim"]["claimName"] == \
+                objects["PersistentVolumeClaim"]["metadata"]["name"], name
+        if job["metadata"]["name"] != "ddp-trainer":
+            assert not any(selects(spec["podSelector"], pod.labels) for pod in base_pods), name
+    assert renderings["renamed-4x8-with-every-component"]["PyTorchJob"]["metadata"]["name"] == "team-a-ddp-trainer-v2"
+    files = tmp_path / "core.yaml"
+    files.write_text(yaml.safe_dump_all(core))
+    result = subprocess.run([BIN / "kubernetes-validate", "--strict", files], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def env_of(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def quantity_gi(value: str) -> int:
+    assert value.endswith("Gi"), value
+    return int(value[:-2])
+
+
+def test_overlays_size_the_pod_together(renderings):
+    """nprocPerNode, the GPU limit, CPU, memory, /dev/shm and OMP_NUM_THREADS move together,
+    and the backoff limit follows the pod count."""
+    sizes = {}
+    for name, objects in renderings.items():
+        job = objects["PyTorchJob"]
+        nproc = int(job["spec"]["nprocPerNode"])
+        (pod, *_) = pods = pytorchjob_pods(job)
+        resources, env = pod.container["resources"], env_of(pod.container)
+        assert resources["limits"]["nvidia.com/gpu"] == nproc, name
+        assert int(env["OMP_NUM_THREADS"]) * nproc == int(resources["requests"]["cpu"]), name
+        assert resources["requests"]["memory"] == resources["limits"]["memory"], name
+        shm = {v["name"]: v for v in pod.spec["volumes"]}["dshm"]["emptyDir"]["sizeLimit"]
+        # /dev/shm's pages count against the memory limit: at most half of it.
+        assert 2 * quantity_gi(shm) <= quantity_gi(resources["limits"]["memory"]), name
+        assert job["spec"]["runPolicy"]["backoffLimit"] == 3 * len(pods), name
+        sizes[name] = (len(pods), nproc)
+    assert {sizes[n] for n in ("1x8", "2x8", "4x8")} == {(1, 8), (2, 8), (4, 8)}
+
+
+def test_grace_settings_agree():
+    """torchrun kills its ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT after forwarding SIGTERM, the
+    kubelet kills torchrun terminationGracePeriodSeconds after sending it: the first must end
+    before the second (torchrun then still exits with its verdict), and TRAINER_GRACE_S, what
+    doctor holds the checkpoint save time against, is what the ranks really get."""
+    pods = [*pytorchjob_pods(k8s_objects()["PyTorchJob"]), *pytorchjob_pods(ELASTIC), *trainjob_pods(TRAINJOB, RUNTIME)]
+    for pod in pods:
+        env, grace = env_of(pod.container), pod.spec["terminationGracePeriodSeconds"]
+        shutdown = int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+        assert 5 <= grace - shutdown <= 15, pod.name
+        assert int(env["TRAINER_GRACE_S"]) == shutdown, pod.name
+
+
+def test_the_pvc_asks_for_a_shared_class_by_name():
+    """ReadWriteMany, and a storage class the user must name: the placeholder is not a DNS
+    subdomain, so the API server refuses the claim (naming spec.storageClassName) instead of
+    leaving it Pending on a ReadWriteOnce default class."""
+    spec = k8s_objects()["PersistentVolumeClaim"]["spec"]
+    assert spec["accessModes"] == ["ReadWriteMany"]
+    dns_subdomain = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    assert not dns_subdomain.match(spec["storageClassName"])
+    assert dns_subdomain.match("efs-sc") and dns_subdomain.match("azurefile-csi")
+
+
+def test_pods_pass_the_restricted_pod_security_standard(renderings):
+    """Every pod the operators would create from our manifests, init containers included,
+    and the namespace overlay enforces the standard. A job with a Master would not pass:
+    the operator gives its Workers an init container of its own."""
+    pods = [pod for objects in renderings.values() for pod in pytorchjob_pods(objects["PyTorchJob"])]
+    pods += pytorchjob_pods(ELASTIC) + trainjob_pods(TRAINJOB, RUNTIME)
+    for pod in pods:
+        assert restricted_violations(pod.spec) == [], pod.name
+        assert "initContainers" not in pod.spec, pod.name
+    with_master = yaml.safe_load(json.dumps(k8s_objects()["PyTorchJob"]))
+    del with_master["spec"]["elasticPolicy"]
+    replicas = with_master["spec"]["pytorchReplicaSpecs"]
+    replicas["Master"] = {**copy.deepcopy(replicas["Worker"]), "replicas": 1}
+    master, worker, *_ = pytorchjob_pods(with_master)
+    assert restricted_violations(master.spec) == []
+    assert "init-pytorch: allowPrivilegeEscalation is not false" in restricted_violations(worker.spec)
+    # ... and the checks see what a pod would break:
+    assert restricted_violations({**master.spec, "hostNetwork": True}) == ["hostNetwork: true"]
+    assert restricted_violations({**master.spec, "volumes": [{"name": "h", "hostPath": {"path": "/"}}]}) == \
+        ["volume h: hostPath", "volume h: type ['hostPath'] not allowed"]
+    assert restricted_violations({**master.spec, "securityContext": {"runAsUser": 1000}}) == \
+        ["pytorch: runAsNonRoot is not true", "pytorch: seccompProfile is unset, not RuntimeDefault or Localhost"]
+
+    namespace = renderings["restricted-namespace"]
+    labels = namespace["Namespace"]["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert {o["metadata"].get("namespace") for kind, o in namespace.items() if kind != "Namespace"} == \
+        {namespace["Namespace"]["metadata"]["name"]}
+
+
+def test_components_queue_prioritise_and_place_the_job(renderings):
+    """Kueue admits the job whole (its queue label, created suspended), its pods' priority,
+    and GPU nodes only, each validated with the CRD above."""
+    job = renderings["renamed-4x8-with-every-component"]["PyTorchJob"]
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
+    assert job["spec"]["runPolicy"]["suspend"] is True
+    (pod, *_) = pytorchjob_pods(job)
+    assert pod.spec["priorityClassName"]
+    assert pod.spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod.spec["tolerations"]
+    assert "suspend" not in renderings["base"]["PyTorchJob"]["spec"]["runPolicy"]
+
+
+def test_image_overlay_pins_a_digest(renderings):
+    objects = renderings["image"]
+    kustomization = yaml.safe_load((KUSTOMIZE / "overlays/image/kustomization.yaml").read_text())
     (override,) = kustomization["images"]
-    assert override["name"] == IMAGE.split(":")[0]
-    wanted = f"{override['newName']}:{override['newTag']}"
-    pods = pytorchjob_pods(docs["PyTorchJob"])
-    assert [pod.container["image"] for pod in pods] == [wanted, wanted]
+    assert override["name"] == IMAGE.split(":")[0] and "newTag" not in override
+    wanted = f"{override['newName']}@{override['digest']}"
+    assert re.fullmatch(r"[^@:]+@sha256:[0-9a-f]{64}", wanted)
+    assert {pod.container["image"] for pod in pytorchjob_pods(objects["PyTorchJob"])} == {wanted}
     # Nothing else changed: the rendered objects are k8s/*.yaml with the image replaced.
-    objects = yaml.safe_load(json.dumps(k8s_objects()).replace(f'"{IMAGE}"', f'"{wanted}"'))
-    assert docs == objects
+    assert objects == yaml.safe_load(json.dumps(k8s_objects()).replace(f'"{IMAGE}"', f'"{wanted}"'))
 
     # The image the manifests name is the one the Dockerfile, compose and README build.
     version = re.search(r'^version = "(.+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
@@ -265,20 +459,68 @@ def test_image_override_renders_and_names_our_image():
     assert TRAINJOB["spec"]["trainer"]["image"] == IMAGE
 
 
+# What each verdict must lead to: restart the job (counted or not against its budget), or fail it.
+CONTRACT = {Exit.CRASH: "retry", Exit.PREEMPTED: "retry uncounted", Exit.NODE_FAULT: "retry",
+            Exit.USAGE: "fail", Exit.NO_PROGRESS: "fail"}
+
+
+def test_pytorchjob_restart_policy_follows_the_exit_codes():
+    """restartPolicy ExitCode recreates a pod whose code is 128 or more and fails the job on
+    any other: the pods' TRAINER_RETRYABLE_EXIT_CODE must map every retryable verdict there,
+    and leave 2 and 77 below. (The v1.9 operator counts no ExitCode restart against
+    backoffLimit, so "retry" and "retry uncounted" are the same here.) torchrun stopped by
+    SIGTERM (143: an eviction) is retried too."""
+    for job in (k8s_objects()["PyTorchJob"], ELASTIC):
+        (kind,) = job["spec"]["pytorchReplicaSpecs"]
+        (pod, *_) = pytorchjob_pods(job)
+        for verdict, wanted in CONTRACT.items():
+            code = for_launcher(verdict, env_of(pod.container))
+            assert pytorchjob_retries(job, kind, code) == wanted.startswith("retry"), (verdict, code)
+        assert pytorchjob_retries(job, kind, 128 + 15)
+    # Without the variable, every verdict but a signal's would fail the job:
+    assert not pytorchjob_retries(k8s_objects()["PyTorchJob"], "Worker", for_launcher(Exit.CRASH, {}))
+
+
+def test_trainjob_failure_policy_follows_the_exit_codes():
+    """The node Job's podFailurePolicy and the JobSet's failurePolicy rules, for each verdict:
+    2 and 77 fail the TrainJob, 75 (and torchrun's 143 on SIGTERM) restart it without using
+    maxRestarts, 1 and 76 restart it within maxRestarts."""
+    (pod, *_) = trainjob_pods(TRAINJOB, RUNTIME)
+    assert "TRAINER_RETRYABLE_EXIT_CODE" not in env_of(pod.container), "the rules read the verdicts themselves"
+    actions = {"retry": "RestartJobSet", "retry uncounted": "RestartJobSetAndIgnoreMaxRestarts", "fail": "FailJobSet"}
+    for verdict, wanted in CONTRACT.items():
+        assert jobset_action(RUNTIME, for_launcher(verdict, env_of(pod.container))) == actions[wanted], verdict
+    assert jobset_action(RUNTIME, 128 + 15) == "RestartJobSetAndIgnoreMaxRestarts"
+    assert jobset_action(RUNTIME, 137) == "RestartJobSet"  # SIGKILL: the OOM killer, or a save past the grace
+    spec = RUNTIME["spec"]["template"]["spec"]
+    assert spec["failurePolicy"]["maxRestarts"] >= 1
+    (node,) = spec["replicatedJobs"]
+    assert node["template"]["spec"]["template"]["spec"]["restartPolicy"] == "Never", "podFailurePolicy requires it"
+
+
 def test_trainjob_fits_the_runtime():
-    """The runtime's replicated job and container are called `node`, and TrainJob refuses
-    PET_* in trainer.env: the runtime owns them."""
+    """Our runtime keeps the cluster torch-distributed runtime's shape (the replicated job and
+    container called `node`, the trainer ancestor label, the torch policy), and TrainJob
+    refuses PET_* in trainer.env: the runtime owns them."""
     (pod, *_) = trainjob_pods(TRAINJOB, RUNTIME)
     assert pod.container["name"] == "node"
     assert not [e for e in TRAINJOB["spec"]["trainer"]["env"] if e["name"].startswith("PET_")]
-    assert TRAINJOB["spec"]["runtimeRef"]["name"] == RUNTIME["metadata"]["name"]
+    ref = TRAINJOB["spec"]["runtimeRef"]
+    assert (ref["kind"], ref["name"]) == (RUNTIME["kind"], RUNTIME["metadata"]["name"])
+    ours, theirs = RUNTIME["spec"], CLUSTER_RUNTIME["spec"]
+    assert ours["mlPolicy"].keys() == theirs["mlPolicy"].keys()
+    (node,), (their_node,) = ours["template"]["spec"]["replicatedJobs"], theirs["template"]["spec"]["replicatedJobs"]
+    assert node["name"] == their_node["name"]
+    assert node["template"]["metadata"]["labels"] == their_node["template"]["metadata"]["labels"]
 
 
 def security_options(pod: Pod) -> list[str]:
     """The pod's and its container's securityContext as podman applies it. A field this does
     not know fails the test, rather than running the container with less than the manifest asks."""
     pod_context, context = pod.spec.get("securityContext", {}), pod.container.get("securityContext", {})
-    assert set(pod_context) <= {"runAsNonRoot", "runAsUser", "runAsGroup", "fsGroup", "seccompProfile"}, pod_context
+    # fsGroupChangePolicy: pod_container chowns the claim's root only, as OnRootMismatch does.
+    assert set(pod_context) <= {"runAsNonRoot", "runAsUser", "runAsGroup", "fsGroup", "fsGroupChangePolicy",
+                                "seccompProfile"}, pod_context
     assert set(context) <= {"allowPrivilegeEscalation", "readOnlyRootFilesystem", "capabilities"}, context
     user, group = pod_context["runAsUser"], pod_context.get("runAsGroup", 0)
     assert not pod_context.get("runAsNonRoot") or user != 0
@@ -333,8 +575,11 @@ def pod_container(pod: Pod, root: Path, claims: dict[str, Path]) -> Container:
         assert "value" in e or e["valueFrom"]["secretKeyRef"]["optional"], e
     if "workingDir" in pod.container:
         options.append(f"--workdir={pod.container['workingDir']}")
-    return Container(pod.name, pod.container["command"] + pod.container.get("args", []), {**env, **pod.injected_env},
-                     mounts, options, pod.dns_names[1:])
+    # As the kubelet does: a `command:` replaces the image's ENTRYPOINT, `args:` its CMD.
+    if "command" in pod.container:
+        options.append(f"--entrypoint={json.dumps(pod.container['command'])}")
+    return Container(pod.name, pod.container.get("args", []), {**env, **pod.injected_env}, mounts, options,
+                     pod.dns_names[1:])
 
 
 def run_pods(engine, app_image, pods: list[Pod], tmp: Path) -> tuple[Ended, dict[str, Path]]:
@@ -363,9 +608,11 @@ def assert_job_completed(run: tuple[Ended, dict[str, Path]], output_dir: str | N
 
 
 def test_pytorchjob_runs_as_the_operator_starts_it(engine, app_image, tmp_path):
+    """Two Worker pods, a fixed-size c10d rendezvous on worker-0 from the operator's PET_*."""
     pods = pytorchjob_pods(k8s_objects()["PyTorchJob"])
-    assert [pod.name for pod in pods] == ["ddp-trainer-master-0", "ddp-trainer-worker-0"]
-    assert pods[1].injected_env["WORLD_SIZE"] == "2" and pods[1].injected_env["RANK"] == "1"
+    assert [pod.name for pod in pods] == ["ddp-trainer-worker-0", "ddp-trainer-worker-1"]
+    env = pods[1].injected_env
+    assert (env["PET_NNODES"], env["PET_RDZV_ENDPOINT"]) == ("2", "ddp-trainer-worker-0:23456")
     assert_job_completed(run_pods(engine, app_image, pods, tmp_path))
 
 
