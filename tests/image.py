@@ -54,6 +54,14 @@ def dockerfile_env() -> dict[str, str]:
                 for item in shlex.split(line[4:]))
 
 
+def dockerfile_run(containing: str) -> str:
+    """The shell script of the Dockerfile's one RUN instruction that contains `containing`,
+    as the builder hands it to `sh -c`."""
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    (script,) = [line[4:] for line in text.splitlines() if line.startswith("RUN ") and containing in line]
+    return script
+
+
 def missing_tools() -> list[str]:
     path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
     return [f"{tool} ({how})" for tool, how in TOOLS.items() if not shutil.which(tool, path=path)]

@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-UID = 1000  # the Dockerfile's `useradd --uid 1000`
+UID = 1000  # the image's user (Dockerfile)
 
 
 def become(uid: int, scratch: Path) -> list[str]:

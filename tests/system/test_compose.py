@@ -11,6 +11,10 @@ to this machine).
 from __future__ import annotations
 
 import json
+import os
+import re
+import resource
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +35,10 @@ PODMAN_COMPOSE = Path(sys.executable).with_name("podman-compose")
 CPU = ("docker-compose.yml", "docker-compose.cpu.yml")
 
 
+INTERPOLATED = ("TRAINER_IMAGE", "NODE0_GPU", "NODE1_GPU", "NCCL_DEBUG")
+"""The variables the compose file reads: the tests' own environment sets none of them."""
+
+
 class ConfigLoader(yaml.SafeLoader):
     """`config` prints the x- fragments as written, `!reset` tags and all."""
 
@@ -38,10 +46,12 @@ class ConfigLoader(yaml.SafeLoader):
 ConfigLoader.add_constructor("!reset", lambda loader, node: None)
 
 
-def compose(*files: str) -> dict:
-    """The files merged and interpolated, as podman-compose will run them."""
+def compose(*files: str, env: dict[str, str] | None = None) -> dict:
+    """The files merged and interpolated (with `env` set), as podman-compose will run them."""
     argv = [PODMAN_COMPOSE, *[arg for name in files for arg in ("-f", REPO / name)], "config"]
-    config = yaml.load(subprocess.run(argv, capture_output=True, text=True, check=True).stdout, Loader=ConfigLoader)
+    environ = {key: value for key, value in os.environ.items() if key not in INTERPOLATED}
+    result = subprocess.run(argv, capture_output=True, text=True, check=True, env={**environ, **(env or {})})
+    config = yaml.load(result.stdout, Loader=ConfigLoader)
     SCHEMA.validate(config)
     return config
 
@@ -65,7 +75,8 @@ def test_compose_files_are_valid_and_describe_two_one_gpu_nodes():
         assert len(device["device_ids"]) == 1 and "count" not in device
         device_ids += device["device_ids"]
         command = service["command"]
-        assert command[0] == "torchrun" and option(command, "--nnodes") == "2"
+        assert command[:3] == ["python", "-m", "trainer.torchrun"]  # torchrun, with the restart verdict
+        assert option(command, "--nnodes") == "2"
         assert option(command, "--nproc-per-node") == "1"  # one process per reserved GPU
         assert option(command, "--rdzv-backend") == "trainer-c10d"
         assert option(command, "--rdzv-conf") == "join_timeout=300"
@@ -83,6 +94,44 @@ def test_compose_files_are_valid_and_describe_two_one_gpu_nodes():
         assert cpu_service["environment"] == {**gpu_service["environment"], "NVIDIA_VISIBLE_DEVICES": "void"}
         assert {**gpu_service, "deploy": None, "environment": None} == \
             {**cpu_service, "deploy": None, "environment": None}
+
+
+def test_compose_runs_the_image_and_gpus_it_is_given():
+    """NODE0_GPU and NODE1_GPU choose the GPUs; TRAINER_IMAGE names an image that is used as it
+    is (pulled if missing), never rebuilt: there is nothing to build, so `up --build` cannot
+    retag a local build as a registry's image."""
+    default = compose("docker-compose.yml")
+    assert {service["image"] for service in default["services"].values()} == {"ddp-trainer:0.1.0"}
+    chosen = compose("docker-compose.yml", env={"NODE0_GPU": "2", "NODE1_GPU": "5",
+                                                "TRAINER_IMAGE": "registry.example/ddp-trainer:0.1.0"})
+    assert [gpu_devices(chosen["services"][name])[0]["device_ids"] for name in ("node0", "node1")] == [["2"], ["5"]]
+    for config in (chosen, compose(*CPU)):
+        for service in config["services"].values():
+            assert "build" not in service and service["pull_policy"] == "missing"
+    assert {service["image"] for service in chosen["services"].values()} == {"registry.example/ddp-trainer:0.1.0"}
+
+
+def seconds(duration: str) -> float:
+    """A Compose duration (`1m30s`, `120s`, `500ms`) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", duration)
+    assert "".join(number + unit for number, unit in parts) == duration, duration
+    return sum(float(number) * units[unit] for number, unit in parts)
+
+
+def test_compose_gives_a_stopped_node_time_to_save():
+    """Between SIGTERM and SIGKILL a node has stop_grace_period; torchrun gives its ranks
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT of it, a little less, so that torchrun itself still exits
+    before the SIGKILL. TRAINER_GRACE_S, the budget `doctor` holds a checkpoint save to, is
+    what the ranks really get. Locked memory and stacks as NGC sets them."""
+    for service in compose("docker-compose.yml")["services"].values():
+        grace = seconds(service["stop_grace_period"])
+        env = service["environment"]
+        shutdown = int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+        assert 5 <= grace - shutdown <= 0.2 * grace, (grace, shutdown)
+        assert int(env["TRAINER_GRACE_S"]) == shutdown
+        assert shutdown > 30  # more than torchrun's default, or the setting would be pointless
+        assert service["ulimits"] == {"memlock": -1, "stack": 64 * 2**20}
 
 
 def test_compose_rejects_what_compose_rejects():
@@ -104,16 +153,20 @@ class Up:
 def compose_up(engine, network: Network, tmp: Path, services: dict | None = None) -> Up:
     """Start `podman-compose up --abort-on-container-exit --exit-code-from node0` of the CPU
     variant, each service on its host of `network` (and `services` merged over it), as its
-    own project; `ended` waits for it."""
+    own project; `ended` waits for it. Root here may not raise limits above the host's, so the
+    locked-memory limit is the host's, and the limits podman would otherwise set to its own
+    defaults once any is given are those of image.py's containers.conf."""
+    _, memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    ulimits = {"memlock": -1 if memlock == resource.RLIM_INFINITY else memlock, "nofile": 16384, "nproc": 32768}
     override = {"x-podman": {"in_pod": False}, "services": {
         name: {"network_mode": f"ns:/run/netns/{network.namespaces[name]}", "cpuset": network.cpus[name],
                "extra_hosts": [f"{host}:{network.addresses[host]}" for host in network.namespaces],
-               **(services or {}).get(name, {})}
+               "ulimits": ulimits, **(services or {}).get(name, {})}
         for name in network.namespaces}}
     (tmp / "docker-compose.test.yml").write_text(yaml.safe_dump(override))
     project = f"{tmp.name}-{engine.run_dir.name}".lower()
     files = [arg for name in CPU for arg in ("-f", REPO / name)] + ["-f", tmp / "docker-compose.test.yml"]
-    proc = subprocess.Popen([PODMAN_COMPOSE, "-p", project, *files, "up", "--no-build", "--abort-on-container-exit",
+    proc = subprocess.Popen([PODMAN_COMPOSE, "-p", project, *files, "up", "--abort-on-container-exit",
                              "--exit-code-from", "node0"], env={**engine.env, "TRAINER_IMAGE": APP_TAG},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     return Up(proc, project, files, time.monotonic())
@@ -139,9 +192,11 @@ def test_compose_cpu_variant_runs_a_two_node_job_and_a_node_that_cannot_join_end
 
     At the same time, the same files with node1's rendezvous pointed at itself (a wrong
     endpoint): node1 gives up after its join timeout, and --abort-on-container-exit stops
-    node0, which would otherwise wait 300 s for a peer that never comes; the command's exit
-    code says the job failed. (Side by side because that pair never gets past its torchrun
-    agents' rendezvous: it costs the other job next to nothing.)"""
+    node0, which would otherwise wait 300 s for a peer that never comes. Its SIGTERM reaches
+    torchrun through the image's tini (torchrun as PID 1 would ignore it while it waits,
+    until the SIGKILL), so the command's exit code is node0's 128 + SIGTERM, at once. (Side by
+    side because that pair never gets past its torchrun agents' rendezvous: it costs the other
+    job next to nothing.)"""
     command = compose(*CPU)["services"]["node1"]["command"]
     join_timeout = 8
     wrong = [{"--rdzv-endpoint=node0:29500": "--rdzv-endpoint=node1:29500",
@@ -157,7 +212,7 @@ def test_compose_cpu_variant_runs_a_two_node_job_and_a_node_that_cannot_join_end
             code, output, elapsed, _ = ended(engine, bad)
         finally:
             good_code, good_output, _, runs = ended(engine, good)
-        assert code != 0, output[-5000:]
+        assert code == 128 + signal.SIGTERM, output[-5000:]
         assert f"{join_timeout}s: 1 of 2 nodes arrived" in output, output[-5000:]
         assert elapsed < 120, f"took {elapsed:.0f}s"
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from conftest import REPO
-from image import Container, run_containers
+from image import Container, dockerfile_run, run_containers
 from support import read_summary
 from users import UID
 
@@ -52,29 +52,31 @@ def test_the_image_holds_the_rdma_libraries_that_nccl_loads(engine, app_image):
 
 
 def test_the_image_runs_as_its_user_and_its_command_resolves(engine, app_image):
-    """As uid 1000, /app not writable, every cache on the /workspace volume; the CMD's
-    trainer arguments, run with `check`, give a config whose output lands in /workspace;
-    every shipped config writes there too; `check` (which builds the model on the meta
-    device) writes nowhere else but /tmp."""
+    """As uid 1000, under tini as PID 1, /app not writable, every cache on the /workspace
+    volume; the CMD's trainer arguments, run with `check`, give a config whose output lands in
+    /workspace; every shipped config writes there too; `check` (which builds the model on the
+    meta device) writes nowhere else but /tmp."""
     assert app_image.config["User"] == f"{UID}:{UID}"
     caches = ("HF_HOME", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "TRITON_CACHE_DIR",
-              "TORCHINDUCTOR_CACHE_DIR")
+              "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "MPLCONFIGDIR", "CUDA_CACHE_PATH")
     assert all(app_image.env[key].startswith("/workspace/") for key in caches), app_image.env
+    assert app_image.env["TRAINER_MIN_CUDA_DRIVER"] == "580.65.06"  # the ARG's default, resolved
+    assert app_image.config["Entrypoint"] == ["tini", "--"]
     cmd = app_image.config["Cmd"]
-    torchrun, *torchrun_args = cmd[: cmd.index("-m")]
-    assert torchrun == "torchrun" and "--nproc-per-node=gpu" in torchrun_args
-    module, command, *trainer_args = cmd[cmd.index("-m") + 1:]
+    launcher = cmd[: cmd.index("--nproc-per-node=gpu")]
+    assert launcher == ["python", "-m", "trainer.torchrun"], cmd  # torchrun, with the restart verdict
+    module, command, *trainer_args = cmd[cmd.index("-m", len(launcher)) + 1:]
     assert (module, command) == ("trainer", "train")
     outputs = ("import glob, os, yaml\n"
                "for c in sorted(glob.glob('configs/*.yaml')):\n"
                "    print(c, os.path.realpath(yaml.safe_load(open(c))['output_dir']))")
     check = Container("check", ["sh", "-c", (
-        'id -u; test -w /app || echo app-read-only; python -c "$0"; exec python -m trainer check "$@"'),
-        outputs, *trainer_args])
+        'id -u; cat /proc/1/comm; test -w /app || echo app-read-only; python -c "$0"; '
+        'exec python -m trainer check "$@"'), outputs, *trainer_args])
     ended = run_containers(engine, app_image.id, [check], timeout=120)
     assert ended.codes == [0], ended.tail()
-    uid, read_only, *lines = ended.logs["check"].splitlines()
-    assert (uid, read_only) == (str(UID), "app-read-only")
+    uid, init, read_only, *lines = ended.logs["check"].splitlines()
+    assert (uid, init, read_only) == (str(UID), "tini", "app-read-only")
     configs = dict(line.split() for line in lines if line.startswith("configs/"))
     assert len(configs) == len(list((REPO / "configs").glob("*.yaml")))
     assert all(path.startswith("/workspace/runs/") for path in configs.values()), configs
@@ -86,9 +88,29 @@ def test_the_image_runs_as_its_user_and_its_command_resolves(engine, app_image):
                for path in ended.diffs["check"]), ended.diffs["check"]
 
 
+def test_the_image_user_is_made_on_a_base_that_already_has_uid_1000(engine, app_image):
+    """Ubuntu 24.04 (and so the NGC images) has user and group `ubuntu` at 1000, where a plain
+    `useradd --uid 1000` fails. The Dockerfile's user step, run as the build runs it on our
+    base given such a user (or just such a group, or a user without a home), leaves uid and
+    gid 1000 named trainer, owning /workspace, with no login shell."""
+    script = dockerfile_run("useradd")
+    base = app_image.config["Labels"]["org.opencontainers.image.base.name"]
+    ubuntu = "groupadd --gid 1000 ubuntu && useradd --uid 1000 --gid 1000 --create-home ubuntu"
+    plain = engine("run", "--rm", base, "sh", "-c", f"{ubuntu} && useradd --uid 1000 trainer", check=False)
+    assert plain.returncode != 0 and "UID 1000 is not unique" in plain.stderr, plain  # the bug, reproduced
+    for taken in (ubuntu, "groupadd --gid 1000 ubuntu", "useradd --uid 1000 --user-group --no-create-home ubuntu"):
+        result = engine("run", "--rm", base, "sh", "-c",
+                        f"{taken} && {{ {script}; }} && id 1000 && getent passwd trainer && stat -c %u:%g /workspace",
+                        check=False)
+        assert result.returncode == 0, (taken, result.stderr)
+        ids, entry, owner = result.stdout.splitlines()
+        assert ids == "uid=1000(trainer) gid=1000(trainer) groups=1000(trainer)", (taken, ids)
+        assert entry.endswith(":/usr/sbin/nologin") and owner == "1000:1000", (taken, entry, owner)
+
+
 def test_the_image_trains_its_demo_on_a_fresh_volume_and_its_model_loads_in_another_container(
         engine, app_image, tmp_path):
-    """The Dockerfile's CPU command (the README's first command, shortened): configs/demo.yaml,
+    """The Dockerfile's CPU command (its header's second command, shortened): configs/demo.yaml,
     the real pretrained MiniLM the image holds, on 2 CPU ranks, on a fresh, empty volume over
     /workspace (a new PVC), through the image's runs -> /workspace/runs link. Nothing is
     written outside the volume but torchrun's scratch in /tmp (nothing in /app), and final/ is
@@ -96,9 +118,9 @@ def test_the_image_trains_its_demo_on_a_fresh_volume_and_its_model_loads_in_anot
     volume = tmp_path / "workspace"
     volume.mkdir()
     volume.chmod(0o777)
-    train = Container("train", ["torchrun", "--nproc-per-node=2", "-m", "trainer", "train", "-c", "configs/demo.yaml",
-                                "data.max_train_samples=192", "data.max_eval_samples=64", "train.max_steps=4",
-                                "train.eval_every=2", "checkpoint.every=2", "wandb.mode=offline"],
+    train = Container("train", ["python", "-m", "trainer.torchrun", "--nproc-per-node=2", "-m", "trainer", "train",
+                                "-c", "configs/demo.yaml", "data.max_train_samples=192", "data.max_eval_samples=64",
+                                "train.max_steps=4", "train.eval_every=2", "checkpoint.every=2", "wandb.mode=offline"],
                       volumes=[f"{volume}:/workspace"])
     ended = run_containers(engine, app_image.id, [train], timeout=300)
     assert ended.codes == [0], ended.tail()

@@ -20,3 +20,21 @@ def test_base_and_dependencies_match_the_lock():
     assert 'org.opencontainers.image.base.name="${BASE_IMAGE}"' in DOCKERFILE
     installs = [line for line in DOCKERFILE.splitlines() if "pip install" in line]
     assert installs and all("-c requirements.lock" in line for line in installs)
+
+
+CUDA_DRIVER_FLOOR = {"13.0": "580.65.06"}
+"""The Linux driver each CUDA release needs, from NVIDIA's release notes ("CUDA Toolkit and
+Corresponding Driver Versions"): a new base's CUDA must be looked up there, not guessed."""
+
+
+def test_the_image_states_the_driver_its_cuda_needs():
+    """TRAINER_MIN_CUDA_DRIVER, which `doctor` checks the host's driver against, is the floor of
+    the default base's CUDA, overridable with the base (--build-arg MIN_CUDA_DRIVER), and
+    docs/containers.md says the same."""
+    (default_base,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", DOCKERFILE, re.M)
+    cuda = re.search(r"-cuda(\d+\.\d+)-", default_base).group(1)
+    (floor,) = re.findall(r"^ARG MIN_CUDA_DRIVER=(\S+)$", DOCKERFILE, re.M)
+    assert floor == CUDA_DRIVER_FLOOR[cuda], (cuda, floor)
+    assert re.search(r"^\s+TRAINER_MIN_CUDA_DRIVER=\$\{MIN_CUDA_DRIVER\}$", DOCKERFILE, re.M)
+    assert f"CUDA {cuda}" in (REPO / "docs/containers.md").read_text()
+    assert f"`TRAINER_MIN_CUDA_DRIVER={floor}`" in (REPO / "docs/containers.md").read_text()
