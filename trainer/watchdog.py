@@ -238,15 +238,22 @@ class Watchdog:
         dump_stacks(message, self.stacks_file)
 
 
+LOCAL_FAULTS = ("CUDA error", "cuda error", "unhandled system error")
+"""Errors that point at this node's hardware: CUDA's own, NCCL's ncclUnhandledCudaError
+("unhandled cuda error") and ncclSystemError ("unhandled system error": a failed call into
+the OS or the network stack here, an InfiniBand port among them). Not ncclRemoteError
+("remote process exited or there was a network error"): most often a peer that crashed."""
+
+
 def verdict(error: BaseException, silent_hosts: set[str]) -> tuple[Exit, list[str]]:
     """What a failed step means for the scheduler (trainer/exit_codes.py), and the hosts to
     suspect: peers that stopped responding point at their nodes; a CUDA error other than an
-    out-of-memory (NCCL's "unhandled cuda error" included) at this node's GPU. Anything else,
-    a peer that crashed and closed its connections among them, is a crash."""
+    out-of-memory, or NCCL's system error, at this node. Anything else, a peer that crashed
+    and closed its connections among them, is a crash."""
     if silent_hosts:
         return Exit.NODE_FAULT, sorted(silent_hosts)
     message = str(error)
-    if not isinstance(error, torch.cuda.OutOfMemoryError) and ("CUDA error" in message or "cuda error" in message):
+    if not isinstance(error, torch.cuda.OutOfMemoryError) and any(fault in message for fault in LOCAL_FAULTS):
         return Exit.NODE_FAULT, [socket.gethostname()]
     return Exit.CRASH, []
 

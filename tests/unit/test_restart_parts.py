@@ -101,6 +101,10 @@ def test_a_record_cut_short_by_a_kill_is_skipped(tmp_path):
      ["node0", "node1"]),
     (RuntimeError("CUDA error: an illegal memory access was encountered"), set(), Exit.NODE_FAULT, ["this"]),
     (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), set(), Exit.CRASH, []),
+    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled system error (run with NCCL_DEBUG=INFO "
+                  "for details), NCCL version 2.27.5"), set(), Exit.NODE_FAULT, ["this"]),
+    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a network "
+                  "error, NCCL version 2.27.5"), set(), Exit.CRASH, []),  # most often a crashed peer
     (RuntimeError("Connection closed by peer [10.0.0.2]:4312"), set(), Exit.CRASH, []),  # a peer crashed
 ])
 def test_a_failed_step_is_a_node_fault_only_on_evidence(monkeypatch, error, silent, verdict, suspects):
