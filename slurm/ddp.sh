@@ -205,8 +205,10 @@ torchrun_cmd=(
 # ignored across fork and exec); the relay turns USR1 into a TERM to torchrun alone, which
 # passes it to its workers. `scancel --signal=TERM` would reach every process of the step
 # instead, wandb's service among them, which exits on TERM before the run's last records.
-# The relay records torchrun's exit code for the verdict; a relay that srun terminates
-# (--kill-on-bad-exit) records nothing, as it has nothing to say.
+# The relay records torchrun's exit code for the verdict. It ignores TERM (after starting
+# torchrun, which keeps its own): Slurm's TERM (scancel, preemption, --kill-on-bad-exit) reaches
+# every process of the step, torchrun included, and the relay waits for it to save and exit,
+# records its 143, and only then ends the task. KillWait's SIGKILL ends all of them regardless.
 # shellcheck disable=SC2016  # expanded on each node, not here
 node_task='
 record() { echo "$1" > "$state/exit.$(uname -n)"; exit "$1"; }
@@ -217,6 +219,7 @@ trap "" USR1
 "$@" &
 child=$!
 trap "kill -TERM $child" USR1
+trap "" TERM
 while :; do wait "$child"; status=$?; kill -0 "$child" 2>/dev/null || record "$status"; done'
 # --kill-on-bad-exit: one node's torchrun failing ends the step on every node at once,
 # instead of leaving the others blocked in a collective until their timeout.

@@ -148,7 +148,7 @@ def run_train(cfg, arguments: dict) -> int:
         return errors.report(e)
 
     setup_logging(dist_env)
-    from trainer import distributed
+    from trainer import distributed, watchdog
     from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here
     from trainer.preemption import Preempted
 
@@ -167,9 +167,9 @@ def run_train(cfg, arguments: dict) -> int:
         logging.getLogger("trainer").warning("%s; exiting with %d, relaunch to resume", e, Exit.PREEMPTED)
         exit_code = Exit.PREEMPTED
     except Exception as e:  # a crash or a collective timeout: explain it, then the traceback
-        if trainer is None:
-            raise
-        exit_code = trainer.report_failure(e)
+        # Before the trainer exists (the process group, the weights' load) there are no peers'
+        # heartbeats to judge by, but a GPU's error still names this node.
+        exit_code = trainer.report_failure(e) if trainer is not None else watchdog.judge(e, set())
         if exit_code == Exit.CRASH:
             raise
         logging.getLogger("trainer").exception("exiting with %d: %s", exit_code, MEANING[exit_code])

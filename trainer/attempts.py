@@ -13,6 +13,7 @@ launcher takes as "do not retry" (docs/restarts.md).
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -40,8 +41,13 @@ def read(output_dir: Path) -> list[dict]:
     if not path.exists():
         return []
     history: list[dict] = []
-    # A line cut short by a kill mid-write is the only damage an append can leave.
-    for record in (json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")):
+    for line in path.read_text().splitlines():
+        # A line cut short by a kill or a full disk mid-write is the only damage an append can
+        # leave: skipped, as the end it would have recorded (the attempt then counts as failed).
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
         if "resumed_from" in record:
             history.append(record)
         elif history:
@@ -77,5 +83,9 @@ def end(output_dir: Path, exit_code: int) -> None:
 
 
 def _append(output_dir: Path, record: dict) -> None:
-    with (output_dir / FILE).open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    line = json.dumps(record).encode() + b"\n"
+    with (output_dir / FILE).open("ab+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size and (f.seek(size - 1), f.read(1))[1] != b"\n":
+            line = b"\n" + line  # after a line cut short, a line of its own
+        f.write(line)

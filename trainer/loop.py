@@ -20,7 +20,6 @@ from trainer import (
     distributed,
     errors,
     evaluation,
-    exit_codes,
     flops,
     inject,
     lora,
@@ -330,12 +329,7 @@ class Trainer:
         in the log even when only one of them hit the timeout. Returns the exit code, and
         names the suspect nodes to the launcher on a node fault."""
         self.watchdog.report(f"step {self.watchdog.step} failed: {type(error).__name__}: {one_line(error)}")
-        exit_code, suspects = watchdog.verdict(error, self.watchdog.silent_hosts)
-        for host in suspects:
-            exit_codes.record_suspect(host)
-        if suspects:
-            log.error("node fault: suspect %s", ", ".join(suspects))
-        return exit_code
+        return watchdog.judge(error, self.watchdog.silent_hosts)
 
     def close(self, exit_code: int) -> None:
         """On every exit path: nothing this rank started may outlive it, or hold its exit."""
@@ -344,7 +338,10 @@ class Trainer:
         self.watchdog.close()
         self.preemption.close(clean_exit=exit_code == 0)
         if self.dist_env.is_rank_zero and self.attempt_begun:
-            attempts.end(self.output_dir, exit_code)
+            try:  # a full disk must not hide the exit code, nor skip the closing below
+                attempts.end(self.output_dir, exit_code)
+            except OSError as e:
+                log.warning("attempt's end not recorded in %s: %s", self.output_dir / attempts.FILE, e)
         if self.tracker is not None:
             self.tracker.close(exit_code)
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer import distributed, inject
+from trainer import distributed, exit_codes, inject
 from trainer.distributed import DistEnv
 from trainer.exit_codes import Exit
 
@@ -146,7 +146,7 @@ class Watchdog:
         self.step = 0  # the step in progress, or the last one done
         self._reported: _Watch | None = None
         self.silent_hosts: set[str] = set()
-        """The hosts of the peers any report found not responding."""
+        """The hosts of the peers a report found not responding since the last step done."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainer-watchdog", daemon=True)
         # Python stacks on SIGABRT/SIGSEGV too: the NCCL watchdog aborts a timed-out rank.
@@ -170,6 +170,9 @@ class Watchdog:
         assert watching is not None, "step_done() follows step_started(), which set it"
         self.durations.append(self.clock() - watching.started)
         self._watching = None
+        # Every peer took part in the step just done: a heartbeat that was late before is no
+        # evidence against its node now, and must not turn a later bug into a node fault.
+        self.silent_hosts.clear()
 
     @contextmanager
     def phase(self, phase: str, step: int) -> Iterator[None]:
@@ -256,6 +259,19 @@ def verdict(error: BaseException, silent_hosts: set[str]) -> tuple[Exit, list[st
     if not isinstance(error, torch.cuda.OutOfMemoryError) and any(fault in message for fault in LOCAL_FAULTS):
         return Exit.NODE_FAULT, [socket.gethostname()]
     return Exit.CRASH, []
+
+
+def judge(error: BaseException, silent_hosts: set[str]) -> Exit:
+    """The verdict on `error`, with its suspects named in the log and to the launcher."""
+    exit_code, suspects = verdict(error, silent_hosts)
+    if suspects:
+        log.error("node fault: suspect %s", ", ".join(suspects))
+    for host in suspects:
+        try:  # the verdict stands without the launcher's file
+            exit_codes.record_suspect(host)
+        except OSError as e:
+            log.warning("suspect %s not recorded for the launcher: %s", host, e)
+    return exit_code
 
 
 def dump_stacks(header: str, path: Path) -> None:

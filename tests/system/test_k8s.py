@@ -199,7 +199,7 @@ def test_manifests_follow_our_rules():
         # trainer.torchrun (its exit code is the verdict), with no rendezvous flags.
         assert container["command"][:6] == ["tini", "--", "python", "-m", "trainer.torchrun", "-m"], \
             container["command"]
-        assert not [arg for arg in container["command"] if arg.startswith("--")], container["command"]
+        assert not [arg for arg in container["command"][6:] if arg.startswith("--")], container["command"]
         assert pod.annotations["sidecar.istio.io/inject"] == "false"
         assert pod.spec["securityContext"]["runAsNonRoot"] is True
         assert pod.spec["securityContext"]["runAsUser"] == UID != 0

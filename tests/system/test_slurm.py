@@ -346,7 +346,7 @@ def test_a_gpu_job_that_cuda_cannot_use_fails_at_once(cluster, tiny_model, revie
 def test_the_job_ends_with_its_nodes_verdict_and_requeues_only_what_may_be_retried(
         cluster, stand_in, tmp_path, nodes, torchrun, env, code, says):
     """One node's torchrun exits with CODE and srun terminates the other's (--kill-on-bad-exit),
-    so srun itself exits 143. The job ends with CODE all the same, the verdict its nodes
+    which exits 143. The job ends with CODE all the same, the verdict its nodes
     recorded: 2 and 77 are never requeued, nor a crash (torchrun's --max-restarts is its
     budget), nor a node fault once its requeues are spent or the partition has too few
     other nodes, nor a preempted job without the time-limit signal (Slurm requeues those)."""
@@ -359,7 +359,9 @@ def test_the_job_ends_with_its_nodes_verdict_and_requeues_only_what_may_be_retri
     node_code = re.search(r"=(\d+)", torchrun).group(1)  # srun reports the node's own code
     assert f"Exited with exit code {node_code}" in record["log"], record["log"]
     if nodes == 2:
-        assert re.search(r"srun: error: node\d: task \d: Terminated", record["log"]), record["log"]
+        # The other node's task: its relay outlives srun's TERM and reports its torchrun's 143.
+        assert re.search(r"srun: error: node\d: task \d: (Terminated|Exited with exit code 143)", record["log"]), \
+            record["log"]
     if says:
         assert says in record["log"].splitlines(), record["log"]
     assert "requeueing job" not in record["log"]

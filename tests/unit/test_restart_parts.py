@@ -85,12 +85,23 @@ def test_the_check_writes_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_record_cut_short_by_a_kill_is_skipped(tmp_path):
+def test_a_record_cut_short_by_a_kill_is_skipped_and_the_next_starts_a_line_of_its_own(tmp_path):
     attempt(tmp_path, 8, max_stalled=3)
     with (tmp_path / attempts.FILE).open("a") as f:
-        f.write(json.dumps({"exit": 75})[:5])
+        f.write(json.dumps({"exit": 75, "ended": 1.0})[:-1])  # all but its closing brace
     assert [a["resumed_from"] for a in attempts.read(tmp_path)] == [8]
     assert "exit" not in attempts.read(tmp_path)[0]
+    attempt(tmp_path, 8, max_stalled=3)  # not refused, nor an error: the torn line is skipped
+    attempts.end(tmp_path, Exit.CRASH)
+    assert [(a["resumed_from"], a.get("exit")) for a in attempts.read(tmp_path)] == [(8, None), (8, 1)]
+
+
+def test_judging_a_gpu_error_names_this_node_to_the_launcher(monkeypatch, tmp_path):
+    monkeypatch.setattr(watchdog.socket, "gethostname", lambda: "node7")
+    monkeypatch.setenv(exit_codes.NODE_FAULTS_ENV, str(tmp_path / "faults"))
+    assert watchdog.judge(RuntimeError("CUDA error: uncorrectable ECC error encountered"), set()) == Exit.NODE_FAULT
+    assert watchdog.judge(RuntimeError("a bug"), set()) == Exit.CRASH
+    assert (tmp_path / "faults").read_text() == "node7\n"
 
 
 # --- what a failure means ------------------------------------------------------------------

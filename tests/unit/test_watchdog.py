@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 import trainer.loop
 from trainer.distributed import DistEnv
-from trainer.watchdog import PHASES, Watchdog
+from trainer.exit_codes import Exit
+from trainer.watchdog import PHASES, Watchdog, verdict
 
 FACTOR, MIN_S, TIMEOUT_S = 10.0, 1.0, 100.0
 
@@ -155,3 +156,18 @@ def test_every_phase_the_trainer_watches_can_be_reported(watchdog, clock, report
         with watchdog.phase(phase, 7):
             watchdog.check(clock.now + TIMEOUT_S)
         assert reports.pop().startswith(f"stalled in {PHASES[phase]} at step 7")
+
+
+def test_a_peer_late_once_is_no_suspect_after_a_step_that_it_took_part_in(watchdog, clock):
+    """A report in step 3 found node2 silent; step 3 then completed, all-reducing with node2. A
+    crash in step 4 is a crash, not a node fault of node2."""
+    watchdog.step_started(3)
+    watchdog.silent_hosts.add("node2")
+    assert watchdog_verdict(watchdog) == (Exit.NODE_FAULT, ["node2"])
+    watchdog.step_done()
+    watchdog.step_started(4)
+    assert watchdog_verdict(watchdog) == (Exit.CRASH, [])
+
+
+def watchdog_verdict(watchdog: Watchdog) -> tuple[Exit, list[str]]:
+    return verdict(RuntimeError("a bug"), watchdog.silent_hosts)
