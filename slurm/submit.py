@@ -41,7 +41,7 @@ from trainer import config
 from trainer.__main__ import main as trainer_main
 from trainer.errors import ConfigError, report
 from trainer.exit_codes import MEANING, NODE_FAULTS_ENV, RETRYABLE_ENV, Exit
-from trainer.preemption import EXIT_PREEMPTED, received_signals
+from trainer.preemption import received_signals
 
 # submitit's time-limit signal, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise. The
 # override goes before the user's, which may still replace it.
@@ -69,7 +69,7 @@ class TrainJob(submitit.helpers.Checkpointable):
         os.environ.setdefault("TRAINER_GRACE_S", str(self.grace_s))
         os.environ.pop(RETRYABLE_ENV, None)  # the Kubernetes dialect would hide 75 and 76 here
         exit_code = trainer_main(["train", *trainer_args])
-        if exit_code == EXIT_PREEMPTED and TIME_LIMIT_SIGNAL.name in received_signals():
+        if exit_code == Exit.PREEMPTED and TIME_LIMIT_SIGNAL.name in received_signals():
             # The checkpoint is on disk and the trainer has given the signals back to
             # submitit: replay the time-limit signal so that its handler requeues the job.
             # Global rank 0 requeues and exits; the others return, exiting 0 so that
@@ -77,7 +77,7 @@ class TrainJob(submitit.helpers.Checkpointable):
             # scancel's (stay cancelled) or a preemption (Slurm requeues those itself).
             signal.raise_signal(TIME_LIMIT_SIGNAL)
             return exit_code
-        if exit_code == EXIT_PREEMPTED:
+        if exit_code == Exit.PREEMPTED:
             return exit_code  # saved; not requeued by us
         if exit_code == Exit.NODE_FAULT and requeue_without_suspects(job.job_id, state, self.max_fault_requeues):
             return 0  # as after USR2: exiting 0 so that --kill-on-bad-exit leaves the requeue be

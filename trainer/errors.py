@@ -11,7 +11,6 @@ from pathlib import Path
 
 from trainer.exit_codes import Exit
 
-EXIT_USAGE = Exit.USAGE
 ONE_LINE_LIMIT = 300
 """The most characters of another library's message that an error line repeats."""
 
@@ -19,10 +18,10 @@ ONE_LINE_LIMIT = 300
 def report(message: object) -> int:
     """Print `error: MESSAGE` to stderr as one write, so that the lines of ranks failing at
     the same moment never interleave in a shared log; returns the exit code: a
-    TrainerError's own, else EXIT_USAGE."""
+    TrainerError's own, else Exit.USAGE."""
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
-    return int(getattr(message, "exit_code", EXIT_USAGE))
+    return int(getattr(message, "exit_code", Exit.USAGE))
 
 
 def one_line(e: BaseException) -> str:
@@ -38,7 +37,7 @@ def one_line(e: BaseException) -> str:
 class TrainerError(Exception):
     """Printed as `error: <message>` on every rank that raises it; exit code 2."""
 
-    exit_code = EXIT_USAGE
+    exit_code = Exit.USAGE
 
 
 class ConfigError(TrainerError):

@@ -1,7 +1,7 @@
 """Preemption: a signal that means "save and stop" becomes a checkpoint and exit code 75.
 
 A signal handler only sets a flag; the ranks agree on the flag at step boundaries, and the
-loop saves and exits with `EXIT_PREEMPTED`.
+loop saves and exits with `Exit.PREEMPTED`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ import torch.distributed as dist
 
 from trainer import distributed
 from trainer.distributed import DistEnv
-from trainer.exit_codes import Exit
-
-EXIT_PREEMPTED = Exit.PREEMPTED
 
 _received: set[str] = set()
 
