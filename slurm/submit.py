@@ -123,7 +123,11 @@ def requeue_without_suspects(job_id: str, state: Path, budget: int) -> bool:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _scontrol("requeue", job_id)
     if excluded:
-        _scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(sorted(excluded))}")
+        try:  # requeued whatever follows: a refused exclusion must not fail the job
+            _scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(sorted(excluded))}")
+        except subprocess.SubprocessError as e:
+            print(f"warning: requeued, but Slurm refused ExcNodeList={','.join(sorted(excluded))}: {e}",
+                  file=sys.stderr, flush=True)
     return True
 
 
