@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from trainer import config, data, distributed, evaluation, model
-from trainer.parallel import LogitsUnderAutocast
+from trainer import build, config, data, distributed, evaluation
 
 RESULTS = Path(__file__).with_name("results") / "cpu-minilm-eval-loader.json"
 
@@ -36,10 +35,9 @@ def main() -> None:
     cfg = config.load("configs/demo.yaml", [f"data.path={args.data}", "output_dir=/tmp/eval-loader-bench"])
     dist_env, device = distributed.read_env(), torch.device("cpu")
     splits = data.load(cfg, dist_env)
-    tokenizer = model.load_tokenizer(cfg.model)
-    model_config = model.load_config(cfg.model, cfg.data.num_labels, device.type, tokenizer.pad_token_id)
-    bare = model.load_model(cfg.model, model_config, cfg.seed, device)
-    logits_of = LogitsUnderAutocast(bare, device.type, distributed.resolve_precision(cfg.train.precision, device))
+    trained = build.build(cfg, dist_env, device, max_steps=1)  # the model as training evaluates it
+    logits_of, tokenizer = trained.strategy.logits, trained.tokenizer
+    assert logits_of is not None, "build() parallelized the model"
     built = data.build(cfg, dist_env, splits, tokenizer, device, data.BatchPlan.of(cfg.train, 1))
     in_process = built.eval_loader
     worker = DataLoader(in_process.dataset, batch_size=in_process.batch_size, sampler=in_process.sampler,

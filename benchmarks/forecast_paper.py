@@ -1,4 +1,4 @@
-"""A forecast on paper, not a measurement: trainer/forecast.py's model, validated on shaped
+"""A forecast on paper, not a measurement: trainer/preflight/forecast.py's model, validated on shaped
 CPU links (benchmarks/forecast.py), extrapolated to 8-512 H100s over published link speeds.
 
     python -m benchmarks.forecast_paper      # prints the markdown tables, writes the JSON
@@ -20,13 +20,16 @@ Every input is stated here, and RESULTS.md repeats them:
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-from trainer import forecast, lora
+from trainer import build, config
+from trainer.distributed import DistEnv
 from trainer.flops import FlopModel
+from trainer.preflight import forecast
 
 RESULTS = Path(__file__).with_name("results") / "forecast-h100-paper.json"
 GPUS_PER_NODE = 8
@@ -37,26 +40,24 @@ LINKS = {"100 GbE": forecast.Link(20e-6, 11e9), "200 Gb/s IB x8": forecast.Link(
 H100_BF16_FLOPS = 989e12
 
 
-def meta_model(config, lora_settings: dict | None):
-    from transformers import AutoModelForSequenceClassification
-
-    with torch.device("meta"):
-        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.bfloat16 if lora_settings
-                                                                else torch.float32)
-    if lora_settings:
-        model = lora.apply(model, OmegaConf.create({"lora": lora_settings}))
-    return model
+def meta_model(folder: Path, *overrides: str):
+    """The classifier of `folder`'s config.json on the meta device, as the trainer builds it
+    (trainer/build.py) for a bf16 GPU run with `overrides` (LoRA's, say)."""
+    cfg = config.load(None, [f"model.name={folder}", "data.path=unused", "data.num_labels=5", "data.max_length=512",
+                             "train.max_steps=1", "output_dir=unused", *overrides])
+    return build.load(cfg, DistEnv(), torch.device("cuda"), torch.bfloat16, on_meta=True).model
 
 
 def jobs() -> dict[str, tuple]:
-    from transformers import AutoConfig, BertConfig
+    from transformers import BertConfig
 
-    bert = meta_model(BertConfig(num_labels=5), None)
+    with tempfile.TemporaryDirectory() as bert_folder:
+        BertConfig(num_labels=5).save_pretrained(bert_folder)
+        bert = meta_model(Path(bert_folder))
     bert_compute = forecast.Compute(forward_s=0.035, backward_s=0.032, optimizer_s=0.007, micro_batch=512)
 
-    llama_config = AutoConfig.from_pretrained(Path(__file__).parents[1] / "configs/models/llama-3.1-8b", num_labels=5)
-    llama = meta_model(llama_config, {"r": 16, "alpha": 32, "dropout": 0.05,
-                                      "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+    llama = meta_model(Path(__file__).parents[1] / "configs/models/llama-3.1-8b", "model.lora.r=16",
+                       "model.lora.alpha=32", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
     tokens = 4 * 512
     step_s = FlopModel.of(llama).train_flops(tokens, 4 * 512**2) / (0.4 * H100_BF16_FLOPS)
     llama_compute = forecast.Compute(step_s / 3, 2 * step_s / 3, 0.002, micro_batch=4)

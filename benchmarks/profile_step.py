@@ -72,16 +72,16 @@ def main() -> None:
         device, _ = pick_device(dist_env, cfg.dist.backend, cfg.train.device)
         trainer = Trainer(cfg, dist_env, device, StartupClock())
         steps = micro_batches(trainer.data, trainer.batch.grad_accum, 0)
-        for _ in range(args.warmup):
-            trainer.train_step(next(steps)[1])
+        for step in range(1, args.warmup + 1):
+            trainer.train_step(next(steps)[1], step, trainer.meter)
         batches = [next(steps)[1] for _ in range(args.steps)]  # loading is not what is profiled
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         sync()
         with profile(activities=activities) as prof:
             started = time.perf_counter()
-            for batch in batches:
-                trainer.train_step(batch)
+            for step, batch in enumerate(batches, args.warmup + 1):
+                trainer.train_step(batch, step, trainer.meter)
             sync()
             wall_s = time.perf_counter() - started
         trainer.close(0)

@@ -41,7 +41,7 @@ from trainer import config
 from trainer.__main__ import main as trainer_main
 from trainer.errors import ConfigError, report
 from trainer.exit_codes import MEANING, NODE_FAULTS_ENV, RETRYABLE_ENV, Exit
-from trainer.preemption import received_signals
+from trainer.faults.preemption import received_signals
 
 # submitit's time-limit signal, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise. The
 # override goes before the user's, which may still replace it.

@@ -1,7 +1,7 @@
 """What one FSDP rank holds, from its local shards, beside the memory plan: run under
-torchrun by tests/e2e/test_fsdp.py. Builds the model as a training run does (trainer's
-load and parallel.Parallel), takes one optimizer step, then prints one JSON line per rank:
-its local bytes of weights, gradients and AdamW state, the whole model's, and the plan's."""
+torchrun by tests/e2e/test_fsdp.py. Builds the model as a training run does (trainer/build.py),
+takes one optimizer step, then prints one JSON line per rank: its local bytes of weights,
+gradients and AdamW state, the whole model's, and the plan's."""
 
 from __future__ import annotations
 
@@ -11,21 +11,19 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer import config, distributed, lora, memory, model, optim, parallel
+from trainer import build, config, distributed
+from trainer.preflight import memory
 
 cfg = config.load("configs/demo.yaml", sys.argv[1:])
 dist_env, cpu = distributed.read_env(), torch.device("cpu")
 dist.init_process_group("gloo")
-tokenizer = model.load_tokenizer(cfg.model)
-model_config = model.load_config(cfg.model, cfg.data.num_labels, "cpu", tokenizer.pad_token_id)
-bare = model.load_model(cfg.model, model_config, cfg.seed, cpu)
-bare = lora.apply(bare, cfg.model)
-whole = sum(t.numel() * t.element_size() for t in bare.parameters())
-whole_trained = sum(t.numel() * t.element_size() for t in bare.parameters() if t.requires_grad)
-sharded = parallel.Parallel(bare, cfg, dist_env, cpu, torch.float32)
-optimizer = optim.optimizer(bare, cfg.train)
+whole_model = build.load(cfg, distributed.DistEnv(), cpu, torch.float32).model  # unsharded, to count
+whole = sum(t.numel() * t.element_size() for t in whole_model.parameters())
+whole_trained = sum(t.numel() * t.element_size() for t in whole_model.parameters() if t.requires_grad)
+built = build.build(cfg, dist_env, cpu, max_steps=1)
+bare, optimizer = built.model, built.step.optimizer
 ids = torch.randint(5, 100, (2, 16))
-sharded.loss({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1])}).backward()
+built.step.loss({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1])}).backward()
 optimizer.step()
 
 

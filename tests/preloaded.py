@@ -31,7 +31,7 @@ from pathlib import Path
 from support import killpg
 
 PRELOAD = ["torch", "datasets", "transformers", "transformers.modeling_utils", "transformers.models.bert.modeling_bert",
-           "trainer.config", "trainer.distributed", "trainer.parallel", "trainer.loop", "trainer.predict",
+           "trainer.config", "trainer.distributed", "trainer.build", "trainer.loop", "trainer.predict",
            "trainer.evaluation"]
 """What `python -m trainer` imports before it stops at a usage error (trainer.__main__ itself
 is run afresh in each child, as __main__), and the tiny test models' modeling code."""

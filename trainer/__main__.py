@@ -95,15 +95,16 @@ def train_preflight(cfg, environ: Mapping[str, str] = os.environ):
     """launch_env, and whether the world size can split the global batch: all that training
     checks before the rendezvous."""
     dist_env, device, backend = launch_env(cfg, environ)
-    from trainer import parallel
+    from trainer.strategies import registry
 
-    parallel.check_world_size(cfg.train, dist_env.world_size)
+    registry.of(cfg).check_world_size(dist_env.world_size)
     return dist_env, device, backend
 
 
 def run_check(cfg, arguments: dict) -> int:
     """validate and print the resolved config, and the memory plan per GPU."""
-    from trainer import memory, model
+    from trainer import model
+    from trainer.preflight import memory
 
     try:
         gpu_bytes = memory.parse_gib(str(arguments["gpu_gib"]))
@@ -131,7 +132,7 @@ def run_doctor(cfg, arguments: dict) -> int:
         dist_env, device, backend = launch_env(cfg)
     except TrainerError as e:
         return errors.report(e)
-    from trainer import doctor
+    from trainer.preflight import doctor
 
     setup_logging(dist_env)
     return doctor.run(cfg, dist_env, device, backend)
@@ -148,9 +149,10 @@ def run_train(cfg, arguments: dict) -> int:
         return errors.report(e)
 
     setup_logging(dist_env)
-    from trainer import distributed, watchdog
+    from trainer import distributed
+    from trainer.faults import watchdog
+    from trainer.faults.preemption import Preempted
     from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here
-    from trainer.preemption import Preempted
 
     startup.mark("imports")
     exit_code: int = Exit.CRASH

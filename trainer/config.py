@@ -23,6 +23,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.errors import ConfigError, one_line
+from trainer.strategies.registry import STRATEGIES
 
 # --- keys: each one's check and its rule on resume sit on its field ----------------------
 
@@ -211,10 +212,10 @@ class TrainConfig:
     a loss scaler (torch.amp.GradScaler, saved in checkpoints) on older GPUs (V100, T4),
     bf16 on CPUs with native bf16 matmuls (AVX512-BF16, AMX), fp32 on other CPUs. bf16 on a
     device without native bf16 is emulated, and slow (about 15x fp32 on a CPU): it warns."""
-    strategy: Literal["ddp", "dp", "fsdp"] = key("ddp", FIXED)
+    strategy: str = key("ddp", FIXED, (lambda v: v in STRATEGIES, f"must be one of {', '.join(STRATEGIES)}"))
     """ddp: DistributedDataParallel, one process per device. fsdp: FSDP2 (fully_shard), one
     process per device, each holding 1/N of the weights, gradients and optimizer state
-    (docs/fsdp.md). dp: nn.DataParallel, one process."""
+    (docs/fsdp.md). dp: nn.DataParallel, one process. (trainer/strategies/registry.py)"""
     compile: bool = key(False, FREE)
     """torch.compile the model: 1.33x on an H100 for bert-base, but ~30 s more before the
     first step, and recompiles as batch shapes change (benchmarks/RESULTS.md)."""

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from trainer.distributed import DistEnv, local_rank_zero_first
-from trainer.errors import CheckpointError, ConfigError, DataError, TrainerError, one_line
+from trainer.errors import CheckpointError, ConfigError, DataError, TrainerError, describe, one_line
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def _describe(e: BaseException) -> str:
     wrappers raised from it ("An error occurred while generating the dataset") don't."""
     while e.__cause__ is not None:
         e = e.__cause__
-    return f"{type(e).__name__}: {one_line(e) or 'no rows could be read (is the file empty?)'}"
+    return describe(e) if one_line(e) else f"{describe(e)}: no rows could be read (is the file empty?)"
 
 
 def _arrow_column(ds, column: str):
@@ -294,11 +295,20 @@ def _tokenize(ds, data_cfg: DictConfig, split_key: str, tokenizer, dist_env: Dis
 class Splits:
     """The splits as loaded and checked, not yet tokenized."""
 
-    train: object
-    eval: object
-    test: object | None
+    train: Any  # datasets.Dataset: datasets ships no types
+    eval: Any
+    test: Any | None
     label_names: list[str] | None
     """data.label_names, or the train split's ClassLabel names; None: neither."""
+
+    def steps_per_epoch(self, plan: BatchPlan, train_cfg: DictConfig) -> int:
+        """Optimizer steps per epoch (a last partial global batch is dropped), known before
+        tokenization: the run's length, and its LR schedule's, follow from it."""
+        if len(self.train) < plan.global_batch:
+            key = "train.global_batch" if train_cfg.global_batch else "train.batch_size"
+            raise ConfigError(f"{key}: the global batch ({plan.global_batch}) is larger than the "
+                              f"{len(self.train)} training samples")
+        return len(self.train) // plan.global_batch
 
 
 def load(cfg: DictConfig, dist_env: DistEnv) -> Splits:
@@ -425,10 +435,7 @@ def build(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device:
         eval_ds = _tokenize(splits.eval, data_cfg, "eval_split", tokenizer, dist_env)
         test_ds = None if splits.test is None else _tokenize(splits.test, data_cfg, "test_split", tokenizer, dist_env)
 
-    if len(train_ds) < plan.global_batch:
-        key = "train.global_batch" if cfg.train.global_batch else "train.batch_size"
-        raise ConfigError(f"{key}: the global batch ({plan.global_batch}) is larger than the {len(train_ds)} "
-                          "training samples")
+    splits.steps_per_epoch(plan, cfg.train)  # checked before the model loads; again for other callers
     loader_options = _loader_options(cfg, tokenizer, device)
     train_sampler = GlobalBatchSampler(
         _int_column(train_ds, "length"), _int_column(train_ds, "labels"), plan.global_batch, dist_env, cfg.seed,
@@ -455,9 +462,14 @@ def build_eval(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.devi
     return _eval_loader(eval_ds, cfg, dist_env, _loader_options(cfg, tokenizer, device)), len(eval_ds), names
 
 
+def pad_multiple(cfg: DictConfig, device: torch.device) -> int | None:
+    """What each batch's padded length is rounded up to (data.pad_to_multiple_of, auto: 8 on
+    GPU); None: each batch is padded to its own longest sample."""
+    return cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None)
+
+
 def collate(cfg: DictConfig, tokenizer, device: torch.device) -> Collate:
-    # Each batch padded to its own longest sample (rounded up on GPU: see the config key).
-    return Collate(tokenizer, cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None))
+    return Collate(tokenizer, pad_multiple(cfg, device))
 
 
 def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
@@ -465,7 +477,7 @@ def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
     workers = data_cfg.num_workers
     return {
         "collate_fn": collate(cfg, tokenizer, device),
-        "num_workers": workers, "pin_memory": device.type == "cuda" and data_cfg.pin_memory,
+        "num_workers": workers, "pin_memory": pins_memory(cfg, device),
         "persistent_workers": workers > 0,
         "worker_init_fn": functools.partial(_init_worker, tuple(cfg.fault.preempt_signals)),
         # Each new iterator draws its workers' base seed from this generator. Without one it
@@ -474,6 +486,12 @@ def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
         # after them, and a resume would no longer be bitwise.
         "generator": torch.Generator().manual_seed(cfg.seed),
     }
+
+
+def pins_memory(cfg: DictConfig, device: torch.device) -> bool:
+    """Batches go through page-locked host memory (data.pin_memory, on GPU only), so their
+    copies to the device need not block the host."""
+    return device.type == "cuda" and cfg.data.pin_memory
 
 
 def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -> DataLoader:

@@ -17,13 +17,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from trainer import errors
-from trainer.errors import ConfigError, LaunchError, TrainerError, one_line
+from trainer.errors import ConfigError, LaunchError, TrainerError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -248,6 +248,17 @@ def cpu_threads(dist_env: DistEnv, threads: int | None) -> int:
     return threads or max(1, len(os.sched_getaffinity(0)) // dist_env.local_world_size)
 
 
+def configure_compute(train_cfg, dist_env: DistEnv, device: torch.device) -> torch.dtype:
+    """This process's compute as train.* sets it, before the model is built: deterministic
+    kernels, the CPU threads, and the autocast dtype it returns (resolve_precision). Every
+    command that runs the model calls it once (trainer/build.py)."""
+    if train_cfg.deterministic:
+        use_deterministic_kernels()
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(dist_env, train_cfg.threads))
+    return resolve_precision(train_cfg.precision, device)
+
+
 def use_deterministic_kernels() -> None:
     """Make every kernel bitwise reproducible, or fail at the first one that cannot be.
 
@@ -415,19 +426,34 @@ def rank_zero_does(dist_env: DistEnv, what: str, action: Callable[[], T]) -> T |
     next collective until the init timeout, 30 minutes by default. `what` names the thing
     done, and starts the message of an error that is not already a TrainerError.
     """
-    result, error = None, None
-    if dist_env.is_rank_zero:
-        try:
-            result = action()
-        except TrainerError as e:
-            error = (type(e).__name__, str(e))
-        except Exception as e:  # a full or read-only disk, a service that refuses: one line  # noqa: BLE001
-            error = (LaunchError.__name__, f"{what}: {type(e).__name__}: {one_line(e)}")
-    error = broadcast_from_rank_zero(dist_env, error)
+    result, error = (_attempt(what, action) if dist_env.is_rank_zero else (None, None))
+    _raise_on_every_rank(broadcast_from_rank_zero(dist_env, error))
+    return result
+
+
+def every_rank_does(dist_env: DistEnv, what: str, action: Callable[[], T]) -> T:
+    """`action()` on every rank. If it fails on any rank, every rank raises the first failing
+    rank's one-line error (`what: rank N: ...` where it is not already a TrainerError), instead
+    of the others going on to a collective that rank will never join."""
+    result, error = _attempt(f"{what}: rank {dist_env.rank}", action)
+    _raise_on_every_rank(next((e for e in all_gather(dist_env, error) if e is not None), None))
+    return cast(T, result)
+
+
+def _attempt(what: str, action: Callable[[], T]) -> tuple[T | None, tuple[str, str] | None]:
+    """(action's result, None) or (None, the error as (TrainerError class name, message))."""
+    try:
+        return action(), None
+    except TrainerError as e:
+        return None, (type(e).__name__, str(e))
+    except Exception as e:  # a full or read-only disk, a service that refuses: one line  # noqa: BLE001
+        return None, (LaunchError.__name__, f"{what}: {errors.describe(e)}")
+
+
+def _raise_on_every_rank(error: tuple[str, str] | None) -> None:
     if error is not None:
         kind, message = error
         raise getattr(errors, kind)(message)
-    return result
 
 
 def any_rank_async(flag: bool) -> tuple[dist.Work, torch.Tensor]:

@@ -5,9 +5,7 @@ variables, the GPUs), the data (a file, a column, a label), or a checkpoint (one
 be resumed from or written). Anything else is a bug or a crash, and keeps its traceback.
 """
 
-import os
 import sys
-from pathlib import Path
 
 from trainer.exit_codes import Exit
 
@@ -34,6 +32,13 @@ def one_line(e: BaseException) -> str:
     return line if len(line) <= ONE_LINE_LIMIT else line[:ONE_LINE_LIMIT - 3] + "..."
 
 
+def describe(e: BaseException) -> str:
+    """Another library's exception as every one-line message names it: `TypeName: its first
+    line` (one_line), or the type alone for an exception without a message."""
+    message = one_line(e)
+    return f"{type(e).__name__}: {message}" if message else type(e).__name__
+
+
 class TrainerError(Exception):
     """Printed as `error: <message>` on every rank that raises it; exit code 2."""
 
@@ -58,28 +63,7 @@ class CheckpointError(TrainerError):
 
 
 class NoProgress(TrainerError):
-    """The last restarts all failed from the same checkpoint (trainer/attempts.py): retrying
+    """The last restarts all failed from the same checkpoint (trainer/faults/attempts.py): retrying
     is pointless, and the exit code tells the launcher so."""
 
     exit_code = Exit.NO_PROGRESS
-
-
-def make_writable_dir(path: Path) -> None:
-    """Create the folder `path` (output_dir) through any link, or raise LaunchError saying
-    whose folder refused it and why that happens. Through the link: in the image, runs/ links
-    to /workspace/runs, which a fresh volume over /workspace (a new PVC) does not have yet, and
-    mkdir stops at a dangling link."""
-    real = Path(os.path.realpath(path))
-    try:
-        real.mkdir(parents=True, exist_ok=True)
-        if not os.access(real, os.W_OK):
-            raise PermissionError(13, "Permission denied", str(real))
-    except PermissionError as e:
-        owner = next(p for p in (real, *real.parents) if p.exists())
-        stat = owner.stat()
-        raise LaunchError(
-            f"output_dir {path}: {e.strerror}: {owner} belongs to uid {stat.st_uid}, gid {stat.st_gid} "
-            f"(mode {stat.st_mode & 0o777:o}) and this process runs as uid {os.getuid()}, gid {os.getgid()}. "
-            "On Kubernetes the pod's fsGroup makes a volume writable only where its CSI driver applies it "
-            "(fsGroupPolicy; many ReadWriteMany drivers do not): see k8s/README.md, "
-            "\"Choose the storage class\"") from None

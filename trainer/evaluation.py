@@ -14,7 +14,6 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +21,8 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainer import data, distributed, model
+from trainer import build, data, distributed, model
 from trainer.distributed import DistEnv
-from trainer.parallel import LogitsUnderAutocast
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -113,21 +108,13 @@ def per_class_metrics(confusion: torch.Tensor, names: list[str]) -> list[dict]:
 # --- `python -m trainer evaluate` ----------------------------------------------------------
 
 
-def trained_logits(cfg: DictConfig, folder: Path,
-                   device: torch.device) -> tuple[PreTrainedModel, object, nn.Module]:
-    """(model, tokenizer, its logits in the run's precision) of a `model.trained_folder`."""
-    trained, tokenizer = model.load_trained(cfg, folder, device)
-    amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
-    return trained, tokenizer, LogitsUnderAutocast(trained, device.type, amp_dtype)
-
-
 def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) -> dict | None:
     """Evaluate the model in `folder` (a `model.trained_folder`) on data.eval_split; rank 0
     prints the table and writes eval-SPLIT.json and eval-SPLIT.png into the folder. Returns
     the report on rank 0."""
-    trained, tokenizer, logits_of = trained_logits(cfg, folder, device)
-    loader, num_samples, names = data.build_eval(cfg, dist_env, tokenizer, device)
-    names = names or model.config_label_names(trained, cfg.data.num_labels)
+    trained, logits_of = build.trained(cfg, dist_env, device, folder)
+    loader, num_samples, names = data.build_eval(cfg, dist_env, trained.tokenizer, device)
+    names = names or model.config_label_names(trained.model, cfg.data.num_labels)
     result = evaluate(logits_of, loader, num_samples, cfg.data.num_labels, device, dist_env)
     split = cfg.data.eval_split
     report = {

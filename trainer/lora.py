@@ -2,7 +2,7 @@
 
 Only the adapters and the classification head train, so only they get gradients: DDP
 buckets and all-reduces them alone, the optimizer holds their state alone, and a checkpoint
-saves them alone (checkpoint.trained_tensors). The frozen rest is model.name's, loaded again
+saves them alone (trained_tensors). The frozen rest is model.name's, loaded again
 on resume, and model.name is a FIXED key: a resume on another base is refused by name.
 
 final/ holds the adapters merged into the model: a plain transformers classifier, loaded
@@ -124,6 +124,17 @@ def describe(counts: dict[str, int], precision: dict[str, str | None]) -> str:
         return f"all {total:,} parameters, kept in {precision['trained']}; {computes}"
     return (f"{trained:,} of {total:,} parameters ({100 * trained / total:.2f}%: LoRA adapters and the head), "
             f"kept in {precision['trained']}, the frozen rest in {precision['frozen']}; {computes}")
+
+
+def trained_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of `model`: its whole state dict, or where some of its
+    parameters are frozen (LoRA's base), the parameters that train alone. The frozen ones
+    are model.name's, loaded again from there: a checkpoint of megabytes, not gigabytes."""
+    state = model.state_dict()
+    if all(p.requires_grad for p in model.parameters()):
+        return state
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {name: tensor for name, tensor in state.items() if name in trained}
 
 
 def merged(model: PreTrainedModel) -> PreTrainedModel:

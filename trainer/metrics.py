@@ -22,6 +22,7 @@ import torch
 from trainer import distributed
 from trainer.distributed import DistEnv
 from trainer.flops import FlopModel
+from trainer.step import StepObserver
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class _Window:
     grad_norm: torch.Tensor | None = None
 
 
-class Meter:
+class Meter(StepObserver):
     """Throughput and loss of the run, window by window, and the line that reports them.
 
     The step reports its micro-batches' tokens and losses and its end; `with meter.paused():`

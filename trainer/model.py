@@ -1,8 +1,9 @@
 """The model: a transformers sequence classifier and its tokenizer, from a hub id or a folder.
 
 This is the bare model: checkpoints, evaluation and the final export use it, so no `module.`
-(or `_orig_mod.`) prefix ever reaches a file. How the training step runs it across ranks
-(DDP, DataParallel, torch.compile) is trainer/parallel.py.
+(or `_orig_mod.`) prefix ever reaches a file. These are the parts; trainer/build.py puts them
+together (LoRA, the strategy that runs it across ranks, the step), the one way every command
+builds it.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from typing import TYPE_CHECKING, cast
 import torch
 from omegaconf import DictConfig
 
-from trainer.errors import ConfigError, one_line
+from trainer.errors import ConfigError, describe
 
 if TYPE_CHECKING:  # transformers is imported where a model is loaded: it is slow to import
     from transformers import PretrainedConfig, PreTrainedModel
 
 
 def _load_error(name: str, e: Exception) -> ConfigError:
-    return ConfigError(f"model.name: {name}: {type(e).__name__}: {one_line(e)}")
+    return ConfigError(f"model.name: {name}: {describe(e)}")
 
 
 def from_hub(model_cfg: DictConfig) -> bool:
@@ -112,6 +113,20 @@ def load_model(model_cfg: DictConfig, config: PretrainedConfig, seed: int, devic
         raise _load_error(model_cfg.name, e) from None
 
 
+def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+    """The classifier of `config` on the meta device: every tensor's shape and dtype, no
+    storage. Seconds, and no memory, for an 8B model."""
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        return AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+
+
+def is_model_folder(folder: Path) -> bool:
+    """A folder written by save_pretrained (final/), not a checkpoint (step-N)."""
+    return (folder / "config.json").is_file()
+
+
 def use_gradient_checkpointing(model: PreTrainedModel) -> None:
     """model.gradient_checkpointing. Non-reentrant (torch.utils.checkpoint's
     use_reentrant=False): it needs no input that requires grad, which a frozen embedding
@@ -140,35 +155,15 @@ def trained_folder(cfg: DictConfig, source: str) -> Path:
     """The folder that `checkpoint=SOURCE` of evaluate and predict names: `final`
     (output_dir/final), a model folder written by save_pretrained, or a checkpoint (step-N).
     Checked before any process group exists."""
-    from trainer import checkpoint
+    from trainer.checkpoint.store import verify
 
     path = Path(cfg.output_dir) / "final" if source == "final" else Path(source)
     if not path.is_dir():
         raise ConfigError(f"checkpoint: {path}: no such folder")
-    if (path / "config.json").is_file():
+    if is_model_folder(path):
         return path
-    problem = checkpoint.verify(path)
+    problem = verify(path)
     if problem:
         raise ConfigError(f"checkpoint: {path}: neither a model folder (final/, with config.json) nor a "
                           f"complete checkpoint (step-N): {problem}")
     return path
-
-
-def load_trained(cfg: DictConfig, folder: Path, device: torch.device) -> tuple[PreTrainedModel, object]:
-    """(model, tokenizer) from a `trained_folder`, in eval mode. A model folder has its own
-    tokenizer and config; a checkpoint's weights go into the architecture and tokenizer that
-    model.name gives, as in training."""
-    from trainer import checkpoint, distributed, lora
-
-    is_model_folder = (folder / "config.json").is_file()
-    model_cfg = DictConfig({**cfg.model, "name": str(folder), "pretrained": True}) if is_model_folder else cfg.model
-    tokenizer = load_tokenizer(model_cfg)
-    # As in training: under bf16 autocast, a bf16 copy of a weight computes what fp32's does.
-    dtype = lora.frozen_dtype(cfg.model, distributed.resolve_precision(cfg.train.precision, device))
-    config = load_config(model_cfg, cfg.data.num_labels, device.type, tokenizer.pad_token_id)
-    model = load_model(model_cfg, config, cfg.seed, device, dtype)
-    if not is_model_folder:  # a model folder has its names already, and LoRA's adapters merged
-        model = lora.apply(model, cfg.model)  # a checkpoint of a LoRA run holds the adapters
-        checkpoint.load_weights(folder, model)
-        set_label_names(model, cfg.data.label_names)
-    return model.eval(), tokenizer

@@ -16,7 +16,7 @@ from typing import cast
 import torch
 from omegaconf import DictConfig
 
-from trainer import data, distributed, evaluation, model
+from trainer import build, data, distributed, files, model
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError, DataError
 
@@ -77,12 +77,12 @@ def _fields(path: Path, line_no: int, record: dict, fields: list[str]) -> dict[s
 @torch.no_grad()
 def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path, rows: list[dict[str, str]],
         output: Path) -> None:
-    trained, tokenizer, logits_of = evaluation.trained_logits(cfg, folder, device)
+    trained, logits_of = build.trained(cfg, dist_env, device, folder)
     start = len(rows) * dist_env.rank // dist_env.world_size
     end = len(rows) * (dist_env.rank + 1) // dist_env.world_size
-    probs = _probabilities(cfg, tokenizer, logits_of, rows[start:end], device)
+    probs = _probabilities(cfg, trained.tokenizer, logits_of, rows[start:end], device)
     shards = distributed.gather_to_rank_zero(dist_env, probs)
-    names = model.config_label_names(trained, cfg.data.num_labels)
+    names = model.config_label_names(trained.model, cfg.data.num_labels)
 
     def write_all() -> None:
         assert shards is not None, "rank_zero_does runs this on rank 0, which gathered the shards"
@@ -112,7 +112,7 @@ def _probabilities(cfg: DictConfig, tokenizer, logits_of, rows: list[dict[str, s
 
 
 def write(path: Path, probs: list[list[float]], names: list[str]) -> None:
-    """Written under a temporary name, then renamed: a reader never sees half a file."""
+    """Written under a temporary name, then published (trainer/files.py): a reader never sees half a file."""
     labels = [max(range(len(p)), key=p.__getitem__) for p in probs]  # argmax, the first on ties
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -125,4 +125,4 @@ def write(path: Path, probs: list[list[float]], names: list[str]) -> None:
             writer.writerow(["row", "label", "label_name", *(f"prob_{i}" for i in range(len(names)))])
             writer.writerows([row, label, names[label], *map(repr, p)]
                              for row, (label, p) in enumerate(zip(labels, probs, strict=True)))
-    tmp.replace(path)
+    files.publish(tmp, path)

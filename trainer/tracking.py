@@ -1,7 +1,8 @@
 """Metrics: wandb on global rank 0 (offline unless asked), plus files that need no service.
 
+- `output_dir/config.yaml`: the resolved config, written as a fresh run starts.
 - `output_dir/metrics.jsonl`: one JSON object per log step, the same numbers sent to wandb.
-- `output_dir/summary.json`: the final figures of the run.
+- `output_dir/summary.json`: the final figures of the run (trainer/summary.py).
 
 Values arriving here are already global (all-reduced by the loop): this module never sees
 a rank-local loss. Other ranks get a Tracker that does nothing, so callers need no rank checks.
@@ -11,15 +12,22 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from trainer import config, distributed
+from trainer import config, distributed, files
 from trainer.distributed import DistEnv
+from trainer.errors import describe
 
 log = logging.getLogger(__name__)
+
+
+def start_output_dir(output_dir: Path, config_yaml: str) -> None:
+    """Rank 0, as a fresh run starts: output_dir created (files.make_writable_dir says why it
+    can't be) and the resolved config in it."""
+    files.make_writable_dir(output_dir)
+    files.write_text(output_dir / "config.yaml", config_yaml)
 
 
 def new_run_id() -> str:
@@ -52,9 +60,7 @@ class Tracker:
             line for line in self.metrics_path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", 0) <= resume_step
         ]
-        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(self.metrics_path)
+        files.write_text(self.metrics_path, "".join(line + "\n" for line in kept))
 
     def _start_wandb(self, cfg: DictConfig, run_id: str):
         import wandb  # imported on rank 0 only: it is slow to import and starts a service
@@ -83,9 +89,7 @@ class Tracker:
     def summary(self, summary: dict) -> None:
         if not self.enabled:
             return
-        tmp = self.output_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, self.output_dir / "summary.json")
+        files.write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         self._to_wandb(lambda run: run.summary.update(config.flatten(summary)))
 
     def close(self, exit_code: int = 0) -> None:
@@ -105,6 +109,6 @@ class Tracker:
         try:
             send(self._wandb_run)
         except Exception as e:  # wandb's service may die in any way; training goes on  # noqa: BLE001
-            log.warning("wandb: run %s lost its service (%s: %s); continuing without wandb, "
-                        "metrics.jsonl has every step", self._wandb_run.id, type(e).__name__, e)
+            log.warning("wandb: run %s lost its service (%s); continuing without wandb, "
+                        "metrics.jsonl has every step", self._wandb_run.id, describe(e))
             self._wandb_run = None

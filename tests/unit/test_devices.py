@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import host_copy
+from trainer.checkpoint.writer import host_copy
 from trainer.distributed import DistEnv, granted_gpus, has_native_bf16, pick_device, resolve_precision
 from trainer.errors import LaunchError
 from trainer.flops import peak_flops
-from trainer.parallel import LogitsUnderAutocast, mean_loss
+from trainer.step import LogitsUnderAutocast, mean_loss
 
 TWO_LOCAL_RANKS = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1",
                           master_port=29500)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.loop import done_line
+from trainer.summary import done_line
 
 
 def summary(final_step: int, steps: int, test: bool = True) -> dict:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer.checkpoint import reseed_rngs
+from trainer.checkpoint.rng import ProcessRNG
 from trainer.config import TrainConfig
 from trainer.data import BatchPlan, GlobalBatchSampler
 from trainer.distributed import DistEnv
@@ -87,7 +87,7 @@ def test_the_ledger_changes_with_the_data_the_seed_and_the_global_batch():
 
 def test_a_world_size_change_reseeds_each_rank_deterministically_and_apart():
     def draws(seed, step, rank):
-        reseed_rngs(seed, step, rank)
+        ProcessRNG.reseed(seed, step, rank)
         return torch.rand(4).tolist(), np.random.rand(), random.random()
 
     assert draws(42, 20, 0) == draws(42, 20, 0)

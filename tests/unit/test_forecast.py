@@ -1,4 +1,4 @@
-"""The scaling forecast's parts (trainer/forecast.py): the link fit recovers a known link, the
+"""The scaling forecast's parts (trainer/preflight/forecast.py): the link fit recovers a known link, the
 traffic model cuts the buckets DDP itself cuts, each hook's bytes follow torch's hooks, and
 the step model overlaps as DDP does. Whether the whole forecast matches measured steps is
 benchmarks/forecast.py's question, on shaped links: timings don't belong in the suite."""
@@ -12,8 +12,9 @@ from omegaconf import OmegaConf
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 
-from trainer import forecast, lora
-from trainer.forecast import Bucket, Compute, Link, Traffic
+from trainer import lora
+from trainer.preflight import forecast
+from trainer.preflight.forecast import Bucket, Compute, Link, Traffic
 
 MB = 1e6
 
@@ -46,7 +47,7 @@ def test_buckets_are_the_ones_ddp_cuts_in_the_order_backward_fills_them():
     """A real DDP (gloo, one process) rebuilds its buckets after its first step, in the order
     autograd produced the gradients: the forecast's buckets hold the same bytes, in order."""
     model = tiny_bert()
-    model.get_input_embeddings().sparse = True  # as trainer/parallel.py does on CPU
+    model.get_input_embeddings().sparse = True  # as trainer/strategies/ddp.py does on CPU
     params = forecast.Param.all_of(model)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in process: no address
     try:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer import checkpoint, lora, optim
+from trainer import lora, optim
+from trainer.checkpoint import formats
 from trainer.errors import CheckpointError, ConfigError
 from trainer.flops import FlopModel
 
@@ -85,9 +86,9 @@ def test_without_lora_the_model_is_returned_as_it_is():
 
 def test_a_checkpoint_holds_the_weights_that_train():
     full = bert()
-    assert checkpoint.trained_tensors(full).keys() == full.state_dict().keys()
+    assert lora.trained_tensors(full).keys() == full.state_dict().keys()
     adapted = lora.apply(bert(), model_cfg())
-    assert sorted(checkpoint.trained_tensors(adapted)) == \
+    assert sorted(lora.trained_tensors(adapted)) == \
         sorted(name for name, p in adapted.named_parameters() if p.requires_grad)
 
 
@@ -101,20 +102,21 @@ def test_the_optimizer_holds_the_weights_that_train():
 def test_a_checkpoint_of_another_model_or_lora_setting_is_refused_by_name(tmp_path):
     from safetensors.torch import save_file
 
-    save_file(checkpoint.trained_tensors(bert()), tmp_path / "full.safetensors")
-    save_file(checkpoint.trained_tensors(lora.apply(bert(), model_cfg())), tmp_path / "lora.safetensors")
+    full, adapters = tmp_path / "full", tmp_path / "lora"
+    for folder, model in ((full, bert()), (adapters, lora.apply(bert(), model_cfg()))):
+        folder.mkdir()
+        save_file(lora.trained_tensors(model), folder / "model.safetensors")
 
     adapted = lora.apply(bert(), model_cfg())
     refused = r"not this model's weights \(model.name, model.lora\): missing 10 .*; unexpected 41"
     with pytest.raises(CheckpointError, match=refused):
-        checkpoint._load_model_file(adapted, tmp_path / "full.safetensors")
+        formats.WHOLE.load_weights(full, adapted)
     with pytest.raises(CheckpointError, match=r"missing \d+ \(.*lora_A"):
-        checkpoint._load_model_file(lora.apply(bert(), model_cfg(target_modules=["query", "key"])),
-                                    tmp_path / "lora.safetensors")
+        formats.WHOLE.load_weights(adapters, lora.apply(bert(), model_cfg(target_modules=["query", "key"])))
     with pytest.raises(CheckpointError, match="missing"):
-        checkpoint._load_model_file(bert(), tmp_path / "lora.safetensors")
+        formats.WHOLE.load_weights(adapters, bert())
 
-    checkpoint._load_model_file(adapted, tmp_path / "lora.safetensors")  # its own kind loads
+    formats.WHOLE.load_weights(adapters, adapted)  # its own kind loads
 
 
 def test_target_modules_that_match_nothing_name_the_key():
@@ -213,22 +215,22 @@ def test_ddp_leaves_the_frozen_base_in_the_shared_page_cache(tiny_model, tmp_pat
     copy of the base per rank; it broadcasts only what trains, and writes no page of the file."""
     import torch.distributed as dist
 
-    from trainer import config, model, parallel
+    from trainer import build, config
     from trainer.distributed import DistEnv
+    from trainer.strategies import registry
 
     cfg = config.load("configs/demo.yaml", [f"model.name={tiny_model}", f"data.path={tmp_path}", "model.lora.r=4",
                                             f"output_dir={tmp_path / 'run'}", "train.precision=fp32"])
     cpu = torch.device("cpu")
-    tokenizer = model.load_tokenizer(cfg.model)
-    model_config = model.load_config(cfg.model, 5, "cpu", tokenizer.pad_token_id)
-    adapted = lora.apply(model.load_model(cfg.model, model_config, 0, cpu), cfg.model)
+    adapted = build.load(cfg, DistEnv(), cpu, torch.float32).model
     maps = Path("/proc/self/maps").read_text().splitlines()
     assert any(line.endswith("model.safetensors") for line in maps)  # memory-mapped, as on a node
     loaded = _written_pages_of("model.safetensors")  # what loading itself wrote (a few pages)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        ddp = parallel.Parallel(adapted, cfg, DistEnv(master_addr="localhost"), cpu, torch.float32)
-        assert ddp._ddp is not None
+        strategy = registry.of(cfg)
+        strategy.parallelize(adapted, DistEnv(master_addr="localhost"), cpu, torch.float32)
+        assert strategy.ddp is not None
         assert _written_pages_of("model.safetensors") == loaded
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""The memory plan (trainer/memory.py) from config.json alone: its weights, gradients and
+"""The memory plan (trainer/preflight/memory.py) from config.json alone: its weights, gradients and
 optimizer state equal a real model's and optimizer's tensors to the byte, and its activation
 estimate is within the stated band of what the autograd graph really keeps."""
 
@@ -10,7 +10,9 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from trainer import config, distributed, lora, memory, model, optim
+from trainer import build, config, distributed, lora
+from trainer.distributed import DistEnv
+from trainer.preflight import memory
 
 FAMILIES = ["bert", "roberta", "deberta-v2", "modernbert", "gpt2", "llama", "qwen2", "mistral"]
 TARGETS = {"modernbert": "[Wqkv]"}
@@ -35,20 +37,16 @@ def run_config(model_dir, tmp_path, **overrides):
     return config.load("configs/demo.yaml", [f"{key}={value}" for key, value in settings.items()])
 
 
-def trained_for_one_step(cfg, compute: torch.dtype):
-    """The model and optimizer as a CPU training run builds them, after one real step."""
-    cpu = torch.device("cpu")
-    tokenizer = model.load_tokenizer(cfg.model)
-    model_config = model.load_config(cfg.model, cfg.data.num_labels, "cpu", tokenizer.pad_token_id)
-    trained = lora.apply(model.load_model(cfg.model, model_config, 0, cpu, lora.frozen_dtype(cfg.model, compute)),
-                         cfg.model)
-    optimizer = optim.optimizer(trained, cfg.train)
+def trained_for_one_step(cfg):
+    """The model and optimizer as a CPU training run builds them (trainer/build.py), after one
+    real step, its gradients kept."""
+    built = build.build(cfg, DistEnv(), torch.device("cpu"), max_steps=1)
     ids = torch.randint(5, 100, (cfg.train.batch_size, cfg.data.max_length))
-    with torch.autocast("cpu", dtype=compute, enabled=compute != torch.float32):
-        loss = trained(input_ids=ids, labels=torch.zeros(len(ids), dtype=torch.long)).loss
-    loss.backward()
-    optimizer.step()
-    return trained, optimizer
+    built.step.loss({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                     "labels": torch.zeros(len(ids), dtype=torch.long)}).backward()
+    built.step.strategy.gradients_ready()  # the sparse embedding gradient, dense again
+    built.step.optimizer.step()
+    return built.model, built.step.optimizer
 
 
 def nbytes(tensors) -> int:
@@ -65,7 +63,7 @@ def test_weights_gradients_and_optimizer_state_are_exact_to_the_byte(tiny_models
     cfg = run_config(tiny_models(family), tmp_path, **settings)
     cpu = torch.device("cpu")
     plan = memory.make(cfg, cpu)
-    trained, optimizer = trained_for_one_step(cfg, distributed.resolve_precision(cfg.train.precision, cpu))
+    trained, optimizer = trained_for_one_step(cfg)
     assert plan.weights == nbytes(itertools.chain(trained.parameters(), trained.buffers()))
     assert plan.gradients == nbytes(p.grad for p in trained.parameters() if p.grad is not None)
     assert plan.optimizer == nbytes(t for state in optimizer.state.values() for t in state.values())
@@ -111,7 +109,7 @@ def test_the_activation_estimate_is_within_its_stated_band(tiny_models, tmp_path
         cfg = run_config(tiny_models(family), tmp_path, **{"train.precision": precision, "data.max_length": 128,
                                                            **lora_settings})
         plan = memory.make(cfg, torch.device("cpu"))
-        trained, _ = trained_for_one_step(cfg, compute)
+        trained, _ = trained_for_one_step(cfg)
         measured = saved_for_backward(trained.train(), cfg.train.batch_size, 128, compute)
         assert 0.5 <= measured / plan.activations <= 1.8, (with_lora, measured, plan.activations)
 

@@ -1,4 +1,4 @@
-"""Which network doctor says the collectives use (trainer/network.py): NCCL's choice read
+"""Which network doctor says the collectives use (trainer/preflight/network.py): NCCL's choice read
 from its INFO log, the warning for RDMA devices left unused, and gloo's interface."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
-from trainer import network
+from trainer.preflight import network
 
 IB_LOG = """\
 gpu3:4021:4021 [0] NCCL INFO Bootstrap : Using bond0:10.8.0.3<0>

@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
-from trainer import attempts, distributed, exit_codes, grace, torchrun, watchdog
+from trainer import distributed, exit_codes, torchrun
 from trainer.errors import NoProgress
 from trainer.exit_codes import Exit
+from trainer.faults import attempts, watchdog
+from trainer.preflight import grace
 
 
 @pytest.mark.parametrize("codes, verdict", [

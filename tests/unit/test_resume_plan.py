@@ -9,10 +9,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer import config, resume
-from trainer.checkpoint import Checkpointer
+from trainer import config
+from trainer.checkpoint import resume
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.distributed import DistEnv
-from trainer.errors import ConfigError
+from trainer.errors import CheckpointError, ConfigError
+from trainer.strategies import registry
 
 
 def load(tmp_path, *overrides: str):
@@ -31,20 +33,25 @@ class SavedPosition:
         raise AssertionError("the plan loads nothing")
 
 
+def checkpointer(cfg, env: DistEnv) -> Checkpointer:
+    """The run's checkpointer, in its strategy's format, as the Trainer makes it."""
+    return Checkpointer(cfg.output_dir, cfg.checkpoint.keep, env, checkpoint_format=registry.of(cfg).checkpoint_format)
+
+
 def checkpointed(tmp_path, *overrides: str, step: int = 4, global_batch: int = 32):
     """A run's checkpoint at `step`, written with the config these overrides give."""
     cfg = load(tmp_path, *overrides)
     model = torch.nn.Linear(2, 2)
     states = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
               "train": SavedPosition(step, global_batch)}
-    Checkpointer(str(tmp_path), keep=3, dist_env=DistEnv()).save(step, states, config.to_yaml(cfg))
+    checkpointer(cfg, DistEnv()).save(step, states, config.to_yaml(cfg))
     return tmp_path / "checkpoints" / f"step-{step}"
 
 
 def plan(tmp_path, *overrides: str, world_size: int = 1) -> resume.ResumePlan:
     cfg = load(tmp_path, *overrides)
     env = DistEnv(world_size=world_size)
-    return resume.decide(cfg, env, Checkpointer(cfg.output_dir, cfg.checkpoint.keep, env))
+    return resume.decide(cfg, env, checkpointer(cfg, env))
 
 
 def test_a_fresh_run_plans_from_its_config(tmp_path):
@@ -103,6 +110,19 @@ def test_a_change_of_gradient_compression_is_refused_on_resume(tmp_path, saved, 
     checkpointed(tmp_path, saved)
     with pytest.raises(ConfigError, match=re.escape(change)):
         plan(tmp_path, saved, given)
+
+
+@pytest.mark.parametrize("saved_by, resumed_by", [("ddp", "fsdp"), ("fsdp", "ddp"), ("fsdp", "dp")])
+def test_a_checkpoint_of_the_other_format_is_refused_before_anything_loads(tmp_path, saved_by, resumed_by):
+    """DDP's files and FSDP's shards don't convert: refused by the plan, in seconds, even when
+    checkpoint.allow_changes names train.strategy (tests/e2e/test_fsdp.py: under torchrun)."""
+    path = checkpointed(tmp_path, f"train.strategy={saved_by}")
+    written, this = (f"{name} (sharded)" if name == "fsdp" else name for name in (saved_by, resumed_by))
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"checkpoint.resume: {path}: written by train.strategy={written}, and this run is {this}: the two "
+            "formats don't convert")):
+        plan(tmp_path, f"train.strategy={resumed_by}", "checkpoint.allow_changes=[train.strategy]")
+    assert plan(tmp_path, f"train.strategy={saved_by}").path == path
 
 
 def test_allow_changes_accepts_a_key_or_a_section(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import config, data, model
+from trainer import build, config, data, model
 from trainer.distributed import DistEnv
 from trainer.errors import DataError
 
@@ -29,12 +29,9 @@ def settings(tiny_model, reviews, tmp_path, **changes) -> DictConfig:
 
 
 def as_the_trainer_leaves_it(cfg):
-    """The tokenizer after what Trainer.__init__ does before data.build (and a call and a
-    padded batch, which leave state in a fast tokenizer)."""
-    tokenizer = model.load_tokenizer(cfg.model)
-    config = model.load_config(cfg.model, cfg.data.num_labels, "cpu", tokenizer.pad_token_id)
-    model.check_max_length(cfg.model, cfg.data.max_length, config, tokenizer)
-    model.load_model(cfg.model, config, cfg.seed, torch.device("cpu"))
+    """The tokenizer after what Trainer.__init__ does before data.build: the builder's load
+    (and a call and a padded batch, which leave state in a fast tokenizer)."""
+    tokenizer = build.load(cfg, DistEnv(), torch.device("cpu"), torch.float32).tokenizer
     encoded = tokenizer(ROWS["text"][:2], truncation=True, max_length=8)
     data.Collate(tokenizer, pad_to_multiple_of=8)([{"input_ids": ids} for ids in encoded["input_ids"]])
     return tokenizer

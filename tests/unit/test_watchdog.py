@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 import trainer.loop
 from trainer.distributed import DistEnv
 from trainer.exit_codes import Exit
-from trainer.watchdog import PHASES, Watchdog, verdict
+from trainer.faults.watchdog import PHASES, Watchdog, verdict
 
 FACTOR, MIN_S, TIMEOUT_S = 10.0, 1.0, 100.0
 

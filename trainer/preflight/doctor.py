@@ -8,11 +8,11 @@ steps come last).
 - that every rank reaches the job's store and forms the process group, and how fast;
 - a timed all-reduce at several sizes: algorithm and bus bandwidth, and the slowest rank;
 - the network the collectives really use: NCCL's transport (InfiniBand, RoCE or sockets, from
-  its own log), gloo's interface (trainer/network.py);
+  its own log), gloo's interface (trainer/preflight/network.py);
 - that output_dir is writable by every rank and is one shared filesystem across hosts;
 - the wandb settings;
-- that the memory plan (trainer/memory.py) fits each rank's device;
-- a scaling forecast (trainer/forecast.py): a few timed steps of the real model on every
+- that the memory plan (trainer/preflight/memory.py) fits each rank's device;
+- a scaling forecast (trainer/preflight/forecast.py): a few timed steps of the real model on every
   rank, and the all-reduce timings, predict the step time at more nodes.
 
 Every rank checks itself; rank 0 gathers the answers and prints one report. Exit 0 when
@@ -35,9 +35,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer import data, distributed, forecast, grace, memory, network
+from trainer import data, distributed
 from trainer.distributed import DistEnv
-from trainer.errors import TrainerError
+from trainer.errors import TrainerError, describe
+from trainer.preflight import forecast, grace, memory, network
+from trainer.strategies import registry
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
                 "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
@@ -166,7 +168,7 @@ def shared_output_dir(output_dir: Path, dist_env: DistEnv) -> tuple[str, list[in
         probe_dir.mkdir(parents=True, exist_ok=True)
         (probe_dir / f"rank-{dist_env.rank}").write_text(socket.gethostname())
     except OSError as e:
-        error = f"{type(e).__name__}: {e}"
+        error = describe(e)
     dist.barrier()  # every rank has written its probe before any rank looks
     seen = sorted(int(p.name[5:]) for p in probe_dir.glob("rank-*")) if probe_dir.is_dir() else []
     dist.barrier()  # every rank has looked before rank 0 removes the probes
@@ -275,7 +277,7 @@ def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings,
     save_s = None
     if not any(isinstance(m, str) for m in computes) and not any(e for e, _ in shared):
         assert isinstance(measured, forecast.Measured), "every rank measured"
-        save_s = grace.time_save(dist_env, measured.model, measured.optimizer,
+        save_s = grace.time_save(cfg, dist_env, measured.built, measured.data,
                                  Path(os.path.realpath(output_dir)) / f".doctor-save-{uuid.uuid4().hex}")
 
     code = 0
@@ -301,8 +303,9 @@ def _grace(cfg, dist_env: DistEnv, computes: list, save_s: float | None) -> tupl
 def _measure(cfg, dist_env: DistEnv, device: torch.device, plan) -> tuple | str:
     """This rank's timed training steps for the forecast, or why there are none. Not when
     the memory plan fails this rank: doctor reports that instead of running out of memory."""
-    if cfg.train.strategy != "ddp":
-        return f"the forecast models DDP, not train.strategy={cfg.train.strategy} (docs/forecast.md)"
+    unsupported = registry.of(cfg).forecast_unsupported
+    if unsupported:
+        return unsupported
     if isinstance(plan, str):
         return "no memory plan"
     if not plan.fits(memory.device_bytes(device, dist_env.local_world_size)):
@@ -312,7 +315,7 @@ def _measure(cfg, dist_env: DistEnv, device: torch.device, plan) -> tuple | str:
     except TrainerError as e:
         return str(e)
     except Exception as e:  # a forecast that can't be made is a warning, not a failed check  # noqa: BLE001
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return describe(e)
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the timed model is gone: give its memory back

@@ -2,12 +2,12 @@
 
 A preempted job is told to stop (SIGTERM, or Slurm's time-limit signal) and killed some
 seconds later. In between, every rank finishes its step, agrees to stop, and saves a
-checkpoint (trainer/preemption.py); what is not saved by the kill is lost. Two clocks run:
+checkpoint (trainer/faults/preemption.py); what is not saved by the kill is lost. Two clocks run:
 the launcher's (Slurm's --signal lead, Kubernetes' terminationGracePeriodSeconds, compose's
 stop_grace_period), which it states in TRAINER_GRACE_S, and torchrun's own: it SIGKILLs its
 workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) after it forwards the signal,
 however long the launcher would wait. `python -m trainer doctor` times this model's save on
-output_dir's storage and checks it against the shorter of the two.
+output_dir's storage, with the run's own checkpointer, and checks it against the shorter of the two.
 """
 
 from __future__ import annotations
@@ -17,11 +17,17 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from omegaconf import DictConfig
 
-from trainer import distributed
+from trainer import config, distributed
+from trainer.data import BatchPlan
 from trainer.distributed import DistEnv
+
+if TYPE_CHECKING:
+    from trainer.build import Built
+    from trainer.data import Data
 
 GRACE_ENV = "TRAINER_GRACE_S"
 SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
@@ -40,23 +46,26 @@ def _seconds(environ: Mapping[str, str], name: str) -> float | None:
         return None
 
 
-def time_save(dist_env: DistEnv, model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> float:
-    """Collective: seconds for rank 0 to write `model`'s and `optimizer`'s state into `folder`
-    (on output_dir's storage) and flush it to the disk, as a checkpoint's save does; the other
-    ranks wait for it as they would. The folder is removed after."""
-    def write() -> float:
-        started = time.perf_counter()
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "state.pt"
-        with path.open("wb") as f:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        seconds = time.perf_counter() - started
-        shutil.rmtree(folder, ignore_errors=True)
-        return seconds
+def time_save(cfg: DictConfig, dist_env: DistEnv, built: Built, run_data: Data, folder: Path) -> float:
+    """Collective: seconds to save the run's state as a stop saves it: the run's own
+    Checkpointer, in its strategy's format, written and flushed to the disk in `folder` (on
+    output_dir's storage), rank 0's time; every rank takes part, as it would. The folder is
+    removed after."""
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.train_state import TrainState
+    from trainer.policy import Selection
 
-    return distributed.broadcast_from_rank_zero(dist_env, distributed.rank_zero_does(dist_env, f"{folder}", write))
+    batch = BatchPlan.of(cfg.train, dist_env.world_size)
+    train_state = TrainState(batch, run_data, Selection.from_config(cfg), dist_env, run_id="doctor")
+    checkpointer = Checkpointer(str(folder), keep=1, dist_env=dist_env,
+                                checkpoint_format=built.strategy.checkpoint_format)
+    started = time.perf_counter()
+    try:
+        checkpointer.save(0, built.states(train_state), config.to_yaml(cfg))
+    finally:
+        seconds = time.perf_counter() - started
+        distributed.rank_zero_does(dist_env, f"{folder}", lambda: shutil.rmtree(folder, ignore_errors=True))
+    return distributed.broadcast_from_rank_zero(dist_env, seconds)
 
 
 def check(step_s: float, save_s: float, environ: Mapping[str, str] = os.environ) -> tuple[list[str], list[str]]:

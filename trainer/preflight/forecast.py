@@ -18,14 +18,19 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
+
+from trainer.step import StepObserver, TrainStep
+
+if TYPE_CHECKING:
+    from trainer.build import Built
+    from trainer.data import Data
 
 MIB = 1024**2
 BUCKET_SIZES_MB = (5.0, 10.0, 25.0, 50.0, 100.0)
@@ -201,7 +206,7 @@ def traffic(params: list[Param], cfg: DictConfig, backend: str, sparse_rows: flo
 
     powersgd = hook == "powersgd"
     # DDP rebuilds its buckets after the first step, in the order gradients became ready;
-    # under PowerSGD it keeps the first ones, cut in definition order (trainer/parallel.py).
+    # under PowerSGD it keeps the first ones, cut in definition order (trainer/strategies/ddp.py).
     position = {p.name: i for i, p in enumerate(params)}
 
     def ready_order(p: Param) -> tuple:  # ties as autograd breaks them: later-defined first, lookups last
@@ -256,32 +261,53 @@ def describe_batches(train_ds, sampler, micro_batch: int, pad_multiple: int | No
     return Batches(round(statistics.fmean(padded)), statistics.fmean(distinct))
 
 
-def time_compute(step, micro_batch: int, length: int, vocab: int, device: torch.device,
+class PhaseClock(StepObserver):
+    """A StepObserver (trainer/step.py) that times the step's forward, backward and optimizer,
+    syncing the device at each boundary: on a GPU the host runs ahead of the kernels. The
+    comm phase is backward's tail here: over a group of one rank, DDP's hooks run but send
+    nothing, and what the link costs is the model's to add."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.marks: list[tuple[str | None, float]] = []
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def phase(self, name: str | None, at: float | None = None) -> None:
+        if name != "comm":
+            self.marks.append((name, self._now()))
+
+    def step_done(self, grad_norm: torch.Tensor | None) -> None:
+        self.marks.append((None, self._now()))
+
+    def seconds(self) -> dict[str, float]:
+        spent: dict[str, float] = {}
+        for (name, started), (_, ended) in zip(self.marks, self.marks[1:], strict=False):
+            if name is not None:
+                spent[name] = spent.get(name, 0.0) + ended - started
+        return spent
+
+
+def time_compute(step: TrainStep, micro_batch: int, length: int, vocab: int, device: torch.device,
                  steps: int = 4) -> Compute:
-    """Median forward, backward and optimizer seconds over `steps` steps (after two that warm
-    up allocations and kernels) of `step`, on random tokens: the work depends on the shapes,
-    not the values. `step(batch)` returns (the loss, a callable that runs the optimizer)."""
+    """Median forward, backward and optimizer seconds over `steps` runs (after two that warm
+    up allocations and kernels) of the training step itself, on one micro-batch of random
+    tokens: the work depends on the shapes, not the values."""
     generator = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, vocab, (micro_batch, length), generator=generator).to(device),
              "attention_mask": torch.ones(micro_batch, length, dtype=torch.long, device=device),
              "labels": torch.zeros(micro_batch, dtype=torch.long, device=device)}
-
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    times: list[tuple[float, float, float]] = []
+    times: list[dict[str, float]] = []
     for i in range(steps + 2):
-        started = now()
-        loss, optimizer_step = step(batch)
-        forward_done = now()
-        loss.backward()
-        backward_done = now()
-        optimizer_step()
+        clock = PhaseClock(device)
+        step([batch], i + 1, clock)
         if i >= 2:
-            times.append((forward_done - started, backward_done - forward_done, now() - backward_done))
-    forward_s, backward_s, optimizer_s = (statistics.median(t) for t in zip(*times, strict=True))
+            times.append(clock.seconds())
+    forward_s, backward_s, optimizer_s = (statistics.median(t[phase] for t in times)
+                                          for phase in ("forward", "backward", "optimizer"))
     return Compute(forward_s, backward_s, optimizer_s, micro_batch)
 
 
@@ -289,72 +315,44 @@ class Measured(NamedTuple):
     compute: Compute
     batches: Batches
     params: list[Param]
-    model: torch.nn.Module
-    """The timed model and its optimizer, with the state a checkpoint would hold."""
-    optimizer: torch.optim.Optimizer
+    built: Built
+    """The timed model, strategy and step, with the state a checkpoint would hold."""
+    data: Data
+    """The training data as the run tokenizes it (its loaders closed)."""
 
 
 def measure(cfg: DictConfig, dist_env, device: torch.device) -> Measured:
     """This rank's compute on the job's real model, at the mean padded length of its real
-    micro-batches, as a training step runs it: LoRA, gradient checkpointing, precision, the
-    sparse embedding gradient, DDP with ddp.comm_hook (PowerSGD's compression included),
-    clipping and AdamW. Only the network is left out: DDP runs over a group of this rank
-    alone. Every rank times at once, so ranks that share a node's CPUs compete as they will
-    in training."""
+    micro-batches: training's own model and step (trainer/build.py), LoRA, gradient
+    checkpointing, precision, the sparse embedding gradient, DDP with ddp.comm_hook
+    (PowerSGD's compression included), accumulation's gradient sync, clipping, the loss
+    scaler, AdamW and its schedule. Only the network is left out: DDP runs over a group of this
+    rank alone. Every rank times at once, so ranks that share a node's CPUs compete as they
+    will in training."""
     import torch.distributed as dist
 
-    from trainer import compression, data, distributed, lora, model, optim, parallel
+    from trainer import build, data
+    from trainer.policy import Policy
 
-    if device.type == "cpu":
-        torch.set_num_threads(distributed.cpu_threads(dist_env, cfg.train.threads))
-    amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
     plan = data.BatchPlan.of(cfg.train, dist_env.world_size)
-    with distributed.local_rank_zero_first(dist_env) if model.from_hub(cfg.model) else nullcontext():
-        tokenizer = model.load_tokenizer(cfg.model)
-        config = model.load_config(cfg.model, cfg.data.num_labels, device.type, tokenizer.pad_token_id)
-        model.check_max_length(cfg.model, cfg.data.max_length, config, tokenizer)
-        bare = model.load_model(cfg.model, config, cfg.seed, device, lora.frozen_dtype(cfg.model, amp_dtype))
-    built = data.build(cfg, dist_env, data.load(cfg, dist_env), tokenizer, device, plan)
-    try:
-        pad_multiple = cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None)
-        batches = describe_batches(built.train_loader.dataset, built.train_sampler, plan.micro_batch, pad_multiple)
-    finally:
-        built.close()
-    trained = lora.apply(bare, cfg.model)
-    if cfg.model.gradient_checkpointing:
-        model.use_gradient_checkpointing(trained)
-    trained.train()
-    params = Param.all_of(trained)
-    sparse = parallel.SparseEmbeddingGrad.maybe(trained, cfg, device)
-    logits = parallel.LogitsUnderAutocast(trained, device.type, amp_dtype)
+    splits = data.load(cfg, dist_env)
+    max_steps = Policy.from_config(cfg, splits.steps_per_epoch(plan, cfg.train)).max_steps
+    # PowerSGD compresses from the first timed step: the two before it warm up.
+    timed = cast(DictConfig, OmegaConf.merge(cfg, {"ddp": {"powersgd_start_step": 2}}))
     alone, _ = dist.new_subgroups(group_size=1)  # collective: every rank makes its own
     try:
-        ddp = parallel.ddp_wrap(logits, cfg.ddp, device, alone)
-        state, hook, powersgd = compression.make(cfg.ddp, distributed.backend(dist_env), alone)
-        if powersgd is not None:
-            powersgd.state.start_powerSGD_iter = 2  # compressing from the first timed step
-        ddp.register_comm_hook(state, hook)
-        optimizer = optim.optimizer(trained, cfg.train)
-
-        def step(batch: dict):
-            inputs = dict(batch)
-            labels = inputs.pop("labels")
-            loss = parallel.mean_loss(ddp(**inputs), labels)
-
-            def optimizer_step() -> None:
-                if sparse is not None:
-                    sparse.densify()
-                if cfg.train.max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(trained.parameters(), cfg.train.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            return loss, optimizer_step
-
-        compute = time_compute(step, plan.micro_batch, batches.padded_length, config.vocab_size, device)
+        built = build.build(timed, dist_env, device, max_steps=max_steps, group=alone)
+        tokenized = data.build(cfg, dist_env, splits, built.tokenizer, device, plan)
+        try:
+            batches = describe_batches(tokenized.train_loader.dataset, tokenized.train_sampler, plan.micro_batch,
+                                       data.pad_multiple(cfg, device))
+        finally:
+            tokenized.close()
+        params = Param.all_of(built.model)
+        compute = time_compute(built.step, plan.micro_batch, batches.padded_length, built.config.vocab_size, device)
     finally:
         dist.destroy_process_group(alone)
-    return Measured(compute, batches, params, trained, optimizer)
+    return Measured(compute, batches, params, built, tokenized)
 
 
 # --- the forecast -------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Resume: which checkpoint, which config changes it accepts, which global batch.
 
 Decided once, by `decide`, before the data and the model load, so a resume the config can't
-make is refused in seconds. Every rank decides alone from the same files (rank 0 chooses the
-checkpoint and broadcasts it), so every rank refuses alike, with no other collective.
+make is refused in seconds: another config, a global batch this world size can't split, or a
+checkpoint of the other format (DDP's files against FSDP's shards). Every rank decides alone
+from the same files (rank 0 chooses the checkpoint and broadcasts it), so every rank refuses
+alike, with no other collective.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from typing import Any, NamedTuple, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checkpoint, config
+from trainer import config, distributed
+from trainer.checkpoint import formats
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.store import Store, read_state, verify
 from trainer.data import BatchPlan
 from trainer.distributed import DistEnv
-from trainer.errors import ConfigError
+from trainer.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +55,12 @@ class ResumePlan:
         return 0 if self.saved is None else self.saved["step"]
 
 
-def decide(cfg: DictConfig, dist_env: DistEnv, checkpointer: checkpoint.Checkpointer) -> ResumePlan:
-    path = checkpointer.find_resume(cfg.checkpoint.resume)
+def decide(cfg: DictConfig, dist_env: DistEnv, checkpointer: Checkpointer) -> ResumePlan:
+    path = choose(cfg.checkpoint.resume, checkpointer.store, dist_env)
     if path is None:
         return ResumePlan(BatchPlan.of(cfg.train, dist_env.world_size))
-    saved = checkpoint.read_state(path)
+    _check_format(path, checkpointer.format, cfg)
+    saved = read_state(path)
     accepted = _check_config_changes(path, saved, cfg)
     batch = BatchPlan.of(cfg.train, dist_env.world_size, saved["global_batch"])
     if cfg.train.global_batch is None:
@@ -64,6 +70,40 @@ def decide(cfg: DictConfig, dist_env: DistEnv, checkpointer: checkpoint.Checkpoi
                         "world size = %d (train.global_batch=%d says so)", batch.global_batch, by_keys,
                         batch.global_batch)
     return ResumePlan(batch, path, saved, accepted)
+
+
+def choose(resume: str, store: Store, dist_env: DistEnv) -> Path | None:
+    """The checkpoint checkpoint.resume names (auto: the newest that verifies; never: none),
+    chosen by rank 0 and the same on every rank."""
+    def choice() -> str | None:
+        if resume == "never":
+            return None
+        if resume != "auto":
+            problem = verify(Path(resume))
+            if problem:
+                raise ConfigError(f"checkpoint.resume: {resume}: {problem}")
+            return resume
+        newest = store.newest_valid()
+        return None if newest is None else str(newest)
+
+    chosen = distributed.rank_zero_does(dist_env, f"checkpoint.resume: {store.root}", choice)
+    chosen = distributed.broadcast_from_rank_zero(dist_env, chosen)
+    return None if chosen is None else Path(chosen)
+
+
+def _check_format(path: Path, run_format: formats.Format, cfg: DictConfig) -> None:
+    """The checkpoint's format is this run's strategy's: DDP's files and FSDP's shards don't
+    convert, even when checkpoint.allow_changes names train.strategy."""
+    written = formats.of_checkpoint(path)
+    if written is not run_format:
+        saved_by = OmegaConf.select(OmegaConf.load(path / "config.yaml"), "train.strategy", default="?")
+
+        def named(strategy: str, fmt: formats.Format) -> str:
+            return f"{strategy} (sharded)" if fmt is formats.SHARDED else strategy
+
+        raise CheckpointError(f"checkpoint.resume: {path}: written by train.strategy={named(saved_by, written)}, "
+                              f"and this run is {named(cfg.train.strategy, run_format)}: the two formats don't "
+                              "convert; resume it with the strategy that wrote it, or start a new output_dir")
 
 
 def describe(plan: ResumePlan, dist_env: DistEnv) -> None:

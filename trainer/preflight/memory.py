@@ -5,9 +5,9 @@ rank's device, before any weights load: for an 8B model a batch too big is then 
 answer in seconds, not an out-of-memory error after minutes of loading.
 
 - weights, gradients and optimizer state are exact: the model is built on the meta device
-  (shapes and dtypes, no storage) with LoRA and model.dtype applied as training applies them,
-  and they are counted tensor by tensor (tests/unit/test_memory_plan.py holds them to the
-  byte against a real model and optimizer);
+  (shapes and dtypes, no storage) by training's own builder (trainer/build.py), LoRA and
+  model.dtype included, counted tensor by tensor, and split as the run's strategy splits them
+  (tests/unit/test_memory_plan.py holds them to the byte against a real model and optimizer);
 - activations are an estimate (`activation_bytes`, its formula in docs/memory.md).
 """
 
@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 from omegaconf import DictConfig
 
-from trainer import distributed, lora, model
+from trainer import build, distributed, lora
+from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
+from trainer.strategies import registry
 
 if TYPE_CHECKING:
     from torch import nn
@@ -119,44 +121,32 @@ def make(cfg: DictConfig, device: torch.device | None = None, world_size: int = 
     """The plan of `cfg` on `device`; None: a GPU with native bf16 (what `check` plans for,
     on a machine that may have none). Reads model.name's config.json and its tokenizer, if
     it has one, never its weights; data.max_length is checked against the model's positions
-    first. Under train.strategy=fsdp, the weights, gradients and optimizer state are one
-    rank's shard of `world_size`, and the blocks gathered whole for compute are added."""
+    first. The run's strategy says how its `world_size` ranks split the weights, gradients
+    and optimizer state (FSDP: one rank's shard), and what they gather whole for compute."""
     if device is None:
-        device_type, amp_dtype = "cuda", PLANNED_PRECISION[cfg.train.precision]
+        device, amp_dtype = torch.device("cuda"), PLANNED_PRECISION[cfg.train.precision]
     else:
-        device_type, amp_dtype = device.type, distributed.resolve_precision(cfg.train.precision, device)
-    tokenizer = model.load_tokenizer(cfg.model) if model.has_tokenizer(cfg.model) else None
-    config = model.load_config(cfg.model, cfg.data.num_labels, device_type,
-                               None if tokenizer is None else tokenizer.pad_token_id)
-    model.check_max_length(cfg.model, cfg.data.max_length, config, tokenizer)
-    on_meta = meta_model(cfg.model, config, lora.frozen_dtype(cfg.model, amp_dtype))
-    shards = world_size if cfg.train.strategy == "fsdp" else 1
-    weights, gradients, optimizer = static_bytes(on_meta, cfg.ddp.gradient_as_bucket_view, shards)
-    counts = lora.parameter_counts(on_meta)
+        amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
+    on_meta = build.load(cfg, DistEnv(), device, amp_dtype, on_meta=True)
+    strategy = registry.of(cfg)
+    shards = strategy.memory_shards(world_size)
+    weights, gradients, optimizer = static_bytes(on_meta.model, strategy.gradient_copies(), shards)
+    counts = lora.parameter_counts(on_meta.model)
+    config = on_meta.config
     per_sample = activation_bytes(config, cfg.data.max_length, amp_dtype,
                                   keeps_attention_probs=config._attn_implementation == "eager",
                                   checkpointing=cfg.model.gradient_checkpointing)
     return MemoryPlan(weights, gradients, optimizer, per_sample, cfg.train.batch_size, cfg.data.max_length,
-                      counts["parameters"], counts["trained_parameters"], lora.precisions(on_meta, amp_dtype),
-                      shards, gathered_bytes(on_meta, amp_dtype) if shards > 1 else 0)
+                      counts["parameters"], counts["trained_parameters"], lora.precisions(on_meta.model, amp_dtype),
+                      shards, strategy.gathered_bytes(on_meta.model, amp_dtype, world_size))
 
 
-def meta_model(model_cfg: DictConfig, config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
-    """The model as training builds it (in `dtype`, LoRA applied), on the meta device: every
-    tensor's shape and dtype, no storage. Seconds, and no memory, for an 8B model."""
-    from transformers import AutoModelForSequenceClassification
-
-    with torch.device("meta"):
-        bare = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
-        return lora.apply(bare, model_cfg)
-
-
-def static_bytes(module: nn.Module, gradient_as_bucket_view: bool = True, shards: int = 1) -> tuple[int, int, int]:
+def static_bytes(module: nn.Module, gradient_copies: int = 1, shards: int = 1) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) in bytes, exactly, for `module` (on any device).
     Weights: every parameter and buffer, peft's frozen copy of the head included. Gradients:
-    one per trained parameter, in its dtype; DDP keeps a second copy in its buckets unless
-    ddp.gradient_as_bucket_view. AdamW: exp_avg and exp_avg_sq like each trained parameter,
-    and one fp32 step count per tensor.
+    `gradient_copies` per trained parameter, in its dtype (DDP keeps a second in its buckets
+    unless ddp.gradient_as_bucket_view). AdamW: exp_avg and exp_avg_sq like each trained
+    parameter, and one fp32 step count per tensor.
 
     With `shards` (FSDP's ranks), rank 0's share: FSDP2 splits each parameter along its first
     dimension in torch.chunk's way, ceil(rows / shards) rows to rank 0 (the most any rank
@@ -171,21 +161,7 @@ def static_bytes(module: nn.Module, gradient_as_bucket_view: bool = True, shards
     trained = [p for p in module.parameters() if p.requires_grad]
     gradients = sum(held(p) for p in trained)
     optimizer = 2 * gradients + 4 * len(trained)
-    return weights, gradients if gradient_as_bucket_view or shards > 1 else 2 * gradients, optimizer
-
-
-def gathered_bytes(module: nn.Module, compute: torch.dtype) -> int:
-    """An estimate of what FSDP gathers whole at once, in the compute dtype: two blocks (the
-    one computing, the next one prefetched) and what the root holds (embeddings, head),
-    which stays gathered from the forward to the backward."""
-    from trainer import parallel
-
-    blocks = parallel.transformer_blocks(module)
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    block = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
-    root = sum(p.numel() for p in module.parameters() if id(p) not in in_blocks)
-    bytes_each = torch.finfo(compute).bits // 8
-    return (2 * block + root) * bytes_each
+    return weights, gradient_copies * gradients, optimizer
 
 
 def dimensions(config: PretrainedConfig) -> tuple[int, int, int, int]:

@@ -30,9 +30,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer import distributed, exit_codes, inject
+from trainer import distributed, exit_codes
 from trainer.distributed import DistEnv
+from trainer.errors import describe
 from trainer.exit_codes import Exit
+from trainer.faults import inject
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +232,7 @@ class Watchdog:
                         self.silent_hosts.add(silent_host)
             except Exception as e:  # the report goes out whatever the store raised  # noqa: BLE001
                 lines.append(f"  rendezvous store {self.dist_env.master_addr}:{self.dist_env.master_port} "
-                             f"unreachable ({type(e).__name__}: {e}); this node may be the one cut off")
+                             f"unreachable ({describe(e)}); this node may be the one cut off")
         if self.nccl_dump is not None:
             lines.append("  NCCL's flight recorder dumps this rank's collectives to "
                          f"{self.nccl_dump}{self.dist_env.rank} when NCCL's own watchdog times out "

@@ -13,13 +13,18 @@ launcher takes as "do not retry" (docs/restarts.md).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
 from pathlib import Path
 
+from trainer import distributed
+from trainer.distributed import DistEnv
 from trainer.errors import NoProgress
 from trainer.exit_codes import Exit
+
+log = logging.getLogger(__name__)
 
 FILE = "attempts.jsonl"
 
@@ -89,3 +94,36 @@ def _append(output_dir: Path, record: dict) -> None:
         if size and (f.seek(size - 1), f.read(1))[1] != b"\n":
             line = b"\n" + line  # after a line cut short, a line of its own
         f.write(line)
+
+
+class Attempt:
+    """This attempt in output_dir's history, as rank 0 keeps it: refused before anything loads
+    if the attempts before it stalled (`check`), recorded once training starts (`begin`),
+    and its end recorded on every way out (`end`). A start refused for a mistake (exit 2)
+    writes nothing."""
+
+    def __init__(self, output_dir: Path, dist_env: DistEnv, max_stalled: int, fresh: bool):
+        self.output_dir, self.dist_env, self.max_stalled = output_dir, dist_env, max_stalled
+        self.fresh = fresh
+        """checkpoint.resume=never: the attempts of the runs before don't count."""
+        self.begun = False
+
+    def check(self, step: int) -> None:
+        """Collective: exit 77 (NoProgress) on every rank when the job keeps failing from `step`."""
+        distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir / FILE}",
+                                   lambda: check(self.output_dir, step, self.max_stalled, self.fresh))
+
+    def begin(self, step: int) -> None:
+        """Collective: training starts from checkpoint `step` (0: from scratch)."""
+        distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir / FILE}",
+                                   lambda: begin(self.output_dir, step, self.fresh))
+        self.begun = True
+
+    def end(self, exit_code: int) -> None:
+        """Not collective (peers may be gone): rank 0 records how a begun attempt ended."""
+        if not (self.dist_env.is_rank_zero and self.begun):
+            return
+        try:  # a full disk must not hide the exit code, nor skip the closing after this
+            end(self.output_dir, exit_code)
+        except OSError as e:
+            log.warning("attempt's end not recorded in %s: %s", self.output_dir / FILE, e)

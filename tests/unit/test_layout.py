@@ -1,0 +1,97 @@
+"""The package's layers, as docs/layout.md draws them, held by reading the code.
+
+- The training path never imports trainer/preflight/ (doctor, the forecast, the memory plan,
+  the network probe, the grace check), not even lazily inside a function: what only a
+  preflight needs costs training nothing and cannot break it.
+- Which strategy runs is asked of the strategy object (trainer/strategies/), never decided
+  by comparing train.strategy with a name elsewhere: a new strategy is a module and a line
+  of registration.
+- Subpackages' __init__ files are empty: importing one of their modules imports nothing else.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import trainer
+
+PACKAGE = Path(trainer.__file__).parent
+
+
+def module_file(name: str) -> Path | None:
+    if name == "trainer":
+        return PACKAGE / "__init__.py"
+    relative = Path(*name.split(".")[1:])
+    for candidate in (PACKAGE / relative.with_suffix(".py"), PACKAGE / relative / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_by(tree: ast.AST) -> set[str]:
+    """Every trainer module an AST imports, at the top or inside a function (the package
+    imports absolutely only)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}  # `from trainer import loop`
+    return {name for name in found if name.split(".")[0] == "trainer" and module_file(name)}
+
+
+def closure(start: dict[str, ast.AST]) -> dict[str, str]:
+    """Each trainer module reachable from `start` (module: the AST it is entered by), with one
+    module that imports it."""
+    reached, queue = dict.fromkeys(start, "(start)"), list(start.items())
+    while queue:
+        name, tree = queue.pop()
+        for imported in imported_by(tree):
+            if imported not in reached:
+                reached[imported] = name
+                file = module_file(imported)
+                assert file is not None
+                queue.append((imported, ast.parse(file.read_text())))
+    return reached
+
+
+def train_entry() -> dict[str, ast.AST]:
+    """What `python -m trainer train` runs: trainer/__main__.py's module level and the
+    functions on the train command's way, with what they import lazily."""
+    tree = ast.parse((PACKAGE / "__main__.py").read_text())
+    on_the_way = {"main", "parse_args", "command_args", "setup_logging", "launch_env", "train_preflight", "run_train"}
+    kept = [node for node in tree.body if not isinstance(node, ast.FunctionDef) or node.name in on_the_way]
+    return {"trainer.__main__": ast.Module(body=kept, type_ignores=[])}
+
+
+def test_the_training_path_never_imports_preflight():
+    reached = closure(train_entry())
+    assert "trainer.loop" in reached and "trainer.build" in reached  # the walk does reach the training path
+    preflight = {name: by for name, by in reached.items() if name.startswith("trainer.preflight")}
+    assert not preflight, f"the training path imports preflight modules (module: imported by): {preflight}"
+
+
+def test_only_the_strategies_tell_the_strategies_apart():
+    """No comparison of a `.strategy` (train.strategy) with a string outside trainer/strategies/;
+    the config's own cross-key checks (trainer/config.py) are the schema's."""
+    compared = []
+    for file in sorted(PACKAGE.rglob("*.py")):
+        relative = file.relative_to(PACKAGE).as_posix()
+        if relative.startswith("strategies/") or relative == "config.py":
+            continue
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                names = [s for s in sides if isinstance(s, ast.Attribute) and s.attr == "strategy"]
+                strings = [s for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+                if names and strings:
+                    compared.append(f"{relative}:{node.lineno}")
+    assert not compared, f"train.strategy compared with a name: {compared}"
+
+
+def test_subpackages_init_files_are_empty():
+    inits = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
+    assert inits == ["checkpoint/__init__.py", "faults/__init__.py", "preflight/__init__.py", "strategies/__init__.py"]
+    assert all(not (PACKAGE / init).read_text().strip() for init in inits)

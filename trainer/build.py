@@ -1,0 +1,120 @@
+"""One way to build a run: the model, the strategy that runs it across ranks and the training
+step, from the config.
+
+Training (trainer/loop.py), doctor's forecast (trainer/preflight/forecast.py), `evaluate` and
+`predict`, the memory plan (on the meta device, trainer/preflight/memory.py) and the
+benchmarks all build here, so each runs the model and the step that training runs; what
+differs is an argument (a process group of one, the meta device, a trained folder).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from omegaconf import DictConfig
+
+from trainer import data, distributed, lora, model, optim
+from trainer.checkpoint.checkpointer import load_weights
+from trainer.distributed import DistEnv
+from trainer.step import LogitsUnderAutocast, TrainStep
+from trainer.strategies import registry
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.stateful import Stateful
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from trainer.strategies.base import Strategy
+
+
+@dataclass
+class Model:
+    model: PreTrainedModel
+    """The model that trains, unwrapped: the transformers model, or peft's around it under
+    LoRA. Checkpoints, evaluation and the export read it."""
+    tokenizer: Any
+    """Its tokenizer (None for a plan on the meta device of a folder that has none)."""
+    config: PretrainedConfig
+    amp_dtype: torch.dtype
+    """The autocast dtype the run computes in (float32: none)."""
+
+
+def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype, *,
+         on_meta: bool = False, trained: Path | None = None) -> Model:
+    """model.name's classifier as training builds it: its tokenizer, data.max_length
+    checked against its positions before any weight loads, the weights (frozen ones in
+    model.dtype), LoRA's adapters, activation checkpointing, in train mode.
+
+    `on_meta`: shapes and dtypes only, no weights read, for the memory plan on `device`'s
+    kind (a folder with config.json alone will do). `trained`: a `model.trained_folder`, in
+    eval mode: final/ (its own architecture, tokenizer and label names, the adapters merged),
+    or a checkpoint step-N, whose weights go into model.name's architecture."""
+    model_cfg, merged = cfg.model, trained is not None and model.is_model_folder(trained)
+    if merged:
+        model_cfg = DictConfig({**cfg.model, "name": str(trained), "pretrained": True})
+    # One download per node: local rank 0 fetches a hub model into the HF cache (shared by
+    # the node's ranks, or by every node on a PVC), the others then read it from there.
+    first = distributed.local_rank_zero_first(dist_env) if model.from_hub(model_cfg) and not on_meta else nullcontext()
+    with first:
+        tokenizer = model.load_tokenizer(model_cfg) if not on_meta or model.has_tokenizer(model_cfg) else None
+        config = model.load_config(model_cfg, cfg.data.num_labels, device.type,
+                                   None if tokenizer is None else tokenizer.pad_token_id)
+        # Before the weights: for an 8B model a mistake costs seconds, not minutes.
+        model.check_max_length(model_cfg, cfg.data.max_length, config, tokenizer)
+        dtype = lora.frozen_dtype(cfg.model, amp_dtype)
+        bare = model.meta_model(config, dtype) if on_meta else model.load_model(model_cfg, config, cfg.seed, device,
+                                                                                  dtype)
+    built = bare if merged else lora.apply(bare, cfg.model)  # final/ has the adapters merged in already
+    if trained is not None:
+        if not merged:  # a checkpoint of a LoRA run holds the adapters
+            load_weights(trained, built)
+            model.set_label_names(built, cfg.data.label_names)
+        return Model(built.eval(), tokenizer, config, amp_dtype)
+    if cfg.model.gradient_checkpointing and not on_meta:
+        model.use_gradient_checkpointing(built)
+    return Model(built.train(), tokenizer, config, amp_dtype)  # from_pretrained returns eval mode: no dropout
+
+
+@dataclass
+class Built(Model):
+    strategy: Strategy
+    """The model as this rank runs it: `strategy.module` for the step, `strategy.logits` for
+    evaluation."""
+    step: TrainStep
+    """The training step, with the optimizer, the LR schedule and the loss scaler it steps."""
+
+    def states(self, train: Stateful) -> dict[str, Stateful]:
+        """What a checkpoint holds, by name, with `train` the train state (trainer/checkpoint/)."""
+        step = self.step
+        return {"model": self.model, "optimizer": step.optimizer, "scheduler": step.scheduler,
+                "scaler": step.scaler, "train": train, **self.strategy.states()}
+
+
+def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, *, max_steps: int,
+          group: ProcessGroup | None = None, strategy: Strategy | None = None) -> Built:
+    """The model, parallelized by the run's strategy over `group` (None: every rank), and the
+    step that trains it for `max_steps` steps (the LR schedule's length)."""
+    amp_dtype = distributed.configure_compute(cfg.train, dist_env, device)
+    loaded = load(cfg, dist_env, device, amp_dtype)
+    strategy = strategy or registry.of(cfg)
+    strategy.parallelize(loaded.model, dist_env, device, amp_dtype, group)
+    # After the strategy: FSDP2 has made the parameters the optimizer holds into shards.
+    optimizer = optim.optimizer(loaded.model, cfg.train)
+    scheduler = optim.lr_schedule(optimizer, cfg.train, max_steps)
+    # fp16 only: gradients too small for fp16 would flush to zero unless the loss is scaled
+    # up first. A no-op (scale 1, an empty state) for fp32 and bf16.
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    step = TrainStep(loaded.model, strategy, optimizer, scheduler, scaler, cfg.train.max_grad_norm, device,
+                     non_blocking=data.pins_memory(cfg, device))
+    return Built(loaded.model, loaded.tokenizer, loaded.config, amp_dtype, strategy, step)
+
+
+def trained(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) -> tuple[Model, torch.nn.Module]:
+    """A trained model (`load`'s `trained`) for evaluate and predict, and its logits in the
+    run's precision."""
+    loaded = load(cfg, dist_env, device, distributed.configure_compute(cfg.train, dist_env, device), trained=folder)
+    return loaded, LogitsUnderAutocast(loaded.model, device.type, loaded.amp_dtype)

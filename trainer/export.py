@@ -1,0 +1,42 @@
+"""output_dir/final: the trained model as plain transformers loads it, with its tokenizer.
+
+`AutoModelForSequenceClassification.from_pretrained("runs/x/final")` loads it without the
+trainer, without peft (LoRA's adapters are merged in) and without FSDP (its shards are merged
+into whole safetensors files). It is written into a temporary folder and published whole
+(trainer/files.py): a crash mid-export leaves the previous final/, or none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainer import distributed, files, lora
+from trainer.distributed import DistEnv
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from trainer.strategies.base import Strategy
+
+
+def export_final(output_dir: Path, model: PreTrainedModel, tokenizer, strategy: Strategy, dist_env: DistEnv,
+                 adapter: bool) -> Path:
+    """Collective: final/ (and final/adapter/, peft's format, with `adapter`), written by rank
+    0, or under FSDP by every rank's shards first; a failure stops every rank with the reason.
+    The run's last use of the model: merging the adapters changes it in place."""
+    final, tmp = output_dir / "final", output_dir / ".final.tmp"
+    distributed.rank_zero_does(dist_env, f"output_dir: {tmp}", lambda: files.fresh_folder(tmp))
+    if adapter:
+        # First: merging consumes the adapters. Sharded, they are gathered (a collective).
+        state = strategy.gathered_trained_state(model)
+        distributed.rank_zero_does(dist_env, f"output_dir: {tmp / 'adapter'}",
+                                   lambda: lora.save_adapter(model, tmp / "adapter", state))
+    strategy.save_pretrained(lora.merged(model), tmp, dist_env)
+
+    def publish() -> None:
+        tokenizer.save_pretrained(tmp)
+        files.publish(tmp, final)
+
+    distributed.rank_zero_does(dist_env, f"output_dir: {final}", publish)
+    return final

@@ -1,0 +1,118 @@
+"""The training step: one optimizer step over the micro-batches of a global batch, as every
+rank runs it, and the loss it minimizes.
+
+Training runs it (trainer/loop.py) and doctor's scaling forecast times it
+(trainer/preflight/forecast.py). Both get it from trainer/build.py, so what changes here (the
+loss, accumulation, clipping, the loss scaler, the strategy's gradient sync) is timed as it
+trains. Whoever runs it watches it through a `StepObserver`: the Meter in training, a clock
+that syncs the device at each phase in the forecast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.faults import inject
+
+if TYPE_CHECKING:
+    from trainer.strategies.base import Strategy
+
+
+class LogitsUnderAutocast(nn.Module):
+    """The classifier's logits, computed under autocast with the configured dtype in
+    whichever thread runs the forward.
+
+    Autocast is thread-local, and nn.DataParallel runs each replica in a thread of its
+    own, where it re-enters autocast without a dtype: the device's default, fp16 on CUDA.
+    A bf16 run would silently compute in fp16, with no loss scaler. Entered here, inside
+    each replica's forward, it is the configured dtype. Logits rather than transformers'
+    loss: DataParallel gathers them, and the loss is then taken over the whole batch.
+    """
+
+    def __init__(self, model: nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.model, self.device_type, self.dtype = model, device_type, dtype
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            return self.model(**inputs).logits
+
+
+def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged over every sample of the batch, in fp32. Over the gathered
+    logits, not as a mean of DataParallel's per-replica means, which would weigh the samples
+    of an uneven split (5 samples on 2 GPUs: 3 and 2) unequally."""
+    return F.cross_entropy(logits.float(), labels)
+
+
+class StepObserver:
+    """What the step reports as it runs; this one ignores it all. trainer/metrics.py's Meter
+    keeps it as the run's rates and phase times, the forecast's clock as its timings."""
+
+    def micro_batch(self, attention_mask: torch.Tensor) -> None:
+        """A micro-batch begins, still on the host."""
+
+    def phase(self, name: str | None, at: float | None = None) -> None:
+        """The step enters phase `name` (None: it is over), now or at an earlier `at`
+        (time.perf_counter's clock)."""
+
+    def loss(self, loss: torch.Tensor) -> None:
+        """A micro-batch's share of the step's loss."""
+
+    def step_done(self, grad_norm: torch.Tensor | None) -> None:
+        """The optimizer step is taken; `grad_norm` before clipping, if clipped."""
+
+
+class TrainStep:
+    """One optimizer step over grad_accum micro-batches; the result equals one big batch.
+    Holds the optimizer, the LR schedule and the fp16 loss scaler it steps."""
+
+    def __init__(self, model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler,
+                 max_grad_norm: float, device: torch.device, non_blocking: bool):
+        assert strategy.module is not None, "the strategy has parallelized the model"
+        self.model, self.strategy, self.module = model, strategy, strategy.module
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.max_grad_norm, self.device, self.non_blocking = max_grad_norm, device, non_blocking
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's mean loss, through whatever runs the model on this rank."""
+        inputs = dict(batch)
+        labels = inputs.pop("labels")
+        return mean_loss(self.module(**inputs), labels)
+
+    def __call__(self, batches: list[dict], step: int, observer: StepObserver) -> None:
+        """Optimizer step number `step` over `batches`, this rank's micro-batches of it."""
+        grad_accum = len(batches)
+        clock = self.strategy.comm_clock
+        for i, batch in enumerate(batches):
+            observer.micro_batch(batch["attention_mask"])
+            # From page-locked memory (data.pin_memory, on GPU) the copies need not block the host.
+            batch = {k: v.to(self.device, non_blocking=self.non_blocking) for k, v in batch.items()}
+            is_last = i == grad_accum - 1
+            with self.strategy.sync_gradients(now=is_last):
+                observer.phase("forward")
+                loss = self.loss(batch) / grad_accum
+                observer.phase("backward")
+                self.scaler.scale(loss).backward()
+            if is_last and clock is not None:
+                observer.phase("comm", at=clock.take())  # from the last bucket on
+            observer.loss(loss)
+        observer.phase("optimizer")
+        self.strategy.gradients_ready()
+        inject.point("gradients", step, model=self.model)
+        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        grad_norm = None
+        if self.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        # With fp16, a step whose gradients overflowed is skipped and the scale halved; every
+        # rank skips the same steps, because the all-reduced gradients are the same everywhere.
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        observer.step_done(grad_norm)

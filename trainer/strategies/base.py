@@ -1,0 +1,118 @@
+"""A parallel strategy: how the training step runs the model across ranks. Chosen once from
+train.strategy (trainer/strategies/registry.py), then asked by every part that depends on it:
+the builder parallelizes the model with it, the step syncs gradients through it, the
+checkpointer stores the model in its format, the export writes final/ through it, and the
+memory plan counts what one rank holds under it.
+
+`Strategy` is a whole model on every rank, computing on its own batch: what DDP and
+DataParallel share. A strategy overrides what it does otherwise.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, cast
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from trainer import distributed
+from trainer.checkpoint import formats
+from trainer.data import BatchPlan
+from trainer.distributed import DistEnv
+from trainer.step import LogitsUnderAutocast
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.stateful import Stateful
+    from transformers import PreTrainedModel
+
+    from trainer.strategies.ddp import CommClock
+
+
+class Strategy:
+    name: ClassVar[str]
+    checkpoint_format: ClassVar[formats.Format] = formats.WHOLE
+    """How a checkpoint stores the model (and optimizer) under it."""
+    forecast_unsupported: ClassVar[str | None] = None
+    """Why doctor's scaling forecast does not model it; None: it does."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.sharded = False
+        """The model's weights are shards: every rank must run each forward (evaluation), and
+        the export gathers them."""
+        self.logits: LogitsUnderAutocast | None = None
+        """The bare model's logits in the run's precision, with no wrapper: what evaluation calls."""
+        self.module: nn.Module | None = None
+        """What the training step calls for logits: the wrapped model (DDP, DataParallel,
+        compiled), or the logits themselves."""
+        self.comm_clock: CommClock | None = None
+        """When the last gradient bucket became ready, for the exposed-communication phase."""
+
+    # --- before the process group ---------------------------------------------------------
+
+    def check_world_size(self, world_size: int) -> None:
+        """What the strategy asks of the world size, checked by each rank before the rendezvous."""
+        BatchPlan.of(self.cfg.train, world_size)  # a global batch this world size can't split
+
+    # --- the memory plan --------------------------------------------------------------
+
+    def memory_shards(self, world_size: int) -> int:
+        """Over how many ranks the weights, gradients and optimizer state are split."""
+        return 1
+
+    def gradient_copies(self) -> int:
+        """How many copies of the gradients a rank holds."""
+        return 1
+
+    def gathered_bytes(self, model: nn.Module, compute: torch.dtype, world_size: int) -> int:
+        """The weights a rank gathers whole for compute at once, beside its own."""
+        return 0
+
+    # --- the run ------------------------------------------------------------------------
+
+    def parallelize(self, model: PreTrainedModel, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype,
+                    group: ProcessGroup | None = None) -> None:
+        """Make `model` (the bare one, in place where the strategy shards it) run on this rank
+        as the step needs it, over `group` (None: every rank): sets `logits` and `module`."""
+        self.prepare(model, dist_env, device, amp_dtype)
+        self.logits = LogitsUnderAutocast(model, device.type, amp_dtype)
+        module = self.wrap(self.logits, dist_env, device, group)
+        # Of a Module, torch.compile makes an OptimizedModule, a Module.
+        self.module = cast(nn.Module, torch.compile(module)) if self.cfg.train.compile else module
+
+    def prepare(self, model: PreTrainedModel, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype) -> None:
+        """The bare model, before its logits are wrapped."""
+
+    def wrap(self, logits: nn.Module, dist_env: DistEnv, device: torch.device,
+             group: ProcessGroup | None) -> nn.Module:
+        """What the step calls for `logits`."""
+        return logits
+
+    def sync_gradients(self, now: bool) -> AbstractContextManager:
+        """Context for one micro-batch's forward and backward: gradients are reduced across
+        ranks only when `now` (the step's last micro-batch), so accumulation costs no extra
+        communication."""
+        return nullcontext()
+
+    def gradients_ready(self) -> None:
+        """After the last backward, before clipping and the optimizer."""
+
+    def states(self) -> dict[str, Stateful]:
+        """What a checkpoint keeps of the strategy itself, by name."""
+        return {}
+
+    # --- final/ -----------------------------------------------------------------------
+
+    def gathered_trained_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Collective: the trained weights whole, where the model holds shards; None: the
+        model's own are whole."""
+        return None
+
+    def save_pretrained(self, model: PreTrainedModel, folder: Path, dist_env: DistEnv) -> None:
+        """Collective: `model` as transformers' save_pretrained writes it, into `folder`
+        (rank 0's, which exists). Whole: rank 0 saves it."""
+        distributed.rank_zero_does(dist_env, f"output_dir: {folder}", lambda: model.save_pretrained(folder))
