@@ -60,8 +60,16 @@ cd "$SLURM_SUBMIT_DIR"
 # 1 crash, 2 usage error, 75 preempted (saved), 76 node fault, 77 no progress. srun cannot pass
 # those on: with --kill-on-bad-exit the other nodes' tasks are terminated, and srun exits with
 # the highest code of all, 143 (a TERM) above a node's 76. So each node's relay writes its own
-# code to this job's folder on the shared submit directory, and the verdict is read there.
+# code to this job's folder on the shared submit directory, and slurm/requeue.py reads the
+# verdict there and requeues what may be retried: the one implementation of both, shared with
+# slurm/submit.py, that runs on this host's python3 (the package may be in an image, not here).
+# It lies beside this script. sbatch runs a copy of the script, from slurmd's spool folder: the
+# path it was submitted as is the job's Command (none for a script given on stdin).
 state=$SLURM_SUBMIT_DIR/.trainer-workspace/slurm/$SLURM_JOB_ID
+submitted=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o ' Command=/[^ ]*' | cut -d= -f2- || true)
+requeue_py=${submitted:+${submitted%/*}/requeue.py}
+[[ -f $requeue_py ]] || requeue_py=$SLURM_SUBMIT_DIR/slurm/requeue.py
+[[ -f $requeue_py ]] || die "slurm/requeue.py is not beside ${submitted:-this script} nor in $SLURM_SUBMIT_DIR/slurm: keep the two together"
 # Where the ranks name the node they suspect on a node fault (76): the requeue excludes it.
 export TRAINER_NODE_FAULTS=${TRAINER_NODE_FAULTS:-$state/node-faults}
 # The Kubernetes dialect (every retryable verdict as 138) would hide 75 and 76 from this script.
@@ -145,11 +153,14 @@ shift; exec "$@"'
 elif [[ -n ${TRAINER_VENV:-} || -d .venv ]]; then
     venv=${TRAINER_VENV:-.venv}
     [[ -x $venv/bin/python ]] || die "TRAINER_VENV: no python in $venv/bin (create it with: make install)"
-    export PATH="$(cd "$venv/bin" && pwd):$PATH"
+    venv_bin=$(cd "$venv/bin" && pwd)  # absolute: PATH is searched from other folders too
+    export PATH="$venv_bin:$PATH"
 fi
 if [[ -z ${TRAINER_CONTAINER_IMAGE:-} ]]; then
     command -v python >/dev/null || die "python not found: set TRAINER_VENV, TRAINER_CONTAINER_IMAGE, or load an environment that has the package"
 fi
+command -v python3 >/dev/null || die "python3 not found on $(uname -n): slurm/requeue.py, the job's verdict and requeue, runs on it (3.8 or later)"
+python3 "$requeue_py" check || exit  # TRAINER_MAX_FAULT_REQUEUES, now rather than at the job's end
 
 # --- The job's layout ---------------------------------------------------------------------
 # One process per GPU asked for (--gpus-per-node, as TYPE:COUNT or COUNT: an --exclusive job is
@@ -276,69 +287,12 @@ while kill -0 "$srun_pid" 2>/dev/null; do  # a trap interrupted `wait`; the step
     wait "$srun_pid" || status=$?
 done
 
-# The job's verdict: the most severe code a node's torchrun exited with (2 > 77 > 76 > 1 > 75),
-# 143 counting as 75 (torchrun stopped by a TERM, the relay's or Slurm's: it forwarded it, and
-# its ranks saved) and any other code as a crash (1); srun's own code if no node recorded one.
-codes=$(cat "$state"/exit.* 2>/dev/null || true)
-[[ -n $codes ]] || codes=$status
-verdict=0
-for candidate in 2 77 76 1 75; do
-    for code in $codes; do
-        case $code in 0|2|75|76|77) ;; 143) code=75 ;; *) code=1 ;; esac
-        if [[ $code == "$candidate" ]]; then verdict=$candidate; break 2; fi
-    done
-done
-
-# Requeue for a node fault: without the nodes the ranks named, within a budget, and only if the
-# partition keeps enough nodes (a job excluded from too many would pend for ever).
-requeue_without_suspects() {
-    local used=0 budget=${TRAINER_MAX_FAULT_REQUEUES:-3} excluded suspects left
-    [[ ! -f $state/fault-requeues ]] || used=$(wc -l < "$state/fault-requeues")
-    if (( used >= budget )); then
-        echo "slurm/ddp.sh: node fault (76) after $used requeue(s) for node faults (TRAINER_MAX_FAULT_REQUEUES=$budget): not requeueing"
-        return 1
-    fi
-    # Hostnames, as the ranks saw them: Slurm's node names are the short ones.
-    suspects=$(sed 's/\..*//' "$TRAINER_NODE_FAULTS" 2>/dev/null | grep -v '^$' | sort -u | paste -sd, || true)
-    excluded=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*' | cut -d= -f2)
-    [[ $excluded == "(null)" ]] && excluded=
-    excluded=$( { [[ -z $excluded ]] || scontrol show hostnames "$excluded"; tr , '\n' <<<"$suspects"; } | grep -v '^$' | sort -u || true)
-    left=$(sinfo -h -N -p "$SLURM_JOB_PARTITION" -o %N | sort -u | comm -23 - <(echo "$excluded") | grep -c . || true)
-    if (( left < nnodes )); then
-        echo "slurm/ddp.sh: node fault (76): without $(paste -sd, <<<"$excluded"), partition $SLURM_JOB_PARTITION" \
-             "has $left node(s) for a job of $nnodes: not requeueing"
-        return 1
-    fi
-    echo "slurm/ddp.sh: node fault (76): requeueing job $SLURM_JOB_ID without ${suspects:-(no node named)}"
-    echo "${SLURM_RESTART_COUNT:-0}" >> "$state/fault-requeues"
-    : > "$TRAINER_NODE_FAULTS"
-    # Requeue first, then exclude: Slurm refuses a running job's ExcNodeList, and the
-    # requeued job cannot start again before this script has ended. The requeue TERMs every
-    # process of the job at once, the update's scontrol included unless it ignores TERM.
-    trap '' TERM
-    scontrol requeue "$SLURM_JOB_ID" || return 1
-    # Requeued whatever follows: a refused exclusion must not fail the job (nor reset the budget).
-    [[ -z $excluded ]] || scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$(paste -sd, <<<"$excluded")" \
-        || echo "slurm/ddp.sh: warning: requeued, but Slurm refused ExcNodeList=$(paste -sd, <<<"$excluded")" >&2
-}
-
-case $verdict in
-    2|77)  # the same job would fail the same way: never requeue, even after the time-limit signal
-        echo "slurm/ddp.sh: exit $verdict: not requeueing" ;;
-    76)
-        requeue_without_suspects && exit 0 ;;
-    *)
-        if (( time_limit && status != 0 )); then
-            # The ranks saved and exited. Requeued, the job keeps its id, so it finds the same
-            # output_dir, resumes from that checkpoint and continues the same wandb run.
-            echo "slurm/ddp.sh: checkpoint saved; requeueing job $SLURM_JOB_ID"
-            scontrol requeue "$SLURM_JOB_ID" && exit 0
-        fi ;;
-    # 0 done; 1 a crash: torchrun's own --max-restarts (TRAINER_MAX_RESTARTS) is its budget,
-    # and a requeue would most often meet the same bug; 75 without the time-limit signal:
-    # scancel (stays cancelled) or a preemption (Slurm requeues it itself).
-esac
-# The job's folder goes with the job; after a preemption (75) Slurm requeues the same job
-# itself, which keeps its node-fault budget there.
-[[ $verdict == 75 ]] || rm -rf "$state"
-exit "$verdict"
+# The job's verdict and what follows (slurm/requeue.py): the most severe code a node's torchrun
+# recorded (srun's own if none did); 2 and 77 never requeued; 76 requeued without the nodes the
+# ranks named, within TRAINER_MAX_FAULT_REQUEUES; after the time-limit signal, the rest
+# requeued. It exits with the job's code. A time-limit signal has nothing left to stop now:
+# ignored (which lasts across exec), it cannot kill python3 halfway through a requeue.
+trap '' USR1
+ending=(end --state "$state" --srun-status "$status")
+if [[ $time_limit == 1 ]]; then ending+=(--time-limit); fi
+exec python3 "$requeue_py" "${ending[@]}"

@@ -20,8 +20,9 @@ submitit gives up after `slurm_max_num_timeout` time limits (3 by default); --ma
 raises it, since a long run meets its time limit at every attempt.
 
 The other verdicts of the restart contract (trainer/exit_codes.py): a node fault (76)
-requeues the job without the nodes the ranks named (like slurm/ddp.sh, within
---max-fault-requeues); a crash (1), a usage error (2) and no progress (77) fail the job.
+requeues the job without the nodes the ranks named (slurm/requeue.py, which slurm/ddp.sh
+runs too; within --max-fault-requeues); a crash (1), a usage error (2) and no progress (77)
+fail the job.
 Config errors are caught here, before submitting.
 """
 
@@ -35,6 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cloudpickle
 import submitit
 
 from trainer import config
@@ -42,6 +44,15 @@ from trainer.__main__ import main as trainer_main
 from trainer.errors import ConfigError, report
 from trainer.exit_codes import MEANING, NODE_FAULTS_ENV, RETRYABLE_ENV, Exit
 from trainer.faults.preemption import received_signals
+
+# slurm/requeue.py, the node-fault requeue shared with slurm/ddp.sh (which runs it as a script),
+# lies beside this file: importable whether this file runs as a script or is loaded by its path.
+# submitit pickles the job (with cloudpickle) for the nodes, where this folder is not on the
+# path: its functions travel by value.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import requeue
+
+cloudpickle.register_pickle_by_value(requeue)
 
 # submitit's time-limit signal, USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise. The
 # override goes before the user's, which may still replace it.
@@ -79,60 +90,13 @@ class TrainJob(submitit.helpers.Checkpointable):
             return exit_code
         if exit_code == Exit.PREEMPTED:
             return exit_code  # saved; not requeued by us
-        if exit_code == Exit.NODE_FAULT and requeue_without_suspects(job.job_id, state, self.max_fault_requeues):
+        if exit_code == Exit.NODE_FAULT and requeue.requeue_without_suspects(job.job_id, state, self.max_fault_requeues,
+                                                                             "--max-fault-requeues"):
             return 0  # as after USR2: exiting 0 so that --kill-on-bad-exit leaves the requeue be
         if exit_code != 0:
             meaning = MEANING.get(exit_code, "crashed")
             raise RuntimeError(f"python -m trainer train exited with {exit_code} ({meaning}); see the job's log")
         return exit_code
-
-
-def requeue_without_suspects(job_id: str, state: Path, budget: int) -> bool:
-    """Requeue the job without the nodes the ranks named in the node-fault file, as
-    slurm/ddp.sh does: within `budget` such requeues, and only if the partition keeps enough
-    nodes for the job. False if it did not. One rank requeues; the others find it done."""
-    attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
-    try:  # the first rank with a node fault in this attempt requeues; the others return
-        os.close(os.open(state / f"requeue.{attempt}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return True
-    used = len(list(state.glob("requeue.*"))) - 1
-    if used >= budget:
-        print(f"node fault (76) after {used} requeue(s) for node faults (--max-fault-requeues {budget}): "
-              "not requeueing", file=sys.stderr)
-        return False
-    faults = Path(os.environ[NODE_FAULTS_ENV])
-    suspects = {line.split(".")[0] for line in faults.read_text().split()} if faults.exists() else set()
-    shown = dict(field.split("=", 1) for field in _scontrol("show", "job", "-o", job_id).split() if "=" in field)
-    excluded = set(suspects)
-    if shown.get("ExcNodeList", "(null)") != "(null)":
-        excluded |= set(_scontrol("show", "hostnames", shown["ExcNodeList"]).split())
-    partition_nodes = set(subprocess.run(["sinfo", "-h", "-N", "-p", shown["Partition"], "-o", "%N"], check=True,
-                                         capture_output=True, text=True).stdout.split())
-    if len(partition_nodes - excluded) < int(shown["NumNodes"]):
-        print(f"node fault (76): without {','.join(sorted(excluded))}, partition {shown['Partition']} has "
-              f"{len(partition_nodes - excluded)} node(s) for a job of {shown['NumNodes']}: not requeueing",
-              file=sys.stderr)
-        return False
-    print(f"node fault (76): requeueing job {job_id} without {','.join(sorted(suspects)) or '(no node named)'}",
-          file=sys.stderr, flush=True)
-    faults.unlink(missing_ok=True)
-    # Requeue first, then exclude: Slurm refuses a running job's ExcNodeList, and the requeued
-    # job cannot start again before its tasks have ended. The requeue TERMs every process of
-    # the job, this one included: ignore it until the update is sent.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _scontrol("requeue", job_id)
-    if excluded:
-        try:  # requeued whatever follows: a refused exclusion must not fail the job
-            _scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(sorted(excluded))}")
-        except subprocess.SubprocessError as e:
-            print(f"warning: requeued, but Slurm refused ExcNodeList={','.join(sorted(excluded))}: {e}",
-                  file=sys.stderr, flush=True)
-    return True
-
-
-def _scontrol(*args: str) -> str:
-    return subprocess.run(["scontrol", *args], check=True, capture_output=True, text=True, timeout=60).stdout
 
 
 def node_cpus(partition: str | None) -> int | None:

@@ -10,6 +10,7 @@ passes on the most severe of its workers' codes.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterable
 from enum import IntEnum
 
@@ -55,10 +56,23 @@ every code below 128 as permanent."""
 NODE_FAULTS_ENV = "TRAINER_NODE_FAULTS"
 """A file the ranks append the hostnames they suspect to, one per line, on a NODE_FAULT."""
 
+TERMINATED = 128 + signal.SIGTERM
+"""143: what `python -m trainer.torchrun` exits with when a TERM stopped it (128+N, as a
+shell reports a process stopped by signal N)."""
+
 
 def of(code: int) -> Exit:
-    """A worker's exit code as a verdict: one of ours, else a crash (a signal's negative
-    code included: the OOM killer's SIGKILL is not a reason to stop retrying)."""
+    """A worker's or a node's exit code as a verdict: one of ours, else a crash (a signal's
+    negative code included: the OOM killer's SIGKILL is not a reason to stop retrying).
+
+    TERMINATED (143) is PREEMPTED: a torchrun stopped by TERM (a preemption, scancel, the
+    ddp.sh relay's time-limit TERM) has forwarded it to its workers, which take it for a
+    preemption signal and save before exiting; torchrun then cannot report their 75 and
+    exits 143 instead. Our workers do not exit 143: one stopped by a TERM it did not handle
+    is reported as -15, a crash. slurm/requeue.py, which cannot import this package, keeps a
+    copy of this table; tests/unit/test_slurm_requeue.py holds the two equal."""
+    if code == TERMINATED:
+        return Exit.PREEMPTED
     try:
         return Exit(code)
     except ValueError:
@@ -66,7 +80,7 @@ def of(code: int) -> Exit:
 
 
 def worst(codes: Iterable[int]) -> Exit:
-    """The verdict of the job from its failed workers' exit codes."""
+    """The verdict of the job from its failed workers' exit codes, or from its nodes' torchruns'."""
     verdicts = {of(code) for code in codes}
     return next((v for v in _SEVERITY if v in verdicts), Exit.DONE)
 

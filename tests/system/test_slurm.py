@@ -267,16 +267,18 @@ def test_bad_submission_fails_in_seconds_with_one_line(cluster, tmp_path, args, 
 
 
 def test_submitit_does_not_requeue_a_node_fault_that_would_leave_too_few_nodes(cluster, tmp_path):
-    """submit.py's node-fault requeue (exit code 76), run in a real 2-node job: the ranks named
-    node2, without which the partition has one node for a job of two, so it declines (the
-    requeue itself is ddp.sh's sequence, test_a_node_fault_requeues_...)."""
+    """submit.py's node-fault requeue (exit code 76, slurm/requeue.py as submit.py imports it),
+    run in a real 2-node job: the ranks named node2, without which the partition has one node
+    for a job of two, so it declines (the requeue itself, the same code, is ddp.sh's in
+    test_a_node_fault_requeues_...)."""
     state = tmp_path / "faults"
     state.mkdir()
     (state / "node-faults").write_text("node2.cluster.example\n")
     code = ("import importlib.util, os, sys; from pathlib import Path; "
             "spec = importlib.util.spec_from_file_location('submit', 'slurm/submit.py'); "
             "submit = importlib.util.module_from_spec(spec); spec.loader.exec_module(submit); "
-            f"requeued = submit.requeue_without_suspects(os.environ['SLURM_JOB_ID'], Path('{state}'), 3); "
+            f"requeued = submit.requeue.requeue_without_suspects(os.environ['SLURM_JOB_ID'], Path('{state}'), 3, "
+            "'--max-fault-requeues'); "
             "sys.exit(0 if requeued else 76)")
     log = tmp_path / "job.out"
     job_id = cluster.sbatch(["--nodes=2", f"--output={log}", "--wrap", shlex.join([PYTHON, "-c", code])],
@@ -391,6 +393,21 @@ def test_a_node_fault_requeues_the_job_without_the_node_the_ranks_named(cluster,
     faults = Path(task_env["TRAINER_NODE_FAULTS"])
     assert faults == REPO / ".trainer-workspace" / "slurm" / job_id / "node-faults"
     assert not faults.parent.exists()  # the job's folder goes when the job ends
+
+
+def test_ddp_sh_submitted_from_another_folder_finds_its_verdict_script_beside_it(cluster, stand_in, tmp_path):
+    """sbatch runs a copy of ddp.sh from slurmd's spool folder: slurm/requeue.py (the verdict,
+    the requeue) is found beside the script as it was submitted, the job's Command, and not in
+    the submit directory, which here has no slurm/."""
+    env, _ = stand_in
+    log = tmp_path / "job.out"
+    script = REPO / "slurm" / "ddp.sh"
+    job_id = cluster.sbatch([*SBATCH, "--nodes=1", f"--output={log}", str(script), "-c", "demo.yaml"],
+                            env={**JOB_ENV, **env, "FAKE_TORCHRUN": "0:*=77"}, cwd=tmp_path)
+    record = finished(cluster, job_id, log, timeout=60)
+    assert (record["JobState"], record["ExitCode"], record["Command"]) == ("FAILED", "77:0", str(script)), \
+        explain(record, cluster)
+    assert "slurm/ddp.sh: exit 77: not requeueing" in record["log"].splitlines(), record["log"]
 
 
 @pytest.fixture

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import pickle
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import cloudpickle
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,25 +33,13 @@ def test_the_cpus_of_a_partition_are_its_smallest_nodes_the_default_one_found_by
     assert [submit.node_cpus(p) for p in ("debug", None, "short", "gpu")] == [4, 4, 2, None]
 
 
-def test_a_refused_exclusion_leaves_the_node_fault_requeue_standing(submit, monkeypatch, tmp_path, capsys):
-    """Slurm accepted the requeue, then refused ExcNodeList: the job is requeued all the same
-    (as slurm/ddp.sh does), with a warning, not failed by the exception."""
-    calls = []
-
-    def scontrol(*args):
-        calls.append(args[0])
-        if args[:2] == ("show", "job"):
-            return "JobId=7 Partition=debug NumNodes=1 ExcNodeList=(null)"
-        if args[0] == "update":
-            raise subprocess.CalledProcessError(1, ["scontrol", *args])
-        return ""
-
-    monkeypatch.setattr(submit, "_scontrol", scontrol)
-    monkeypatch.setattr(subprocess, "run", lambda argv, **_: SimpleNamespace(stdout="node1\nnode2\n"))  # sinfo
-    monkeypatch.setattr(submit.signal, "signal", lambda *_: None)  # pytest keeps its TERM
-    faults = tmp_path / "node-faults"
-    faults.write_text("node1.cluster.example\n")
-    monkeypatch.setenv(submit.NODE_FAULTS_ENV, str(faults))
-    assert submit.requeue_without_suspects("7", tmp_path, budget=3) is True
-    assert calls == ["show", "requeue", "update"]
-    assert "warning: requeued, but Slurm refused ExcNodeList=node1" in capsys.readouterr().err
+def test_the_pickled_job_loads_on_a_node_where_slurm_is_not_importable(submit, monkeypatch):
+    """submitit pickles the job, and each task loads it in a Python whose path has the submit
+    directory, not slurm/: the requeue shared with ddp.sh (slurm/requeue.py) must travel in
+    the pickle, not be imported there by name."""
+    pickled = cloudpickle.dumps(submit.TrainJob(grace_s=60, max_fault_requeues=5))
+    monkeypatch.delitem(sys.modules, "requeue")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != REPO / "slurm"])
+    loaded = pickle.loads(pickled)
+    assert (loaded.grace_s, loaded.max_fault_requeues) == (60, 5)
+    assert "requeue" not in sys.modules
