@@ -5,17 +5,18 @@ Speed itself is measured by `python -m benchmarks`, not here: these check the ac
 """
 
 import json
-import time
+import subprocess
 
 import numpy as np
 import pytest
-from conftest import run, tiny_overrides, trainer_command
-from support import read_metrics, read_summary
+from conftest import BASE_ENV, REPO, run, tiny_overrides, trainer_command
+from support import kill_tree, read_metrics, read_summary
 from transformers import AutoTokenizer
 
 from trainer.config import Config
 from trainer.data import GlobalBatchSampler
 from trainer.distributed import DistEnv
+from trainer.startup import _process_start
 
 STEPS, LOG_EVERY, PER_RANK = 8, 4, 8
 PHASES = ["data", "forward", "backward", "comm", "optimizer"]
@@ -23,27 +24,37 @@ PHASES = ["data", "forward", "backward", "comm", "optimizer"]
 
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_model, reviews, tmp_path_factory):
+    """The run, and torchrun's process start as the trainer reads it (/proc, the boot clock),
+    read while torchrun runs: the launch that launch-to-first-step counts from."""
     out = tmp_path_factory.mktemp("perf")
     overrides = tiny_overrides(tiny_model, reviews, out, **{
         "train.batch_size": PER_RANK, "train.max_steps": STEPS, "train.log_every": LOG_EVERY, "checkpoint.every": 4,
     })
-    launched = time.time()
-    result = run(trainer_command(overrides, nproc=2))
-    assert result.returncode == 0, result.output[-6000:]
-    return launched, result.output, read_metrics(out), read_summary(out)
+    proc = subprocess.Popen(trainer_command(overrides, nproc=2), cwd=REPO, env=BASE_ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        launched = _process_start(proc.pid)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, output[-6000:]
+    return launched, output, read_metrics(out), read_summary(out)
 
 
-def test_step_phases_cover_the_step(two_rank_run):
+def test_step_phases_are_measured_within_the_step(two_rank_run):
+    """Every phase is measured, takes time, and together they never exceed the step. That the
+    phases are the whole step, the loop's bookkeeping aside, is a claim about the code, not
+    this machine's load: tests/unit/test_meter.py holds it with a fake clock, and
+    tests/unit/test_build.py that every part of the training step runs inside a phase."""
     _, output, records, _ = two_rank_run
     windows = [r for r in records if "samples_per_s" in r]
     assert [w["step"] for w in windows] == [4, 8]
     for window in windows:
         assert sorted(k for k in window if k.startswith("time/")) == sorted(f"time/{p}_s" for p in PHASES)
         step_s = 2 * PER_RANK / window["samples_per_s"]
-        phases_s = sum(window[f"time/{p}_s"] for p in PHASES)
-        # The phases are the step: what is left is the loop's bookkeeping (well under 20%).
-        assert 0.8 * step_s <= phases_s <= step_s, window
-        assert window["time/comm_s"] > 0 and 0 < window["mfu"] < 1
+        assert all(window[f"time/{p}_s"] > 0 for p in PHASES), window
+        assert sum(window[f"time/{p}_s"] for p in PHASES) <= step_s * (1 + 1e-9), window
+        assert 0 < window["mfu"] < 1
     assert "ms/step: data" in output and "comm" in output
     assert "(measured: 1024^3 matmul on cpu, fp32" in output  # where the MFU's peak comes from
 
@@ -72,9 +83,9 @@ def test_startup_phases_add_up_to_launch_to_first_step(two_rank_run):
     assert list(phases) == ["launcher", "imports", "rendezvous", "data", "model", "tokenize", "setup",
                             "first_step"]
     assert all(seconds >= 0 for seconds in phases.values())
-    # The launch is torchrun's process start (/proc, 10 ms ticks), just after this test's clock read.
-    assert summary["first_step_end_unix"] - launched - 0.5 <= sum(phases.values()) \
-        <= summary["first_step_end_unix"] - launched + 0.02
+    # The launch is torchrun's process start: the phases add up to the time from it to the first
+    # step's end (both from /proc's 10 ms ticks on the boot clock, however loaded the machine).
+    assert sum(phases.values()) == pytest.approx(summary["first_step_end_unix"] - launched, abs=0.02)
     assert "launch to first step" in output
     saves = [r for r in records if "checkpoint/save_s" in r]
     assert [r["step"] for r in saves] == [4, 8] and all(r["checkpoint/save_s"] > 0 for r in saves)

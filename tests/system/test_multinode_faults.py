@@ -187,7 +187,11 @@ def test_sigterm_on_one_node_saves_everywhere_and_resumes_exactly(uninterrupted,
             os.kill(int(pid), signal.SIGSTOP)
         signalled = time.monotonic()
         procs["node1"].send_signal(signal.SIGTERM)  # nsenter, unshare and sh exec: this is torchrun
-        time.sleep(0.5)
+        # torchrun forwards it to node1's workers: thawed before it arrives, a worker could
+        # finish the run first.
+        node1_workers = [pid for pid in net.pids("node1") if pid not in launchers]
+        wait_for(lambda: all(sigterm_pending(int(pid)) for pid in node1_workers), 30,
+                 "torchrun to forward SIGTERM to node1's workers", procs)
         for pid in workers:
             os.kill(int(pid), signal.SIGCONT)
         codes = net.wait(list(procs.values()), timeout=60)
