@@ -35,7 +35,7 @@ def main() -> None:
     cfg = config.load("configs/demo.yaml", [f"data.path={args.data}", "output_dir=/tmp/eval-loader-bench"])
     dist_env, device = distributed.read_env(), torch.device("cpu")
     splits = data.load(cfg, dist_env)
-    trained = build.build(cfg, dist_env, device, max_steps=1)  # the model as training evaluates it
+    trained = build.build(cfg, dist_env, device, splits.labels, max_steps=1)  # the model as training evaluates it
     logits_of, tokenizer = trained.strategy.logits, trained.tokenizer
     assert logits_of is not None, "build() parallelized the model"
     built = data.build(cfg, dist_env, splits, tokenizer, device, data.BatchPlan.of(cfg.train, 1))

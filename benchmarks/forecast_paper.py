@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from trainer import build, config
+from trainer import build, config, labels
 from trainer.distributed import DistEnv
 from trainer.flops import FlopModel
 from trainer.preflight import forecast
@@ -45,7 +45,8 @@ def meta_model(folder: Path, *overrides: str):
     (trainer/build.py) for a bf16 GPU run with `overrides` (LoRA's, say)."""
     cfg = config.load(None, [f"model.name={folder}", "data.path=unused", "data.num_labels=5", "data.max_length=512",
                              "train.max_steps=1", "output_dir=unused", *overrides])
-    return build.load(cfg, DistEnv(), torch.device("cuda"), torch.bfloat16, on_meta=True).model
+    return build.load(cfg, DistEnv(), torch.device("cuda"), torch.bfloat16, labels.from_config(cfg.data),
+                      on_meta=True).model
 
 
 def jobs() -> dict[str, tuple]:

@@ -74,6 +74,12 @@ requeue_py=${submitted:+${submitted%/*}/requeue.py}
 export TRAINER_NODE_FAULTS=${TRAINER_NODE_FAULTS:-$state/node-faults}
 # The Kubernetes dialect (every retryable verdict as 138) would hide 75 and 76 from this script.
 unset TRAINER_RETRYABLE_EXIT_CODE
+# The check step below reads the data before any node starts torchrun (TRAINER_CHECK=no-data:
+# all but the data, for data that exists only where the ranks run; 0: no check step). The
+# nodes' torchrun must not check again: this script's step did.
+check_setting=${TRAINER_CHECK:-1}
+case $check_setting in 1|no-data|0) ;; *) die "TRAINER_CHECK=$check_setting is not one of: 1, no-data, 0" ;; esac
+unset TRAINER_CHECK
 
 # Grace. TRAINER_GRACE_S: the seconds from the time-limit signal to the limit (--signal's lead).
 # But the relays TERM torchrun at once, and torchrun SIGKILLs its workers
@@ -236,12 +242,17 @@ while :; do wait "$child"; status=$?; kill -0 "$child" 2>/dev/null || record "$s
 # instead of leaving the others blocked in a collective until their timeout.
 launch=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task="$cpus" "${srun_flags[@]}"
         "${exec_prefix[@]}" bash -c "$node_task" "$rdzv_host" "$state" "${torchrun_cmd[@]}")
-# A bad config or key fails here, in seconds, with one line, before any node starts torchrun.
-# Run where training runs (the venv or the image); it also logs the resolved config.
-if [[ ${#srun_flags[@]} -gt 0 ]]; then  # pyxis: in a one-task step, in the job's container
-    check=(srun --nodes=1 --ntasks=1 --quiet "${srun_flags[@]}" python -m trainer check "${args[@]}")
+# A bad config or key, a missing data column, split or label, fails here, in seconds, with one
+# line, before any node starts torchrun. Run where training runs (the venv or the image): it
+# reads the data as training will, and logs the resolved config, the labels and the memory plan.
+check_args=("${args[@]}")
+[[ $check_setting != no-data ]] || check_args+=(--no-data)
+if [[ $check_setting == 0 ]]; then
+    check=(true)
+elif [[ ${#srun_flags[@]} -gt 0 ]]; then  # pyxis: in a one-task step, in the job's container
+    check=(srun --nodes=1 --ntasks=1 --quiet "${srun_flags[@]}" python -m trainer check "${check_args[@]}")
 else
-    check=("${exec_prefix[@]}" python -m trainer check "${args[@]}")
+    check=("${exec_prefix[@]}" python -m trainer check "${check_args[@]}")
 fi
 
 echo "slurm/ddp.sh: job $SLURM_JOB_ID (attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 ))): $nnodes node(s) $SLURM_JOB_NODELIST" \

@@ -39,9 +39,8 @@ from pathlib import Path
 import cloudpickle
 import submitit
 
-from trainer import config
 from trainer.__main__ import main as trainer_main
-from trainer.errors import ConfigError, report
+from trainer.errors import report
 from trainer.exit_codes import MEANING, NODE_FAULTS_ENV, RETRYABLE_ENV, Exit
 from trainer.faults.preemption import received_signals
 
@@ -134,6 +133,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sbatch", action="append", default=[], metavar="KEY=VALUE",
                         help="any other sbatch option, e.g. --sbatch account=lab --sbatch qos=high")
     parser.add_argument("--wait", action="store_true", help="wait for the job and exit with its result")
+    parser.add_argument("--no-data", action="store_true",
+                        help="check the config before submitting, but not the data (that this host can't read)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser.parse_intermixed_args(argv)
 
@@ -141,10 +142,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     trainer_args = (["-c", args.config] if args.config else []) + [PREEMPT_SIGNALS, *args.overrides]
-    try:  # the same checks as the job's own first seconds, before anything is queued
-        config.load(args.config, [PREEMPT_SIGNALS, *args.overrides])
-    except ConfigError as e:
-        return report(e)
+    # `python -m trainer check` before anything is queued: the config, and the data read as the
+    # job will read it (--no-data: all but the data, for data the submit host can't see).
+    checked = trainer_main(["check", *trainer_args, *(["--no-data"] if args.no_data else [])])
+    if checked:
+        return checked
     extra = {}
     for option in args.sbatch:
         key, sep, value = option.partition("=")

@@ -11,16 +11,17 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer import build, config, distributed
+from trainer import build, config, distributed, labels
 from trainer.preflight import memory
 
 cfg = config.load("configs/demo.yaml", sys.argv[1:])
 dist_env, cpu = distributed.read_env(), torch.device("cpu")
 dist.init_process_group("gloo")
-whole_model = build.load(cfg, distributed.DistEnv(), cpu, torch.float32).model  # unsharded, to count
+run_labels = labels.from_config(cfg.data)
+whole_model = build.load(cfg, distributed.DistEnv(), cpu, torch.float32, run_labels).model  # unsharded, to count
 whole = sum(t.numel() * t.element_size() for t in whole_model.parameters())
 whole_trained = sum(t.numel() * t.element_size() for t in whole_model.parameters() if t.requires_grad)
-built = build.build(cfg, dist_env, cpu, max_steps=1)
+built = build.build(cfg, dist_env, cpu, run_labels, max_steps=1)
 bare, optimizer = built.model, built.step.optimizer
 ids = torch.randint(5, 100, (2, 16))
 built.step.loss({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1])}).backward()
@@ -38,7 +39,7 @@ held = {"weights": local(params) + sum(b.numel() * b.element_size() for b in bar
                          for state in optimizer.state.values() for t in state.values()),
         "whole_weights": whole, "whole_trained": whole_trained,
         "buffers": sum(b.numel() * b.element_size() for b in bare.buffers())}
-plan = memory.make(cfg, cpu, dist_env.world_size)
+plan = memory.make(cfg, run_labels, cpu, dist_env.world_size)
 print(json.dumps({"rank": dist_env.rank, **held,
                   "plan": {"weights": plan.weights, "gradients": plan.gradients, "optimizer": plan.optimizer}}),
       flush=True)

@@ -1,7 +1,7 @@
 """`python -m trainer {train,check,doctor,evaluate,predict} -c CONFIG [key=value ...]`, plain or
 under torchrun.
 
-    check [gpu_gib=80] [world_size=8]               the resolved config, and the memory plan per GPU
+    check [gpu_gib=80] [world_size=8] [--no-data]   the resolved config, the data, the memory plan per GPU
     evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
     predict checkpoint=PATH|final input=FILE output=FILE   probabilities for each row of a file
 """
@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("command", choices=list(COMMANDS),
                         help=" ".join(f"{name}: {run.__doc__}" for name, run in COMMANDS.items()))
     parser.add_argument("-c", "--config", help="YAML config file (see configs/)")
+    parser.add_argument("--no-data", action="store_true",
+                        help="check: skip the data (for data that exists only where the job runs)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-4")
     return parser.parse_intermixed_args(argv)
 
@@ -73,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     # config here, before torch is imported (seconds); the rest in each command's preflight.
     try:
         arguments, overrides = command_args(args.command, args.overrides)
+        if args.no_data and args.command != "check":
+            raise ConfigError(f"--no-data: a flag of check, not of {args.command}")
+        arguments["no_data"] = args.no_data
         if arguments.get("split"):
             overrides.append(f"data.eval_split={arguments['split']}")
         cfg = config.load(args.config, overrides)
@@ -102,9 +107,9 @@ def train_preflight(cfg, environ: Mapping[str, str] = os.environ):
 
 
 def run_check(cfg, arguments: dict) -> int:
-    """validate and print the resolved config, and the memory plan per GPU."""
-    from trainer import model
-    from trainer.preflight import memory
+    """validate and print the resolved config, the data and the memory plan per GPU."""
+    from trainer import labels, model
+    from trainer.preflight import data_check, memory
 
     try:
         gpu_bytes = memory.parse_gib(str(arguments["gpu_gib"]))
@@ -112,17 +117,29 @@ def run_check(cfg, arguments: dict) -> int:
     except ConfigError as e:
         return errors.report(e)
     print(config.to_yaml(cfg), end="", flush=True)
+    # As YAML comments: `check > resolved.yaml` stays a config.
+    lines, warnings = [], []
+    run_labels = labels.from_config(cfg.data)
+    if arguments.get("no_data"):
+        lines.append("data: not checked (--no-data)")
+    else:
+        try:  # the data as training loads it (seconds, no weights): a mistake is one line, exit 2
+            checked = data_check.check(cfg, world_size)
+        except TrainerError as e:
+            return errors.report(e)
+        run_labels, lines, warnings = checked.labels, checked.lines, checked.warnings
+    if run_labels is None:  # --no-data without num_labels: a stand-in head, a few bytes off
+        run_labels = labels.Labels(cfg.data.problem_type, ("LABEL_0", "LABEL_1"), "a stand-in", labels.IDS)
+        lines.append("memory plan: data.num_labels not given and the data not read: planned with 2 labels")
     try:
-        plan = memory.make(cfg, world_size=world_size)  # transformers, the tokenizer and config.json: seconds
+        plan = memory.make(cfg, run_labels, world_size=world_size)  # transformers, the tokenizer and config.json
+        lines += [*plan.lines("a GPU with native bf16"), f"  {plan.verdict(gpu_bytes)}"]
     except ConfigError as e:
         # A hub model a login node can't reach can still train where its nodes reach the hub.
         if not model.from_hub(cfg.model) or not str(e).startswith("model.name"):
             return errors.report(e)
-        print(f"# memory plan: not made, model.name {cfg.model.name}'s config.json can't be read here: {e}")
-        return 0
-    # As YAML comments: `check > resolved.yaml` stays a config.
-    lines = [*plan.lines("a GPU with native bf16"), f"  {plan.verdict(gpu_bytes)}"]
-    print("\n".join(f"# {line}" for line in lines))
+        lines.append(f"memory plan: not made, model.name {cfg.model.name}'s config.json can't be read here: {e}")
+    print("\n".join([*(f"# {line}" for line in lines), *(f"# warning: {w}" for w in warnings)]), flush=True)
     return 0  # the GPU is assumed here; doctor fails a plan that the job's real devices can't hold
 
 

@@ -18,10 +18,15 @@ import torch
 from omegaconf import DictConfig
 
 from trainer import data, distributed, lora, model, optim
+from trainer import labels as labels_module
 from trainer.checkpoint.checkpointer import load_weights
+from trainer.checkpoint.store import read_state
 from trainer.distributed import DistEnv
+from trainer.errors import ConfigError
+from trainer.labels import Labels
 from trainer.step import LogitsUnderAutocast, TrainStep
 from trainer.strategies import registry
+from trainer.tasks import registry as tasks
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -29,6 +34,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
     from trainer.strategies.base import Strategy
+    from trainer.tasks.base import Task
 
 
 @dataclass
@@ -43,11 +49,11 @@ class Model:
     """The autocast dtype the run computes in (float32: none)."""
 
 
-def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype, *,
+def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype, labels: Labels, *,
          on_meta: bool = False, trained: Path | None = None) -> Model:
-    """model.name's classifier as training builds it: its tokenizer, data.max_length
-    checked against its positions before any weight loads, the weights (frozen ones in
-    model.dtype), LoRA's adapters, activation checkpointing, in train mode.
+    """model.name's classifier for `labels` as training builds it: its tokenizer,
+    data.max_length checked against its positions before any weight loads, the weights (frozen
+    ones in model.dtype), LoRA's adapters, activation checkpointing, in train mode.
 
     `on_meta`: shapes and dtypes only, no weights read, for the memory plan on `device`'s
     kind (a folder with config.json alone will do). `trained`: a `model.trained_folder`, in
@@ -61,8 +67,8 @@ def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: to
     first = distributed.local_rank_zero_first(dist_env) if model.from_hub(model_cfg) and not on_meta else nullcontext()
     with first:
         tokenizer = model.load_tokenizer(model_cfg) if not on_meta or model.has_tokenizer(model_cfg) else None
-        config = model.load_config(model_cfg, cfg.data.num_labels, device.type,
-                                   None if tokenizer is None else tokenizer.pad_token_id)
+        pad_token_id = None if tokenizer is None else tokenizer.pad_token_id
+        config = model.load_config(model_cfg, labels, device.type, pad_token_id)
         # Before the weights: for an 8B model a mistake costs seconds, not minutes.
         model.check_max_length(model_cfg, cfg.data.max_length, config, tokenizer)
         dtype = lora.frozen_dtype(cfg.model, amp_dtype)
@@ -72,7 +78,6 @@ def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: to
     if trained is not None:
         if not merged:  # a checkpoint of a LoRA run holds the adapters
             load_weights(trained, built)
-            model.set_label_names(built, cfg.data.label_names)
         return Model(built.eval(), tokenizer, config, amp_dtype)
     if cfg.model.gradient_checkpointing and not on_meta:
         model.use_gradient_checkpointing(built)
@@ -86,6 +91,8 @@ class Built(Model):
     evaluation."""
     step: TrainStep
     """The training step, with the optimizer, the LR schedule and the loss scaler it steps."""
+    task: Task
+    """The loss, the metrics and the predictions of data.problem_type."""
 
     def states(self, train: Stateful) -> dict[str, Stateful]:
         """What a checkpoint holds, by name, with `train` the train state (trainer/checkpoint/)."""
@@ -94,12 +101,12 @@ class Built(Model):
                 "scaler": step.scaler, "train": train, **self.strategy.states()}
 
 
-def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, *, max_steps: int,
+def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, labels: Labels, *, max_steps: int,
           group: ProcessGroup | None = None, strategy: Strategy | None = None) -> Built:
-    """The model, parallelized by the run's strategy over `group` (None: every rank), and the
-    step that trains it for `max_steps` steps (the LR schedule's length)."""
+    """The model for `labels`, parallelized by the run's strategy over `group` (None: every
+    rank), and the step that trains it for `max_steps` steps (the LR schedule's length)."""
     amp_dtype = distributed.configure_compute(cfg.train, dist_env, device)
-    loaded = load(cfg, dist_env, device, amp_dtype)
+    loaded = load(cfg, dist_env, device, amp_dtype, labels)
     strategy = strategy or registry.of(cfg)
     strategy.parallelize(loaded.model, dist_env, device, amp_dtype, group)
     # After the strategy: FSDP2 has made the parameters the optimizer holds into shards.
@@ -108,13 +115,35 @@ def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, *, max_steps
     # fp16 only: gradients too small for fp16 would flush to zero unless the loss is scaled
     # up first. A no-op (scale 1, an empty state) for fp32 and bf16.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    step = TrainStep(loaded.model, strategy, optimizer, scheduler, scaler, cfg.train.max_grad_norm, device,
+    task = tasks.of(labels, cfg.data, cfg.train)
+    step = TrainStep(loaded.model, strategy, task, optimizer, scheduler, scaler, cfg.train.max_grad_norm, device,
                      non_blocking=data.pins_memory(cfg, device))
-    return Built(loaded.model, loaded.tokenizer, loaded.config, amp_dtype, strategy, step)
+    return Built(loaded.model, loaded.tokenizer, loaded.config, amp_dtype, strategy, step, task)
 
 
-def trained(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) -> tuple[Model, torch.nn.Module]:
-    """A trained model (`load`'s `trained`) for evaluate and predict, and its logits in the
-    run's precision."""
-    loaded = load(cfg, dist_env, device, distributed.configure_compute(cfg.train, dist_env, device), trained=folder)
-    return loaded, LogitsUnderAutocast(loaded.model, device.type, loaded.amp_dtype)
+@dataclass
+class Trained(Model):
+    logits: torch.nn.Module
+    """The model's logits in the run's precision."""
+    task: Task
+    """The task of the labels it was trained on."""
+
+
+def trained(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) -> Trained:
+    """A trained model (`load`'s `trained`) for evaluate and predict, with the label space it
+    was trained on: final/'s config holds it, a checkpoint's state.json, or (a checkpoint of
+    an older run) the config."""
+    if model.is_model_folder(folder):
+        from transformers import AutoConfig
+
+        labels = model.labels_of(AutoConfig.from_pretrained(folder))
+    else:
+        saved = read_state(folder).get("labels")
+        found = Labels.from_state(saved) if saved else labels_module.from_config(cfg.data)
+        if found is None:
+            raise ConfigError(f"checkpoint: {folder} does not say its labels (an older run's): set data.num_labels")
+        labels = found
+    loaded = load(cfg, dist_env, device, distributed.configure_compute(cfg.train, dist_env, device), labels,
+                  trained=folder)
+    return Trained(**vars(loaded), logits=LogitsUnderAutocast(loaded.model, device.type, loaded.amp_dtype),
+                   task=tasks.of(labels, cfg.data, cfg.train))

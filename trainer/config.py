@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.errors import ConfigError, one_line
 from trainer.strategies.registry import STRATEGIES
+from trainer.tasks.registry import METRICS
 
 # --- keys: each one's check and its rule on resume sit on its field ----------------------
 
@@ -74,6 +75,17 @@ def fraction(closed_at_zero: bool) -> Check:
 
 
 NOT_EMPTY: Check = (bool, "must not be empty")
+
+def _class_weights(value: Any) -> bool:
+    return value in (None, "balanced") or (
+        isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0
+        and all(isinstance(w, int | float) and not isinstance(w, bool) and w > 0 for w in value))
+
+
+CLASS_WEIGHTS: Check = (_class_weights, "must be null, balanced or a list of positive numbers")
+
+METRIC: Check = (lambda v: v is None or any(v in metrics for metrics in METRICS.values()),
+                 f"must be one of {', '.join(sorted({m for metrics in METRICS.values() for m in metrics}))} or null")
 
 STEPS_OR_EPOCH: Check = (lambda v: v == "epoch" or (type(v) is int and v >= 0), "must be a step count >= 0 or `epoch`")
 """An interval: a step count (0: only at the end) or `epoch`, at the end of each epoch."""
@@ -134,21 +146,38 @@ class DataConfig:
     text_pair_field: str | None = key(None, FIXED)
     """Second text of a pair (e.g. `hypothesis` after `premise`), or None for single texts."""
     label_field: str = key("label", FIXED, NOT_EMPTY)
-    """The column holding the class id, an integer in [0, num_labels)."""
-    num_labels: int = key(MISSING, FIXED, at_least(2))
-    """How many classes: the size of the classification head."""
+    """The column holding the label, as data.problem_type reads it: single_label, a class id
+    (an integer from 0) or a class name (a string); multi_label, a list of ids or names;
+    regression, a number (docs/tasks.md)."""
+    problem_type: Literal["single_label", "multi_label", "regression"] = key("single_label", FIXED)
+    """What the model learns from the label: single_label, one class of num_labels per row
+    (cross-entropy); multi_label, any set of them (binary cross-entropy on each, predicted
+    where its sigmoid reaches data.threshold); regression, one number (mean squared error)."""
+    num_labels: int | None = key(None, FIXED, at_least_or_null(1))
+    """How many classes: the size of the classification head. null: inferred from the label
+    names (data.label_names, the dataset's ClassLabel, or the train split's distinct values),
+    or from the largest class id + 1; given, it is checked against them. Regression: 1."""
     train_split: str = key("train", FIXED)
     """A split name; `datasets` slicing such as `train[:90%]` works too."""
     eval_split: str = key("test", FIXED)
     """The validation split: evaluated during and after training, each sample exactly once,
-    and what checkpoint.best_metric selects the model on."""
+    and what checkpoint.best_metric selects the model on. Where the data has no split of
+    that name (a single CSV, say), data.eval_fraction of the train split is held out instead."""
+    eval_fraction: float = key(0.1, FIXED, fraction(closed_at_zero=False))
+    """The share of the train split held out for validation when data.eval_split names no
+    split of the data: seeded (seed), stratified by label for single_label, the same on every
+    rank and every restart."""
     test_split: str | None = key(None, FREE)
     """A held-out split evaluated once, at the end, on the final (best) model, and reported
     apart from the validation split (summary.json `test_eval`, wandb `test/`). null: none."""
-    label_names: list[str] | None = key(None, FREE)
+    label_names: list[str] | None = key(None, FIXED)
     """The class names, in id order: they go into the exported model's id2label/label2id, so
-    a `transformers` pipeline on final/ answers with names. null: the label column's
-    ClassLabel names if the dataset has them, else LABEL_0, LABEL_1, ..."""
+    a `transformers` pipeline and `predict` answer with names. A label column of names must
+    hold only these, which fixes each one's id. null: the label column's ClassLabel names if
+    the dataset has them, else its distinct names in the train split, sorted, else (class
+    ids) LABEL_0, LABEL_1, ..."""
+    threshold: float = key(0.5, FIXED, fraction(closed_at_zero=False))
+    """multi_label: a class is predicted where its sigmoid reaches this."""
     max_length: int = key(128, FIXED, at_least(8))
     """Truncation length in tokens. Batches are padded only to their longest sample."""
     pad_to_multiple_of: int | None = key(None, FIXED, at_least_or_null(1))
@@ -193,9 +222,23 @@ class TrainConfig:
     lr: float = key(2e-5, FIXED, fraction(closed_at_zero=False))
     """Peak learning rate of AdamW, after linear warmup, then decaying linearly to 0."""
     weight_decay: float = key(0.01, FIXED, at_least(0))
-    """AdamW's decoupled weight decay."""
+    """AdamW's decoupled weight decay, on every trained weight but the biases and the
+    normalization layers' weights (as transformers.Trainer and torchtune do)."""
+    lr_scheduler: Literal["linear", "cosine", "constant"] = key("linear", FIXED)
+    """The learning rate after warmup: linear decay to 0 at max_steps, a cosine to 0, or
+    constant at train.lr."""
     warmup_ratio: float = key(0.06, FIXED, fraction(closed_at_zero=True))
     """Share of max_steps spent warming the learning rate up from 0."""
+    warmup_steps: int | None = key(None, FIXED, at_least_or_null(0))
+    """Warmup in steps instead: when set, train.warmup_ratio is not used."""
+    class_weights: Any = key(None, FIXED, CLASS_WEIGHTS)
+    """Weigh each sample's loss by its class, for an imbalanced label set: `balanced` (the
+    inverse of each class's frequency in the train split, n / (classes x n_class); for
+    multi_label each label's positives against its negatives, (n - n_label) / n_label),
+    computed once and saved with the run, or a list of num_labels weights. null: none. The
+    batch's loss is the mean of the weighted losses, so that 2 ranks still equal 1 process."""
+    label_smoothing: float = key(0.0, FIXED, fraction(closed_at_zero=True))
+    """single_label: the cross-entropy's target puts this much of its mass evenly on every class."""
     max_grad_norm: float = key(1.0, FIXED, at_least(0))
     """Gradient clipping by global L2 norm; 0 turns it off."""
     fused_adamw: bool = key(True, FREE)
@@ -320,12 +363,15 @@ class CheckpointConfig:
     end; 0 saves only at the end."""
     keep: int = key(3, FREE, at_least(1))
     """Keep the newest k complete checkpoints, and the best one besides (best_metric)."""
-    best_metric: Literal["accuracy", "f1_macro", "loss"] | None = key(None, FIXED)
+    best_metric: str | None = key(None, FIXED, METRIC)
     """The validation metric that picks the best checkpoint, which pruning keeps beside the
-    newest `keep`. Every evaluation then also saves a checkpoint, so the best one exists.
-    Ties go to the earlier step. null: no selection."""
+    newest `keep`: any metric data.problem_type reports (single_label: accuracy, f1_macro,
+    loss; multi_label: f1_micro, f1_macro, subset_accuracy, loss; regression: mse, mae,
+    pearson, spearman, loss). Every evaluation then also saves a checkpoint, so the best one
+    exists. Ties go to the earlier step. null: no selection."""
     best_mode: Literal["max", "min"] | None = key(None, FIXED)
-    """Whether higher or lower is better; null: min for loss, max otherwise."""
+    """Whether higher or lower is better; null: what the metric needs (min for loss, mse and
+    mae, max otherwise)."""
     load_best_at_end: bool = key(False, FIXED)
     """final/ exports the best checkpoint's weights instead of the last step's; the done line,
     summary.json's final_eval and the test split then score that model, and the last step's
@@ -488,21 +534,22 @@ def _check_cross_field(cfg: DictConfig) -> None:
     if train.global_batch is not None and train.grad_accum is not None:
         raise ConfigError("train.grad_accum, train.global_batch: set one of them (with a global batch, the "
                           "accumulation follows from it, train.batch_size and the world size)")
+    metrics = METRICS[cfg.data.problem_type]
     if ckpt.best_metric is None:
         for key in ("checkpoint.load_best_at_end", "train.early_stopping_patience"):
             if OmegaConf.select(cfg, key):
-                raise ConfigError(f"{key}: needs checkpoint.best_metric (accuracy, f1_macro or loss)")
+                raise ConfigError(f"{key}: needs checkpoint.best_metric ({', '.join(metrics)})")
+    elif ckpt.best_metric not in metrics:
+        raise ConfigError(f"checkpoint.best_metric: {ckpt.best_metric} is not a metric of data.problem_type="
+                          f"{cfg.data.problem_type} ({', '.join(metrics)})")
     elif ckpt.best_mode is None:
-        ckpt.best_mode = "min" if ckpt.best_metric == "loss" else "max"
+        ckpt.best_mode = metrics[ckpt.best_metric]
     if train.early_stopping_patience and not train.eval_every:
         raise ConfigError("train.early_stopping_patience: needs train.eval_every (a step count or epoch)")
     for key in cfg.checkpoint.allow_changes:
         if OmegaConf.select(cfg, key, default=_UNKNOWN) is _UNKNOWN:
             raise ConfigError(f"checkpoint.allow_changes: {key!r} is not a config key")
-    names = cfg.data.label_names
-    if names is not None and (len(names) != cfg.data.num_labels or len(set(names)) != len(names)):
-        raise ConfigError(f"data.label_names: expected {cfg.data.num_labels} distinct names "
-                          f"(data.num_labels), got {list(names)}")
+    _check_labels(cfg)
     if ckpt.export_adapter and cfg.model.lora.r is None:
         raise ConfigError("checkpoint.export_adapter: needs model.lora.r (without LoRA there is no adapter)")
     if cfg.ddp.comm_hook != "none" and train.strategy != "ddp":
@@ -531,6 +578,32 @@ def _check_cross_field(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if _looks_local(value) and not Path(value).exists():
             raise ConfigError(f"{key}: {value}: no such file or folder")
+
+
+def _check_labels(cfg: DictConfig) -> None:
+    """What the label keys ask of each other; what they ask of the data is checked on it
+    (trainer/labels.py)."""
+    data_cfg, train = cfg.data, cfg.train
+    names, num_labels, weights = data_cfg.label_names, data_cfg.num_labels, train.class_weights
+    if names is not None and len(set(names)) != len(names):
+        raise ConfigError(f"data.label_names: the names must be distinct, got {list(names)}")
+    if names is not None and num_labels is not None and len(names) != num_labels:
+        raise ConfigError(f"data.label_names: expected {num_labels} names (data.num_labels), got {list(names)}")
+    if isinstance(weights, Sequence) and not isinstance(weights, str) and num_labels is not None \
+            and len(weights) != num_labels:
+        raise ConfigError(f"train.class_weights: expected {num_labels} weights (data.num_labels), got {len(weights)}")
+    if data_cfg.problem_type == "regression":
+        for key, value, allowed in (("data.num_labels", num_labels, (None, 1)), ("data.label_names", names, (None,)),
+                                    ("train.class_weights", weights, (None,))):
+            if value not in allowed:
+                raise ConfigError(f"{key}: data.problem_type=regression predicts one number, which has no classes; "
+                                  "leave it unset")
+    elif num_labels == 1:
+        raise ConfigError(f"data.num_labels: {data_cfg.problem_type} needs 2 or more classes; one number is "
+                          "data.problem_type=regression")
+    if train.label_smoothing and data_cfg.problem_type != "single_label":
+        raise ConfigError(f"train.label_smoothing: smooths single_label's cross-entropy; data.problem_type is "
+                          f"{data_cfg.problem_type}")
 
 
 def _looks_local(value: str) -> bool:

@@ -26,8 +26,10 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from trainer import labels as labels_module
 from trainer.distributed import DistEnv, local_rank_zero_first
 from trainer.errors import CheckpointError, ConfigError, DataError, TrainerError, describe, one_line
+from trainer.labels import Labels
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,8 @@ class Data:
     test_loader: DataLoader | None = None
     """data.test_split's, evaluated once at the end; None without one."""
     num_test: int = 0
-    label_names: list[str] | None = None
-    """data.label_names, or the label column's ClassLabel names; None: neither."""
+    labels: Labels | None = None
+    """The run's label space (trainer/labels.py)."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -125,7 +127,9 @@ def stop_workers(loader: DataLoader | None) -> list:
     return workers
 
 
-def _load_split(data_cfg: DictConfig, split: str, key: str):
+def _load(data_cfg: DictConfig, split: str | None):
+    """data.path's split `split` (a name, or `datasets` slicing: `train[:90%]`), or with
+    None every split, as a DatasetDict."""
     import datasets  # heavy import; only the training path needs it
 
     path = Path(data_cfg.path).expanduser()
@@ -141,11 +145,28 @@ def _load_split(data_cfg: DictConfig, split: str, key: str):
     except TrainerError:
         raise
     except ValueError as e:
-        if "split" in str(e).lower():
-            raise ConfigError(f"{key}: {split!r}: {one_line(e)}") from None
+        if split is not None and "split" in str(e).lower():  # a slice `datasets` can't take
+            raise ConfigError(f"data split {split!r}: {one_line(e)}") from None
         raise DataError(f"data.path: {data_cfg.path}: {one_line(e)}") from None
     except Exception as e:  # datasets raises many types for an unreadable or unknown source  # noqa: BLE001
         raise DataError(f"data.path: {data_cfg.path}: {_describe(e)}") from None
+
+
+def split_name(spec: str) -> str:
+    """The split a spec reads: `train` of `train[:90%]`."""
+    return spec.split("[", 1)[0].strip()
+
+
+def _load_split(data_cfg: DictConfig, split_key: str, available: list[str]):
+    """data.<split_key>'s split, which must exist and hold rows."""
+    spec = data_cfg[split_key]
+    if split_name(spec) not in available:
+        raise ConfigError(f"data.{split_key}: {spec!r} is not a split of {data_cfg.path} (its splits: "
+                          f"{', '.join(available)})")
+    ds = _load(data_cfg, spec)
+    if len(ds) == 0:
+        raise DataError(f"data.{split_key}: {spec!r} is empty")
+    return ds
 
 
 def _describe(e: BaseException) -> str:
@@ -194,40 +215,32 @@ def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
             if row is not None:
                 raise DataError(f"data.{key}: column {column!r} in {split_key} has a non-text value "
                                   f"in row {row}: {ds[row][column]!r}")
-    labels = _arrow_column(ds, data_cfg.label_field)
-    # An integer class id in every row: a column with a null, or of floats, strings or lists,
-    # is refused.
-    if len(labels) and (labels.null_count or not pa.types.is_integer(labels.type)):
-        raise DataError(f"data.label_field: column {data_cfg.label_field!r} must hold integer class ids")
-    if len(labels):
-        extremes = pc.min_max(labels)
-        low, high = extremes["min"].as_py(), extremes["max"].as_py()
-        if low < 0 or high >= data_cfg.num_labels:
-            raise DataError(
-                f"data.num_labels: {split_key} has labels in [{low}, {high}], "
-                f"outside [0, {data_cfg.num_labels - 1}]"
-            )
 
 
-def label_names(ds, data_cfg: DictConfig) -> list[str] | None:
-    """data.label_names, else the names of a ClassLabel label column (hub datasets, parquet
-    written by `datasets`), if they fit num_labels."""
-    if data_cfg.label_names is not None:
-        return list(data_cfg.label_names)
-    names = getattr(ds.features.get(data_cfg.label_field), "names", None)
-    return list(names) if names and len(names) == data_cfg.num_labels else None
+def _subsample(ds, limit: int | None, seed: int):
+    """Seeded, before tokenization: no wasted work."""
+    return ds.shuffle(seed=seed).select(range(limit)) if limit is not None and limit < len(ds) else ds
 
 
-def _load_checked(data_cfg: DictConfig, split_key: str, limit: int | None, seed: int):
-    """Load, subsample (seeded, before tokenization: no wasted work) and check one split.
-    Returns it and its label names."""
-    ds = _load_split(data_cfg, data_cfg[split_key], f"data.{split_key}")
-    if len(ds) == 0:
-        raise DataError(f"data.{split_key}: {data_cfg[split_key]!r} is empty")
-    if limit is not None and limit < len(ds):
-        ds = ds.shuffle(seed=seed).select(range(limit))
-    _check_columns(ds, data_cfg, f"data.{split_key}")
-    return ds, label_names(ds, data_cfg)
+def _hold_out(train, labels: Labels, data_cfg: DictConfig, seed: int) -> tuple[Any, Any, str]:
+    """(train, validation, how): data.eval_fraction of the train split held out, seeded and,
+    for single_label, stratified by class: the same rows on every rank and every restart."""
+    import datasets
+
+    fraction, ids = data_cfg.eval_fraction, labels_module.single_label_ids(train, labels, data_cfg)
+    parts, how = None, "seeded"
+    if ids is not None:
+        by_class = train.add_column("__class__", ids).cast_column(
+            "__class__", datasets.ClassLabel(num_classes=labels.num_labels))
+        try:
+            parts = by_class.train_test_split(test_size=fraction, seed=seed, stratify_by_column="__class__")
+            parts = {name: part.remove_columns("__class__") for name, part in parts.items()}
+            how = "stratified by label"
+        except ValueError as e:  # a class of one row, or more classes than held-out rows
+            how = f"not stratified: {one_line(e)}"
+    if parts is None:
+        parts = train.train_test_split(test_size=fraction, seed=seed)
+    return parts["train"], parts["test"], f"{fraction * 100:g}% of data.train_split, {how}, seed {seed}"
 
 
 _ROWS_PER_PROCESS = 10_000
@@ -259,7 +272,7 @@ def _cache_files(ds) -> set[str] | None:
     return {str(path) for path in Path(ds.cache_files[0]["filename"]).parent.glob("cache-*.arrow")}
 
 
-def _tokenize(ds, data_cfg: DictConfig, split_key: str, tokenizer, dist_env: DistEnv):
+def _tokenize(ds, data_cfg: DictConfig, split_key: str, tokenizer, labels: Labels, dist_env: DistEnv):
     # A batched map writes an Arrow cache file named by a fingerprint of the data (`ds`'s
     # own) and of `encode`: its code and everything it closes over, hashed by `datasets`
     # (the tokenizer by its vocabulary and settings, not by the truncation state a call
@@ -271,10 +284,11 @@ def _tokenize(ds, data_cfg: DictConfig, split_key: str, tokenizer, dist_env: Dis
     text, pair, label = str(data_cfg.text_field), data_cfg.text_pair_field, str(data_cfg.label_field)
     pair = None if pair is None else str(pair)
     max_length = int(data_cfg.max_length)
+    problem_type, index, num_labels = labels.problem_type, labels.index, labels.num_labels
 
     def encode(batch):
         encoded = tokenizer(batch[text], batch[pair] if pair else None, truncation=True, max_length=max_length)
-        encoded["labels"] = batch[label]
+        encoded["labels"] = labels_module.encode(batch[label], problem_type, index, num_labels)
         encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
         return encoded
 
@@ -298,8 +312,12 @@ class Splits:
     train: Any  # datasets.Dataset: datasets ships no types
     eval: Any
     test: Any | None
-    label_names: list[str] | None
-    """data.label_names, or the train split's ClassLabel names; None: neither."""
+    labels: Labels
+    """The run's label space (trainer/labels.py): its classes from the whole train split, its
+    counts and class weights from the rows that train."""
+    held_out: str | None = None
+    """How the validation split was held out of the train split (data.eval_fraction), or None:
+    data.eval_split is a split of the data."""
 
     def steps_per_epoch(self, plan: BatchPlan, train_cfg: DictConfig) -> int:
         """Optimizer steps per epoch (a last partial global batch is dropped), known before
@@ -311,20 +329,37 @@ class Splits:
         return len(self.train) // plan.global_batch
 
 
-def load(cfg: DictConfig, dist_env: DistEnv) -> Splits:
-    """Every split loaded, subsampled and checked, before the model is: a mistake in the data
-    is reported in seconds, not after a model download. Local rank 0 fills the node's
-    `datasets` cache first, the other ranks then read it."""
+def load(cfg: DictConfig, dist_env: DistEnv, labels: Labels | None = None) -> Splits:
+    """Every split loaded, checked and subsampled, before the model is: a mistake in the data
+    is reported in seconds, not after a model download. The label space is resolved from the
+    train split, or given (`labels`: a trained model's, which every split must fit). Where
+    data.eval_split names no split of the data, validation is held out of the train split.
+    Local rank 0 fills the node's `datasets` cache first, the other ranks then read it."""
     data_cfg = cfg.data
     import datasets  # noqa: F401  (~0.5 s) before the wait below, not after it
 
     with local_rank_zero_first(dist_env):
-        train, names = _load_checked(data_cfg, "train_split", data_cfg.max_train_samples, cfg.seed)
-        evaluated, _ = _load_checked(data_cfg, "eval_split", data_cfg.max_eval_samples, cfg.seed)
-        test = None
-        if data_cfg.test_split is not None:
-            test, _ = _load_checked(data_cfg, "test_split", data_cfg.max_eval_samples, cfg.seed)
-    return Splits(train, evaluated, test, names)
+        available = list(_load(data_cfg, None).keys())
+        train = _load_split(data_cfg, "train_split", available)
+        _check_columns(train, data_cfg, "data.train_split")
+        labels = labels or labels_module.resolve(train, data_cfg)
+        held_out = None
+        if split_name(data_cfg.eval_split) in available:
+            evaluated = _load_split(data_cfg, "eval_split", available)
+        else:
+            train, evaluated, held_out = _hold_out(train, labels, data_cfg, cfg.seed)
+            log.info("data.eval_split: %r is not a split of %s (its splits: %s): validation is %s: %d rows, and "
+                     "%d train rows", data_cfg.eval_split, data_cfg.path, ", ".join(available), held_out,
+                     len(evaluated), len(train))
+        test = None if data_cfg.test_split is None else _load_split(data_cfg, "test_split", available)
+    train = _subsample(train, data_cfg.max_train_samples, cfg.seed)
+    evaluated = _subsample(evaluated, data_cfg.max_eval_samples, cfg.seed)
+    test = None if test is None else _subsample(test, data_cfg.max_eval_samples, cfg.seed)
+    for split, split_key in ((evaluated, "eval_split"), (test, "test_split")):
+        if split is not None:
+            _check_columns(split, data_cfg, f"data.{split_key}")
+            labels_module.check_split(split, labels, data_cfg, f"data.{split_key}")
+    return Splits(train, evaluated, test, labels_module.counted(labels, train, data_cfg, cfg.train), held_out)
 
 
 class GlobalBatchSampler(DistributedSampler):
@@ -343,14 +378,15 @@ class GlobalBatchSampler(DistributedSampler):
     `ledger` proves a position: it digests the samples that no rank will read from there on.
     """
 
-    def __init__(self, lengths: np.ndarray, labels: np.ndarray, global_batch: int, dist_env: DistEnv, seed: int,
+    def __init__(self, lengths: np.ndarray, label_keys: np.ndarray, global_batch: int, dist_env: DistEnv, seed: int,
                  group_by_length: bool):
         super().__init__(
             # Typed for a Dataset, but reads only its len(): the positions stand in for the samples.
             range(len(lengths)), num_replicas=dist_env.world_size, rank=dist_env.rank,  # type: ignore[arg-type]
             shuffle=True, seed=seed, drop_last=True,
         )
-        self.lengths, self.labels = lengths, labels
+        self.lengths, self.label_keys = lengths, label_keys
+        """Each sample's token length, and its label as one int64 (labels.keys), for the ledger."""
         self.global_batch = global_batch
         self.group_by_length = group_by_length
         self.steps_per_epoch = len(lengths) // global_batch
@@ -399,7 +435,7 @@ class GlobalBatchSampler(DistributedSampler):
             unread[self._positions(rank, samples_in_epoch)] = False
         ids = self.global_order(epoch).numpy()[: self.usable][unread]
         digest = hashlib.sha256()
-        for column in (ids, self.lengths[ids], self.labels[ids]):
+        for column in (ids, self.lengths[ids], self.label_keys[ids]):
             digest.update(np.ascontiguousarray(column, dtype=np.int64).tobytes())
         return len(ids), digest.hexdigest()
 
@@ -431,15 +467,15 @@ def build(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device:
     """The loaders of the `load`ed splits: tokenized (once per node), batched by `plan`."""
     data_cfg = cfg.data
     with local_rank_zero_first(dist_env):
-        train_ds = _tokenize(splits.train, data_cfg, "train_split", tokenizer, dist_env)
-        eval_ds = _tokenize(splits.eval, data_cfg, "eval_split", tokenizer, dist_env)
-        test_ds = None if splits.test is None else _tokenize(splits.test, data_cfg, "test_split", tokenizer, dist_env)
-
+        train_ds = _tokenize(splits.train, data_cfg, "train_split", tokenizer, splits.labels, dist_env)
+        eval_ds = _tokenize(splits.eval, data_cfg, "eval_split", tokenizer, splits.labels, dist_env)
+        test_ds = None if splits.test is None else _tokenize(splits.test, data_cfg, "test_split", tokenizer,
+                                                             splits.labels, dist_env)
     splits.steps_per_epoch(plan, cfg.train)  # checked before the model loads; again for other callers
     loader_options = _loader_options(cfg, tokenizer, device)
     train_sampler = GlobalBatchSampler(
-        _int_column(train_ds, "length"), _int_column(train_ds, "labels"), plan.global_batch, dist_env, cfg.seed,
-        data_cfg.group_by_length,
+        _int_column(train_ds, "length"), labels_module.keys(_arrow_column(train_ds, "labels")), plan.global_batch,
+        dist_env, cfg.seed, data_cfg.group_by_length,
     )
     train_loader = DataLoader(
         train_ds.remove_columns("length"), batch_size=plan.micro_batch, sampler=train_sampler,
@@ -449,17 +485,17 @@ def build(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device:
         train_loader, _eval_loader(eval_ds, cfg, dist_env, loader_options), train_sampler,
         len(train_ds), len(eval_ds),
         test_loader=None if test_ds is None else _eval_loader(test_ds, cfg, dist_env, loader_options),
-        num_test=0 if test_ds is None else len(test_ds), label_names=splits.label_names,
+        num_test=0 if test_ds is None else len(test_ds), labels=splits.labels,
     )
 
 
-def build_eval(cfg: DictConfig, dist_env: DistEnv, tokenizer, device: torch.device
-               ) -> tuple[DataLoader, int, list[str] | None]:
-    """data.eval_split alone, for `python -m trainer evaluate`: (loader, samples, label names)."""
+def build_eval(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device: torch.device
+               ) -> tuple[DataLoader, int]:
+    """The validation split of the `load`ed splits alone, for `python -m trainer evaluate`:
+    (loader, samples)."""
     with local_rank_zero_first(dist_env):
-        eval_ds, names = _load_checked(cfg.data, "eval_split", cfg.data.max_eval_samples, cfg.seed)
-        eval_ds = _tokenize(eval_ds, cfg.data, "eval_split", tokenizer, dist_env)
-    return _eval_loader(eval_ds, cfg, dist_env, _loader_options(cfg, tokenizer, device)), len(eval_ds), names
+        eval_ds = _tokenize(splits.eval, cfg.data, "eval_split", tokenizer, splits.labels, dist_env)
+    return _eval_loader(eval_ds, cfg, dist_env, _loader_options(cfg, tokenizer, device)), len(eval_ds)
 
 
 def pad_multiple(cfg: DictConfig, device: torch.device) -> int | None:

@@ -1,8 +1,18 @@
-"""A small, deterministic, learnable review-rating dataset for the offline demo.
+"""Small, deterministic, learnable review datasets: the offline demo's, and one of each shape
+users bring (README, "Your own data"; docs/tasks.md).
 
 `python -m trainer.demo_data OUT_DIR` writes OUT_DIR/train.jsonl and OUT_DIR/test.jsonl
 with {"text", "label"} rows, label 0..4 for 1..5 stars. The folder loads through
 `datasets.load_dataset(OUT_DIR)` exactly like a hub dataset's data files.
+
+`--shape` writes one file of another shape instead, with no validation split, as most of
+them come:
+- `sentiment`: OUT_DIR/reviews.csv, columns review and sentiment (negative, neutral or
+  positive, as names; imbalanced, 60% positive);
+- `complaints`: OUT_DIR/complaints.jsonl, columns text and complaints, the list of the
+  topics the review complains about (multi_label; none for a happy review);
+- `score`: OUT_DIR/scores.jsonl, columns text and score, the stars as a number from 1.0 to
+  5.0 with a little noise (regression).
 
 Each review mixes sentences in the voice of its own rating with sentences from neighbouring
 ratings and neutral filler, so the classes overlap (as real star ratings do): a model must
@@ -12,6 +22,7 @@ weigh the evidence, and a bag of single keywords is not enough for full marks.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import random
 from pathlib import Path
@@ -75,14 +86,74 @@ def generate(out_dir: str | Path, num_train: int = 4000, num_test: int = 1000, s
     return out
 
 
+SENTIMENT = {0: "negative", 1: "negative", 2: "neutral", 3: "positive", 4: "positive"}
+COMPLAINED = ["food", "service", "price", "delivery", "staff"]
+
+
+def sentiment(out_dir: str | Path, rows: int = 4000, seed: int = 0) -> Path:
+    """reviews.csv: review, sentiment (names), 60% positive, 25% negative, 15% neutral."""
+    rng = random.Random(seed)
+    path = Path(out_dir) / "reviews.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["review", "sentiment"])
+        for _ in range(rows):
+            rating = rng.choices([0, 1, 2, 3, 4], weights=[12, 13, 15, 30, 30])[0]
+            writer.writerow([review(rng, rating), SENTIMENT[rating]])
+    return path
+
+
+def complaints(out_dir: str | Path, rows: int = 4000, seed: int = 0) -> Path:
+    """complaints.jsonl: text, complaints (the topics a review speaks ill of; a list)."""
+    rng = random.Random(seed)
+    path = Path(out_dir) / "complaints.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for _ in range(rows):
+        sentences, complained = [], []
+        for topic in rng.sample(COMPLAINED, rng.randint(1, 3)):
+            rating = rng.choice([0, 1, 3, 4])
+            sentences.append(f"The {topic} {rng.choice(VOICE[rating])}.")
+            if rating <= 1:
+                complained.append(topic)
+        if rng.random() < 0.3:
+            sentences.insert(rng.randrange(len(sentences) + 1), _filler(rng))
+        lines.append(json.dumps({"text": " ".join(sentences), "complaints": sorted(complained)}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def score(out_dir: str | Path, rows: int = 4000, seed: int = 0) -> Path:
+    """scores.jsonl: text, score (the stars, 1.0 to 5.0, with noise of +-0.5)."""
+    rng = random.Random(seed)
+    path = Path(out_dir) / "scores.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for _ in range(rows):
+        rating = rng.randrange(5)
+        lines.append(json.dumps({"text": review(rng, rating),
+                                 "score": round(min(5.0, max(1.0, rating + 1 + rng.uniform(-0.5, 0.5))), 2)}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+SHAPES = {"sentiment": sentiment, "complaints": complaints, "score": score}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--train", type=int, default=4000)
+    parser.add_argument("--shape", choices=["reviews", *SHAPES], default="reviews",
+                        help="reviews: the demo's train.jsonl and test.jsonl; the others: one file")
+    parser.add_argument("--train", type=int, default=4000, help="rows (train rows, for reviews)")
     parser.add_argument("--test", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(generate(args.out_dir, args.train, args.test, args.seed))
+    if args.shape == "reviews":
+        print(generate(args.out_dir, args.train, args.test, args.seed))
+    else:
+        print(SHAPES[args.shape](args.out_dir, args.train, args.seed))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 The training loop evaluates its validation and test splits with `evaluate`; the
 `python -m trainer evaluate` command (`run`) does the same on a trained model and writes the
-full report: per-class precision, recall, F1 and support, and the confusion matrix, as a
-table on stdout, JSON and a PNG next to the model. `confusion_metrics` and
-`per_class_metrics` turn the summed confusion matrix into accuracy and F1.
+full report, as a table on stdout, JSON and a PNG next to the model. What is tallied, reported
+and drawn is the task's (trainer/tasks/): the confusion matrix and each class's precision,
+recall and F1; each label's for multi_label; the predictions against the truth for regression.
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainer import build, data, distributed, model
+from trainer import build, data, distributed
 from trainer.distributed import DistEnv
+from trainer.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +31,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class Evaluation:
     metrics: dict[str, float]
-    """accuracy, f1_macro, loss: rank 0's, on every rank bit for bit."""
-    confusion: torch.Tensor
-    """[true, predicted] counts over every rank's shard."""
+    """The task's metrics and the mean loss: rank 0's, on every rank bit for bit."""
+    details: dict[str, Any]
+    """What the task's report and picture are made of (the summed confusion matrix, ...)."""
 
 
 @torch.no_grad()
-def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, num_labels: int,
-             device: torch.device, dist_env: DistEnv, sharded: bool = False) -> Evaluation:
-    """Exact global metrics: each rank's shard once (data.EvalShardSampler), counts summed.
+def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, task: Task, device: torch.device,
+             dist_env: DistEnv, sharded: bool = False) -> Evaluation:
+    """Exact global metrics: each rank's shard once (data.EvalShardSampler), tallies summed.
 
     `logits_of` is the bare model's (no DDP wrapper), so no rank enters a collective per
     batch: ranks may hold one eval batch more or less than others. A `sharded` model (FSDP)
@@ -48,61 +49,28 @@ def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, num_lab
     """
     was_training = logits_of.training
     logits_of.eval()
-    confusion = torch.zeros(num_labels, num_labels, dtype=torch.long, device=device)
+    tally = task.tally(device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    rows = iter(loader.sampler)  # the split's rows, in the order the loader batches them
     # Agreed before any forward, which under FSDP is itself a collective.
     most = max(distributed.all_gather(dist_env, len(loader))) if sharded else len(loader)
     for batch in loader:
         batch = data.to_device(batch, device, loader)
         labels = batch.pop("labels")
         logits = logits_of(**batch).float()
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum")
-        confusion.index_put_((labels, logits.argmax(-1)), torch.ones_like(labels), accumulate=True)
+        loss_sum += task.sample_losses(logits, labels).sum()
+        tally.add(logits, labels, [next(rows) for _ in range(len(labels))])
     if sharded:
         filler = {"input_ids": torch.ones(1, 8, dtype=torch.long, device=device),
                   "attention_mask": torch.ones(1, 8, dtype=torch.long, device=device)}
         for _ in range(most - len(loader)):
             logits_of(**filler)
-    distributed.all_reduce_sum(dist_env, confusion)
     distributed.all_reduce_sum(dist_env, loss_sum)
+    metrics, details = tally.finish(dist_env)
     logits_of.train(was_training)
-    confusion = confusion.cpu()
-    results = {**confusion_metrics(confusion), "loss": (loss_sum / num_samples).item()}
+    results = {**metrics, "loss": (loss_sum / num_samples).item()}
     # Model selection and early stopping decide on these: every rank must hold the same bits.
-    return Evaluation(distributed.broadcast_from_rank_zero(dist_env, results), confusion)
-
-
-def confusion_metrics(confusion: torch.Tensor) -> dict[str, float]:
-    """Accuracy and macro F1 from a [true, predicted] count matrix.
-
-    Macro F1 averages over the classes present in the labels or the predictions, as
-    scikit-learn's f1_score(average="macro") does.
-    """
-    confusion = confusion.double()
-    true_pos = confusion.diag()
-    support, predicted = confusion.sum(1), confusion.sum(0)
-    present = (support + predicted) > 0
-    f1 = 2 * true_pos / (support + predicted).clamp(min=1)
-    return {
-        "accuracy": (true_pos.sum() / confusion.sum().clamp(min=1)).item(),
-        "f1_macro": f1[present].mean().item(),
-    }
-
-
-def per_class_metrics(confusion: torch.Tensor, names: list[str]) -> list[dict]:
-    """Precision, recall, F1 and support of each class, as scikit-learn's
-    classification_report(zero_division=0) gives them: 0 where a ratio is undefined."""
-    confusion = confusion.double()
-    true_pos = confusion.diag()
-    support, predicted = confusion.sum(1), confusion.sum(0)
-    precision = torch.where(predicted > 0, true_pos / predicted.clamp(min=1), 0.0)
-    recall = torch.where(support > 0, true_pos / support.clamp(min=1), 0.0)
-    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300), 0.0)
-    return [
-        {"label": i, "name": name, "precision": precision[i].item(), "recall": recall[i].item(),
-         "f1": f1[i].item(), "support": int(support[i])}
-        for i, name in enumerate(names)
-    ]
+    return Evaluation(distributed.broadcast_from_rank_zero(dist_env, results), details)
 
 
 # --- `python -m trainer evaluate` ----------------------------------------------------------
@@ -112,60 +80,29 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) 
     """Evaluate the model in `folder` (a `model.trained_folder`) on data.eval_split; rank 0
     prints the table and writes eval-SPLIT.json and eval-SPLIT.png into the folder. Returns
     the report on rank 0."""
-    trained, logits_of = build.trained(cfg, dist_env, device, folder)
-    loader, num_samples, names = data.build_eval(cfg, dist_env, trained.tokenizer, device)
-    names = names or model.config_label_names(trained.model, cfg.data.num_labels)
-    result = evaluate(logits_of, loader, num_samples, cfg.data.num_labels, device, dist_env)
+    trained = build.trained(cfg, dist_env, device, folder)
+    splits = data.load(cfg, dist_env, labels=trained.task.labels)  # every label one the model knows
+    loader, num_samples = data.build_eval(cfg, dist_env, splits, trained.tokenizer, device)
+    result = evaluate(trained.logits, loader, num_samples, trained.task, device, dist_env)
     split = cfg.data.eval_split
-    report = {
-        "model": str(folder), "split": split, "samples": num_samples, **result.metrics,
-        "per_class": per_class_metrics(result.confusion, names),
-        "confusion_matrix": result.confusion.tolist(), "labels": names,
-    }
+    if splits.held_out is not None:
+        split += " (held out of the train split)"
+    report: dict[str, Any] = {"model": str(folder), "split": split, "samples": num_samples,
+                              "problem_type": trained.task.name, **result.metrics}
 
     def write() -> None:
-        stem = folder / f"eval-{re.sub(r'[^A-Za-z0-9_.-]+', '_', split).strip('_')}"
+        report.update(trained.task.report(result.details))
+        stem = folder / f"eval-{re.sub(r'[^A-Za-z0-9_.-]+', '_', cfg.data.eval_split).strip('_')}"
         stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-        plot_confusion(result.confusion, names, f"{folder.name}, {split}", stem.with_suffix(".png"))
-        print(format_report(report), flush=True)
+        trained.task.plot(result.details, f"{folder.name}, {split}", stem.with_suffix(".png"))
+        print(format_report(report, trained.task), flush=True)
         log.info("wrote %s.json and %s.png", stem, stem)
 
     distributed.rank_zero_does(dist_env, f"evaluate: writing into {folder}", write)
     return report if dist_env.is_rank_zero else None
 
 
-def format_report(report: dict) -> str:
-    width = max(12, *(len(name) for name in report["labels"]))
-    lines = [(f"{report['model']} on {report['split']} ({report['samples']} samples): "
-              f"accuracy {report['accuracy']:.4f}, macro F1 {report['f1_macro']:.4f}, loss {report['loss']:.4f}"),
-             "",
-             f"{'':<{width}}  precision  recall      f1  support"]
-    lines += [f"{row['name']:<{width}}  {row['precision']:9.4f}  {row['recall']:6.4f}  "
-              f"{row['f1']:6.4f}  {row['support']:7d}" for row in report["per_class"]]
-    lines += ["", "confusion matrix (rows: true, columns: predicted)"]
-    lines += [f"{name:<{width}}  " + " ".join(f"{count:6d}" for count in counts)
-              for name, counts in zip(report["labels"], report["confusion_matrix"], strict=True)]
-    return "\n".join(lines)
-
-
-def plot_confusion(confusion: torch.Tensor, names: list[str], title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on a cluster node
-    import matplotlib.pyplot as plt
-
-    size = 1.5 + 0.6 * len(names)
-    fig, ax = plt.subplots(figsize=(size + 1, size))
-    image = ax.imshow(confusion.numpy(), cmap="Blues")
-    fig.colorbar(image, ax=ax)
-    ax.set(xticks=range(len(names)), yticks=range(len(names)), xlabel="predicted", ylabel="true", title=title)
-    ax.set_xticklabels(names, rotation=45, ha="right")
-    ax.set_yticklabels(names)
-    half = confusion.max().item() / 2
-    for (true, predicted), count in zip(torch.cartesian_prod(*[torch.arange(len(names))] * 2).tolist(),
-                                        confusion.flatten().tolist(), strict=True):
-        ax.text(predicted, true, str(count), ha="center", va="center",
-                color="white" if count > half else "black")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def format_report(report: dict, task: Task) -> str:
+    header = (f"{report['model']} on {report['split']} ({report['samples']} samples): {task.scores(report)}, "
+              f"loss {report['loss']:.4f}")
+    return "\n".join([header, "", *task.format_report(report)])

@@ -10,7 +10,7 @@ from typing import cast
 import torch
 from omegaconf import DictConfig
 
-from trainer import build, config, data, distributed, evaluation, flops, lora, metrics, model, optim, summary, tracking
+from trainer import build, config, data, distributed, evaluation, flops, lora, metrics, optim, summary, tracking
 from trainer.checkpoint import resume
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.train_state import TrainState
@@ -46,9 +46,12 @@ class Trainer:
         """The global batch, split over this run's ranks."""
 
         splits = data.load(cfg, dist_env)  # checked first: a data mistake costs no model download
+        self.labels = splits.labels
+        """The label space (trainer/labels.py), resolved from the train split."""
         self.policy = Policy.from_config(cfg, splits.steps_per_epoch(self.batch, cfg.train))
         startup.mark("data")
-        self.built = build.build(cfg, dist_env, device, max_steps=self.policy.max_steps, strategy=self.strategy)
+        self.built = build.build(cfg, dist_env, device, self.labels, max_steps=self.policy.max_steps,
+                                 strategy=self.strategy)
         """The model, the strategy that runs it on this rank, and the step."""
         self.model = self.built.model
         """The model that trains, unwrapped: checkpoints, evaluation and the export read it."""
@@ -58,11 +61,10 @@ class Trainer:
         self.precisions = lora.precisions(self.model, self.built.amp_dtype)
         startup.mark("model")
         self.data = data.build(cfg, dist_env, splits, self.built.tokenizer, device, self.batch)
-        model.set_label_names(self.model, self.data.label_names)
         startup.mark("tokenize")
         self.selection = Selection.from_config(cfg)
         """The best checkpoint so far, and early stopping."""
-        self.state = TrainState(self.batch, self.data, self.selection, dist_env, tracking.new_run_id())
+        self.state = TrainState(self.batch, self.data, self.selection, dist_env, tracking.new_run_id(), self.labels)
         """Where the run is: step, data position, run id, selection, ..."""
         self.meter = metrics.Meter(dist_env, device, self.batch.global_batch, flops.FlopModel.of(self.model),
                                    self.policy.max_steps)
@@ -160,8 +162,8 @@ class Trainer:
         """Exact global metrics of the model as it is now, the same on every rank."""
         strategy = self.built.strategy
         assert strategy.logits is not None, "build() parallelized the model"
-        return evaluation.evaluate(strategy.logits, loader, num_samples, self.cfg.data.num_labels,
-                                   self.device, self.dist_env, sharded=strategy.sharded).metrics
+        return evaluation.evaluate(strategy.logits, loader, num_samples, self.built.task, self.device,
+                                   self.dist_env, sharded=strategy.sharded).metrics
 
     def _validate(self, step: int) -> dict[str, float]:
         """Evaluate the validation split, log it, and let the selection see it."""
@@ -277,14 +279,14 @@ class Trainer:
             start_step=start_step, last=last, max_steps=self.policy.max_steps,
             steps_per_epoch=self.data.steps_per_epoch, world_size=self.dist_env.world_size,
             global_batch=self.batch.global_batch,
-            run={**self.parameter_counts, "precision": self.precisions, **totals,
+            run={"labels": self.labels.state_dict(), **self.parameter_counts, "precision": self.precisions, **totals,
                  "first_step_end_unix": self.first_step_end_unix, "startup_s": self.startup.phases(),
                  "checkpoint_write_s": self.checkpointer.write_seconds,
                  "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),
                  "wandb_run_id": self.state.run_id,
                  "hosts": sorted(set(distributed.all_gather(self.dist_env, _hostname())))})
         self._run_tracker.summary(made)
-        log.info("%s", summary.done_line(made))
+        log.info("%s", summary.done_line(made, self.built.task.scores))
         return made
 
 

@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from trainer.errors import ConfigError, describe
+from trainer.labels import IDS, NUMBERS, Labels
 
 if TYPE_CHECKING:  # transformers is imported where a model is loaded: it is slow to import
     from transformers import PretrainedConfig, PreTrainedModel
@@ -58,20 +59,31 @@ def has_tokenizer(model_cfg: DictConfig) -> bool:
     return from_hub(model_cfg) or any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
-def load_config(model_cfg: DictConfig, num_labels: int, device_type: str,
+def load_config(model_cfg: DictConfig, labels: Labels, device_type: str,
                 pad_token_id: int | None) -> PretrainedConfig:
     """The classifier's config (config.json, no weights): all that the checks before the
-    load and the memory plan need. `pad_token_id` is the tokenizer's (None: config.json's):
-    a decoder-only classifier (GPT-2, Llama) reads each row's logits at its last token that
-    is not a pad, and without the id it refuses every batch of more than one row."""
+    load and the memory plan need, with the run's labels: the head's size, the class names
+    (id2label, label2id: a `transformers` pipeline on final/ answers with them), the task
+    (problem_type: the pipeline's softmax, sigmoid or none), and the label space itself
+    (`trainer_labels`, for evaluate and predict on final/). `pad_token_id` is the tokenizer's
+    (None: config.json's): a decoder-only classifier (GPT-2, Llama) reads each row's logits at
+    its last token that is not a pad, and without the id it refuses every batch of more than
+    one row."""
     from transformers import AutoConfig
 
+    from trainer.tasks.registry import task_class
+
+    names = labels.names or tuple(f"LABEL_{i}" for i in range(labels.num_labels))
     try:
         pad = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
-        return AutoConfig.from_pretrained(model_cfg.name, num_labels=num_labels, **pad,
-                                          attn_implementation=attention_for(model_cfg, device_type))
+        config = AutoConfig.from_pretrained(
+            model_cfg.name, id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)},
+            problem_type=task_class(labels.problem_type).hf_problem_type, **pad,
+            attn_implementation=attention_for(model_cfg, device_type))
     except (OSError, ValueError) as e:
         raise _load_error(model_cfg.name, e) from None
+    config.trainer_labels = labels.state_dict()  # not a key transformers knows: from_pretrained would drop it
+    return config
 
 
 def check_max_length(model_cfg: DictConfig, max_length: int, config: PretrainedConfig, tokenizer=None) -> None:
@@ -135,20 +147,19 @@ def use_gradient_checkpointing(model: PreTrainedModel) -> None:
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
-def set_label_names(model: PreTrainedModel, names: list[str] | None) -> None:
-    """id2label/label2id in the model's config, and so in the exported final/: a
-    `transformers` pipeline on it then answers with names, not LABEL_3."""
-    if names is not None:
-        model.config.id2label = dict(enumerate(names))
-        model.config.label2id = {name: i for i, name in enumerate(names)}
-
-
-def config_label_names(model: PreTrainedModel, num_labels: int) -> list[str]:
-    """The class names in the model's config, in id order; LABEL_i for an id it lacks."""
-    # A loaded config's id2label has int keys (transformers converts config.json's strings),
-    # and a classifier's config always has one; the attribute's type admits both and None.
-    id2label = cast("dict[int, str]", model.config.id2label)
-    return [id2label.get(i, f"LABEL_{i}") for i in range(num_labels)]
+def labels_of(config: PretrainedConfig) -> Labels:
+    """The label space a trained model's config holds: the run's own (`trainer_labels`, as
+    load_config writes it), else what a transformers config says (id2label, problem_type)."""
+    saved = getattr(config, "trainer_labels", None)
+    if saved:
+        return Labels.from_state(saved)
+    problem_type = {"multi_label_classification": "multi_label", "regression": "regression"}.get(
+        getattr(config, "problem_type", None) or "", "single_label")
+    if problem_type == "regression":
+        return Labels("regression", (), "the task", NUMBERS)
+    # A loaded config's id2label has int keys (transformers converts config.json's strings).
+    id2label = cast("dict[int, str]", config.id2label)
+    return Labels(problem_type, tuple(id2label[i] for i in range(config.num_labels)), "the model's config", IDS)
 
 
 def trained_folder(cfg: DictConfig, source: str) -> Path:

@@ -1,9 +1,13 @@
-"""`python -m trainer predict`: class probabilities for every row of a jsonl or csv file.
+"""`python -m trainer predict`: the trained model's answer for every row of a jsonl or csv file.
 
 Each rank predicts a contiguous shard of the rows, and rank 0 writes them in input order, so
 under any world size every row is predicted exactly once. Output rows: `row` (the input's
-index, from 0), `label` (the class id), `label_name`, and the probabilities in id order
-(jsonl: `probs`, a list; csv: columns prob_0, prob_1, ...).
+index, from 0), then the task's answer (trainer/tasks/):
+- single_label: `label` (the class id), `label_name`, and the softmax in id order (jsonl:
+  `probs`, a list; csv: columns prob_0, prob_1, ...);
+- multi_label: `labels` and `label_names`, those whose sigmoid reaches data.threshold (csv:
+  joined by `|`), and each label's sigmoid (`probs`, prob_0, ...);
+- regression: `value`.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from typing import cast
 import torch
 from omegaconf import DictConfig
 
-from trainer import build, data, distributed, files, model
+from trainer import build, data, distributed, files
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError, DataError
+from trainer.tasks.base import Task
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
 
@@ -77,52 +82,50 @@ def _fields(path: Path, line_no: int, record: dict, fields: list[str]) -> dict[s
 @torch.no_grad()
 def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path, rows: list[dict[str, str]],
         output: Path) -> None:
-    trained, logits_of = build.trained(cfg, dist_env, device, folder)
+    trained = build.trained(cfg, dist_env, device, folder)
     start = len(rows) * dist_env.rank // dist_env.world_size
     end = len(rows) * (dist_env.rank + 1) // dist_env.world_size
-    probs = _probabilities(cfg, trained.tokenizer, logits_of, rows[start:end], device)
-    shards = distributed.gather_to_rank_zero(dist_env, probs)
-    names = model.config_label_names(trained.model, cfg.data.num_labels)
+    answers = _predictions(cfg, trained, rows[start:end], device)
+    shards = distributed.gather_to_rank_zero(dist_env, answers)
 
     def write_all() -> None:
         assert shards is not None, "rank_zero_does runs this on rank 0, which gathered the shards"
-        write(output, [p for shard in shards for p in shard], names)
+        write(output, [answer for shard in shards for answer in shard], trained.task)
 
     distributed.rank_zero_does(dist_env, f"output: {output}", write_all)
 
 
-def _probabilities(cfg: DictConfig, tokenizer, logits_of, rows: list[dict[str, str]], device) -> list[list[float]]:
-    """Each row's probabilities, in the rows' order; batched longest first (little padding)."""
+def _predictions(cfg: DictConfig, trained: build.Trained, rows: list[dict[str, str]], device) -> list[dict]:
+    """Each row's answer (the task's), in the rows' order; batched longest first (little padding)."""
     if not rows:  # a shard of a file with fewer rows than ranks
         return []
     text, pair = cfg.data.text_field, cfg.data.text_pair_field
-    encoded = tokenizer([r[text] for r in rows], [r[pair] for r in rows] if pair else None,
-                        truncation=True, max_length=cfg.data.max_length)
+    encoded = trained.tokenizer([r[text] for r in rows], [r[pair] for r in rows] if pair else None,
+                                truncation=True, max_length=cfg.data.max_length)
     features = [{k: encoded[k][i] for k in encoded} for i in range(len(rows))]
     order = sorted(range(len(rows)), key=lambda i: -len(features[i]["input_ids"]))
-    collate = data.collate(cfg, tokenizer, device)
-    probs: list[list[float] | None] = [None] * len(rows)
+    collate = data.collate(cfg, trained.tokenizer, device)
+    answers: list[dict | None] = [None] * len(rows)
     size = cfg.train.eval_batch_size
     for begin in range(0, len(order), size):
         indices = order[begin:begin + size]
         batch = {k: v.to(device) for k, v in collate([features[i] for i in indices]).items()}
-        for i, p in zip(indices, torch.softmax(logits_of(**batch).float(), dim=-1).cpu().tolist(), strict=True):
-            probs[i] = p
-    return cast("list[list[float]]", probs)  # every slot is filled: `order` is a permutation of the rows
+        for i, answer in zip(indices, trained.task.predictions(trained.logits(**batch).float().cpu()), strict=True):
+            answers[i] = answer
+    return cast("list[dict]", answers)  # every slot is filled: `order` is a permutation of the rows
 
 
-def write(path: Path, probs: list[list[float]], names: list[str]) -> None:
-    """Written under a temporary name, then published (trainer/files.py): a reader never sees half a file."""
-    labels = [max(range(len(p)), key=p.__getitem__) for p in probs]  # argmax, the first on ties
+def write(path: Path, answers: list[dict], task: Task) -> None:
+    """One row per answer, `row` first, then the task's fields; written under a temporary
+    name, then published (trainer/files.py): a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", newline="", encoding="utf-8") as f:
         if file_format("output", path) == "jsonl":
-            for row, (label, p) in enumerate(zip(labels, probs, strict=True)):
-                f.write(json.dumps({"row": row, "label": label, "label_name": names[label], "probs": p}) + "\n")
+            for row, answer in enumerate(answers):
+                f.write(json.dumps({"row": row, **answer}) + "\n")
         else:
             writer = csv.writer(f)
-            writer.writerow(["row", "label", "label_name", *(f"prob_{i}" for i in range(len(names)))])
-            writer.writerows([row, label, names[label], *map(repr, p)]
-                             for row, (label, p) in enumerate(zip(labels, probs, strict=True)))
+            writer.writerow(["row", *task.csv_header()])
+            writer.writerows([row, *task.csv_row(answer)] for row, answer in enumerate(answers))
     files.publish(tmp, path)

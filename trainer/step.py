@@ -1,5 +1,5 @@
 """The training step: one optimizer step over the micro-batches of a global batch, as every
-rank runs it, and the loss it minimizes.
+rank runs it.
 
 Training runs it (trainer/loop.py) and doctor's scaling forecast times it
 (trainer/preflight/forecast.py). Both get it from trainer/build.py, so what changes here (the
@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trainer.faults import inject
 
 if TYPE_CHECKING:
     from trainer.strategies.base import Strategy
+    from trainer.tasks.base import Task
 
 
 class LogitsUnderAutocast(nn.Module):
@@ -40,13 +40,6 @@ class LogitsUnderAutocast(nn.Module):
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             return self.model(**inputs).logits
-
-
-def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy averaged over every sample of the batch, in fp32. Over the gathered
-    logits, not as a mean of DataParallel's per-replica means, which would weigh the samples
-    of an uneven split (5 samples on 2 GPUs: 3 and 2) unequally."""
-    return F.cross_entropy(logits.float(), labels)
 
 
 class StepObserver:
@@ -71,19 +64,22 @@ class TrainStep:
     """One optimizer step over grad_accum micro-batches; the result equals one big batch.
     Holds the optimizer, the LR schedule and the fp16 loss scaler it steps."""
 
-    def __init__(self, model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: nn.Module, strategy: Strategy, task: Task, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler,
                  max_grad_norm: float, device: torch.device, non_blocking: bool):
         assert strategy.module is not None, "the strategy has parallelized the model"
-        self.model, self.strategy, self.module = model, strategy, strategy.module
+        self.model, self.strategy, self.module, self.task = model, strategy, strategy.module, task
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.max_grad_norm, self.device, self.non_blocking = max_grad_norm, device, non_blocking
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The batch's mean loss, through whatever runs the model on this rank."""
+        """The batch's loss, through whatever runs the model on this rank: the mean of its
+        samples' losses (the task's), in fp32. Over the gathered logits, not as a mean of
+        DataParallel's per-replica means, which would weigh the samples of an uneven split (5
+        samples on 2 GPUs: 3 and 2) unequally."""
         inputs = dict(batch)
         labels = inputs.pop("labels")
-        return mean_loss(self.module(**inputs), labels)
+        return self.task.sample_losses(self.module(**inputs), labels).mean()
 
     def __call__(self, batches: list[dict], step: int, observer: StepObserver) -> None:
         """Optimizer step number `step` over `batches`, this rank's micro-batches of it."""

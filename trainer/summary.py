@@ -6,23 +6,21 @@ best step's; `last_step_eval` is the last step's. The done line says which one f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
-def done_line(summary: dict) -> str:
-    """What the run ends with: how the model in final/ scores, and which step it is."""
+def done_line(summary: dict, scores: Callable[[dict], str]) -> str:
+    """What the run ends with: how the model in final/ scores (in `scores`' words: the task's),
+    and which step it is."""
     final_step, last = summary["final_model_step"], summary["steps"]
     which = "the last step" if final_step == last else f"the best by {summary['best']['metric']}"
-    line = f"done: final/ holds step {final_step} ({which}): validation {_scores(summary['final_eval'])}"
+    line = f"done: final/ holds step {final_step} ({which}): validation {scores(summary['final_eval'])}"
     if summary["test_eval"] is not None:
-        line += f", test {_scores(summary['test_eval'])}"
+        line += f", test {scores(summary['test_eval'])}"
     if final_step != last:
-        line += f"; the last step, {last}: validation {_scores(summary['last_step_eval'])}"
+        line += f"; the last step, {last}: validation {scores(summary['last_step_eval'])}"
     return line
-
-
-def _scores(metrics: dict) -> str:
-    return f"accuracy {metrics['accuracy']:.4f}, macro F1 {metrics['f1_macro']:.4f}"
 
 
 def make(*, final: tuple[int, dict], last_eval: dict, test_eval: dict | None, best: dict | None, start_step: int,

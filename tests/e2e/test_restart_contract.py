@@ -56,3 +56,17 @@ def test_a_rendezvous_that_times_out_is_retryable_in_the_launchers_dialect(tiny_
     assert result.returncode == 138, result.output[-5000:]
     assert "trainer.torchrun: exiting with 138: torchrun failed, crashed (retryable)" in result.output
     assert not (tmp_path / "run").exists()  # no worker started
+
+
+def test_a_checked_launch_stops_at_a_data_mistake_before_any_rank_starts(tiny_model, reviews, tmp_path):
+    """TRAINER_CHECK=1 (the Kubernetes pods'): `check` first, in trainer.torchrun's process; a
+    label column that isn't there is one line and 2, the code no launcher retries, even in the
+    Kubernetes dialect, and no rank starts (none writes output_dir)."""
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"data.label_field": "stars"})
+    result = run(torchrun_argv(2, trainer_program(overrides=overrides)), timeout=120,
+                 env={"TRAINER_CHECK": "1", "TRAINER_RETRYABLE_EXIT_CODE": "138"})
+    assert result.returncode == Exit.USAGE, result.output[-5000:]
+    assert "error: data.label_field: column 'stars' not in data.train_split" in result.output
+    assert "trainer.torchrun: exiting with 2: the check failed (usage error (do not retry)); no rank started" \
+        in result.output
+    assert "[rank" not in result.output and not (tmp_path / "run").exists()

@@ -28,17 +28,21 @@ BAD_OVERRIDES = {
                                     "data.max_length: 512 is more than the 128 positions of model.name"),
     "text-column": (["data.text_field=body"], "data.text_field: column 'body'"),
     "labels-out-of-range": (["data.num_labels=3"], "data.num_labels: data.train_split has labels in [0, 4]"),
-    "missing-split": (["data.eval_split=validation"], "data.eval_split"),
+    "missing-split": (["data.train_split=training"], "data.train_split: 'training' is not a split of"),
+    "missing-test-split": (["data.test_split=validation"], "data.test_split: 'validation' is not a split of"),
+    "label-type": (["data.problem_type=multi_label"], "column 'label' in data.train_split holds ids, not lists"),
     "label-column": (["data.label_field=stars"], "data.label_field: column 'stars'"),
 }
 
 
+@pytest.mark.parametrize("command", ["train", "check"])
 @pytest.mark.parametrize("case, extra, expected", [(case, *args) for case, args in BAD_OVERRIDES.items()],
                          ids=list(BAD_OVERRIDES))
-def test_bad_override(usage_run, tiny_model, reviews, tmp_path, case, extra, expected):
+def test_bad_override(usage_run, tiny_model, reviews, tmp_path, case, extra, expected, command):
+    """The same one line from check, before a node is taken, as from train."""
     out = tmp_path / "run"
     before = previous_run(out)
-    result = usage_run(tiny_overrides(tiny_model, reviews, out, **{"train.max_steps": 2}) + extra)
+    result = usage_run(tiny_overrides(tiny_model, reviews, out, **{"train.max_steps": 2}) + extra, command=command)
     assert_usage_error(result, expected)
     assert snapshot(out) == before
 
@@ -52,19 +56,40 @@ BAD_DATA = [
     ("text-labels", GOOD_ROWS.replace('"label": 1}', '"label": "good"}'), "data.label_field: column 'label'"),
     ("null-text", GOOD_ROWS + json.dumps({"text": None, "label": 1}) + "\n",
      "data.text_field: column 'text' in data.train_split has a non-text value in row 40: None"),
+    ("fractional-labels", GOOD_ROWS.replace('"label": 1}', '"label": 1.5}'),
+     ("holds numbers with fractions: single_label needs class ids (integers) or names (strings); for a number to "
+     "predict, set data.problem_type=regression")),
+    ("missing-label", GOOD_ROWS + json.dumps({"text": "x", "label": None}) + "\n",
+     "data.label_field: column 'label' in data.train_split has no label in row 40"),
 ]
 
 
+@pytest.mark.parametrize("command", ["train", "check"])
 @pytest.mark.parametrize("case, train_rows, expected", BAD_DATA, ids=[c[0] for c in BAD_DATA])
-def test_bad_data_file(usage_run, tiny_model, tmp_path, case, train_rows, expected):
+def test_bad_data_file(usage_run, tiny_model, tmp_path, case, train_rows, expected, command):
     data = tmp_path / "data"
     data.mkdir()
     (data / "train.jsonl").write_text(train_rows)
     (data / "test.jsonl").write_text(GOOD_ROWS)
     out = tmp_path / "run"
     before = previous_run(out)
-    assert_usage_error(usage_run(tiny_overrides(tiny_model, data, out)), expected)
+    assert_usage_error(usage_run(tiny_overrides(tiny_model, data, out), command=command), expected)
     assert snapshot(out) == before
+
+
+def test_a_validation_label_that_train_never_saw_stops_check_and_train_alike(usage_run, tiny_model, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    names = ["negative", "positive"]
+    rows = [json.dumps({"text": f"review {i}", "label": names[i % 2]}) for i in range(40)]
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
+    (data / "test.jsonl").write_text("\n".join([*rows[:6], json.dumps({"text": "meh", "label": "mixed"})]) + "\n")
+    for command in ("check", "train"):
+        result = usage_run(tiny_overrides(tiny_model, data, tmp_path / "run", **{"data.num_labels": "null"}),
+                           command=command)
+        assert_usage_error(result, "data.label_field: column 'label' in data.eval_split has 'mixed' in row 6, which "
+                                   "is not one of the train split's labels (negative, positive)")
+    assert not (tmp_path / "run").exists()
 
 
 def test_bad_config_file(usage_run, tmp_path):
@@ -146,7 +171,7 @@ def test_check_prints_resolved_config_and_memory_plan(usage_run, tiny_model, rev
 def test_the_8b_example_fits_an_80_gib_gpu_from_its_config_json_alone(usage_run):
     """configs/llama8b_lora.yaml, planned from the shipped config.json of Llama-3.1-8B (no
     weights, no tokenizer): LoRA over a bf16 base fits an 80 GiB GPU; a full fine-tune doesn't."""
-    shape = ["model.name=configs/models/llama-3.1-8b"]
+    shape = ["model.name=configs/models/llama-3.1-8b", "--no-data"]  # its data is on the Hub: not here
     lora = usage_run(shape, command="check", config="configs/llama8b_lora.yaml")
     assert lora.returncode == 0, lora.output[-3000:]
     assert "7,504,924,672 frozen in bf16" in lora.output
@@ -159,7 +184,7 @@ def test_the_8b_example_fits_an_80_gib_gpu_from_its_config_json_alone(usage_run)
 def test_the_8b_full_fsdp_example_fits_when_sharded_over_16_gpus(usage_run):
     """configs/llama8b_full_fsdp.yaml: every weight trains, 1/16 of each per GPU fits 80 GiB;
     on one GPU (world_size=1) the same run does not."""
-    shape = ["model.name=configs/models/llama-3.1-8b"]
+    shape = ["model.name=configs/models/llama-3.1-8b", "--no-data"]  # its data is on the Hub: not here
     sharded = usage_run([*shape, "world_size=16"], command="check", config="configs/llama8b_full_fsdp.yaml")
     assert sharded.returncode == 0, sharded.output[-3000:]
     assert "1/16 of each on this rank (FSDP)" in sharded.output and "#   fits in 80.00 GiB" in sharded.output

@@ -200,6 +200,8 @@ def test_manifests_follow_our_rules():
         assert container["command"][:6] == ["tini", "--", "python", "-m", "trainer.torchrun", "-m"], \
             container["command"]
         assert not [arg for arg in container["command"][6:] if arg.startswith("--")], container["command"]
+        # The data checked before any rank starts (trainer.torchrun's TRAINER_CHECK).
+        assert {e["name"]: e.get("value") for e in container["env"]}["TRAINER_CHECK"] == "1"
         assert pod.annotations["sidecar.istio.io/inject"] == "false"
         assert pod.spec["securityContext"]["runAsNonRoot"] is True
         assert pod.spec["securityContext"]["runAsUser"] == UID != 0

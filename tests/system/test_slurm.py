@@ -266,6 +266,26 @@ def test_bad_submission_fails_in_seconds_with_one_line(cluster, tmp_path, args, 
     assert "Traceback" not in record["log"]
 
 
+def test_a_data_mistake_fails_the_check_step_and_no_rank_starts(cluster, tiny_model, reviews, tmp_path):
+    """The check step reads the data, as training would, before any node starts torchrun: a
+    label column that isn't there is one line and exit 2, with no srun of the trainer (no rank's
+    line, no output_dir). TRAINER_CHECK=no-data leaves the data to the ranks."""
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"data.label_field": "stars"})
+    job_id, log = submit(cluster, tmp_path, overrides)
+    record = finished(cluster, job_id, log, timeout=120)
+    assert (record["JobState"], record["ExitCode"]) == ("FAILED", "2:0"), explain(record, cluster)
+    errors = [line for line in record["log"].splitlines() if "error" in line.lower()]
+    assert errors == ["error: data.label_field: column 'stars' not in data.train_split (columns: text, label)"], \
+        record["log"]
+    assert "srun" not in record["log"] and "[rank" not in record["log"] and not (tmp_path / "run").exists()
+    (tmp_path / "no-data").mkdir()
+    job_id, log = submit(cluster, tmp_path / "no-data", overrides, env={"TRAINER_CHECK": "no-data",
+                                                                          "TRAINER_DRY_RUN": "1"})
+    record = finished(cluster, job_id, log, timeout=60)
+    (would_check,) = [line for line in record["log"].splitlines() if line.startswith("slurm/ddp.sh: would check:")]
+    assert would_check.endswith(" --no-data"), record["log"]
+
+
 def test_submitit_does_not_requeue_a_node_fault_that_would_leave_too_few_nodes(cluster, tmp_path):
     """submit.py's node-fault requeue (exit code 76, slurm/requeue.py as submit.py imports it),
     run in a real 2-node job: the ranks named node2, without which the partition has one node
@@ -290,12 +310,19 @@ def test_submitit_does_not_requeue_a_node_fault_that_would_leave_too_few_nodes(c
         "node fault (76): without node2, partition debug has 1 node(s) for a job of 2: not requeueing"]
 
 
-def test_submitit_refuses_a_bad_key_before_submitting(cluster):
+@pytest.mark.parametrize("mistake, expected", [
+    (["train.learning_rate=1e-4"], "error: train.learning_rate: unknown key"),
+    (["data.label_field=stars"], ("error: data.label_field: column 'stars' not in data.train_split (columns: text, "
+                                 "label)")),
+], ids=["key", "data"])
+def test_submitit_refuses_a_mistake_before_submitting(cluster, tiny_model, reviews, tmp_path, mistake, expected):
+    """submit.py runs `python -m trainer check` first: the config, and the data."""
     queued = cluster.client(["squeue", "-h"]).stdout
-    done = cluster.client([PYTHON, "slurm/submit.py", "--nodes", "2", "train.learning_rate=1e-4"],
+    done = cluster.client([PYTHON, "slurm/submit.py", "--nodes", "2",
+                           *tiny_overrides(tiny_model, reviews, tmp_path / "run"), *mistake],
                           check=False, env=JOB_ENV, cwd=REPO)
     assert done.returncode == 2
-    assert done.stderr.strip() == "error: train.learning_rate: unknown key"
+    assert done.stderr.strip() == expected
     assert "submitted job" not in done.stdout
     assert cluster.client(["squeue", "-h"]).stdout == queued
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from conftest import tiny_overrides
 
-from trainer import build, config
+from trainer import build, config, labels
 from trainer.distributed import DistEnv
 from trainer.preflight import forecast
 from trainer.step import StepObserver, TrainStep
@@ -57,7 +57,7 @@ def test_the_forecast_times_the_step_that_training_runs(run_config, one_rank_gro
 
     ran.clear()
     compressed.clear()
-    training = build.build(cfg, one_rank_group, cpu, max_steps=4)
+    training = build.build(cfg, one_rank_group, cpu, labels.from_config(cfg.data), max_steps=4)
     ids = torch.randint(5, 100, (4, 16))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(4, dtype=torch.long)}
     training.step([batch, batch], 1, StepObserver())  # accumulating two micro-batches
@@ -71,7 +71,7 @@ def test_evaluate_loads_a_checkpoint_into_the_architecture_training_builds(run_c
     from trainer.checkpoint.checkpointer import Checkpointer
 
     cfg = run_config(**{"model.lora.r": 4})
-    built = build.build(cfg, DistEnv(), torch.device("cpu"), max_steps=1)
+    built = build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=1)
 
     class Position:
         def state_dict(self):
@@ -82,13 +82,13 @@ def test_evaluate_loads_a_checkpoint_into_the_architecture_training_builds(run_c
             if "lora_B" in name:
                 p.add_(0.5)  # as training would move them from their zero start
     Checkpointer(str(tmp_path / "run"), keep=1, dist_env=DistEnv()).save(1, built.states(Position()), "seed: 1\n")
-    loaded, logits = build.trained(cfg, DistEnv(), torch.device("cpu"), tmp_path / "run" / "checkpoints" / "step-1")
-    assert not loaded.model.training
+    loaded = build.trained(cfg, DistEnv(), torch.device("cpu"), tmp_path / "run" / "checkpoints" / "step-1")
+    assert not loaded.model.training and loaded.task.labels == labels.from_config(cfg.data)
     trained = {n: p for n, p in built.model.named_parameters() if p.requires_grad}
     assert all(torch.equal(p, dict(loaded.model.named_parameters())[n]) for n, p in trained.items())
     ids = torch.randint(5, 100, (2, 8))
     built.model.eval()
-    assert torch.equal(logits(input_ids=ids), built.model(input_ids=ids).logits)
+    assert torch.equal(loaded.logits(input_ids=ids), built.model(input_ids=ids).logits)
 
 
 def test_doctor_times_the_runs_own_save(run_config, tmp_path, monkeypatch):
@@ -100,7 +100,7 @@ def test_doctor_times_the_runs_own_save(run_config, tmp_path, monkeypatch):
 
     cfg = run_config(**{"model.lora.r": 4})
     env, cpu = DistEnv(), torch.device("cpu")
-    built = build.build(cfg, env, cpu, max_steps=1)
+    built = build.build(cfg, env, cpu, labels.from_config(cfg.data), max_steps=1)
     run_data = data.build(cfg, env, data.load(cfg, env), built.tokenizer, cpu, data.BatchPlan.of(cfg.train, 1))
     saved = []
     real_save = Checkpointer.save
@@ -112,3 +112,30 @@ def test_doctor_times_the_runs_own_save(run_config, tmp_path, monkeypatch):
     assert seconds > 0 and not folder.exists()
     assert saved == [(built.strategy.checkpoint_format, ["model", "optimizer", "scaler", "scheduler", "train"],
                       folder / "checkpoints")]
+
+
+def test_every_part_of_the_training_step_runs_inside_a_phase(run_config):
+    """The step reports a phase before each part of its work: what the Meter times (with a
+    fake clock, tests/unit/test_meter.py) is then the whole step, whatever the machine's load."""
+    cfg = run_config()
+    built = build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=2)
+    calls: list[str] = []
+
+    class Recorder(StepObserver):
+        def micro_batch(self, attention_mask):
+            calls.append("micro_batch")
+
+        def phase(self, name, at=None):
+            calls.append(f"phase:{name}")
+
+        def loss(self, loss):
+            calls.append("loss")
+
+        def step_done(self, grad_norm):
+            calls.append("step_done")
+
+    ids = torch.randint(5, 100, (4, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(4, dtype=torch.long)}
+    built.step([batch, batch], 1, Recorder())
+    per_micro_batch = ["micro_batch", "phase:forward", "phase:backward", "loss"]
+    assert calls == [*per_micro_batch, *per_micro_batch, "phase:optimizer", "step_done"]

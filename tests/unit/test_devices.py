@@ -12,12 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from trainer.checkpoint.writer import host_copy
 from trainer.distributed import DistEnv, granted_gpus, has_native_bf16, pick_device, resolve_precision
 from trainer.errors import LaunchError
 from trainer.flops import peak_flops
-from trainer.step import LogitsUnderAutocast, mean_loss
+from trainer.labels import Labels
+from trainer.step import LogitsUnderAutocast
+from trainer.tasks import registry as tasks
 
 TWO_LOCAL_RANKS = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1",
                           master_port=29500)
@@ -200,7 +203,8 @@ def test_the_loss_weighs_every_sample_alike_when_replicas_get_unequal_shares(tin
     whole = torch.nn.functional.cross_entropy(model(**{k: v for k, v in batch.items() if k != "labels"}).logits,
                                               batch["labels"])
     per_replica = torch.stack([model(**chunk).loss for chunk in chunks]).mean()
-    assert torch.allclose(mean_loss(gathered, batch["labels"]), whole, atol=1e-6)
+    task = tasks.of(Labels("single_label", tuple("abcde"), "test", "ids"), OmegaConf.create({"threshold": 0.5}))
+    assert torch.allclose(task.sample_losses(gathered, batch["labels"]).mean(), whole, atol=1e-6)
     assert not torch.allclose(per_replica, whole, atol=1e-4)  # the old weighting, for contrast
 
 

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from trainer.summary import done_line
+from omegaconf import OmegaConf
+
+from trainer import summary as summary_module
+from trainer.labels import Labels
+from trainer.tasks import registry as tasks
+
+SCORES = tasks.of(Labels("single_label", ("a", "b"), "test", "ids"), OmegaConf.create({"threshold": 0.5})).scores
+
+
+def done_line(made: dict) -> str:
+    return summary_module.done_line(made, SCORES)
 
 
 def summary(final_step: int, steps: int, test: bool = True) -> dict:

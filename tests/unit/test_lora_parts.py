@@ -94,9 +94,14 @@ def test_a_checkpoint_holds_the_weights_that_train():
 
 def test_the_optimizer_holds_the_weights_that_train():
     adapted = lora.apply(bert(), model_cfg())
-    train_cfg = OmegaConf.create({"lr": 1e-3, "weight_decay": 0.0, "fused_adamw": False})
-    held = [p for group in optim.optimizer(adapted, train_cfg).param_groups for p in group["params"]]
-    assert [id(p) for p in held] == [id(p) for p in adapted.parameters() if p.requires_grad]
+    train_cfg = OmegaConf.create({"lr": 1e-3, "weight_decay": 0.01, "fused_adamw": False})
+    groups = optim.optimizer(adapted, train_cfg).param_groups
+    held = [p for group in groups for p in group["params"]]
+    assert sorted(map(id, held)) == sorted(id(p) for p in adapted.parameters() if p.requires_grad)
+    names = {id(p): name for name, p in adapted.named_parameters()}
+    decayed = [names[id(p)] for p in groups[0]["params"]]
+    assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
+    assert all("lora_" in name or name.endswith("classifier.modules_to_save.default.weight") for name in decayed)
 
 
 def test_a_checkpoint_of_another_model_or_lora_setting_is_refused_by_name(tmp_path):
@@ -215,14 +220,14 @@ def test_ddp_leaves_the_frozen_base_in_the_shared_page_cache(tiny_model, tmp_pat
     copy of the base per rank; it broadcasts only what trains, and writes no page of the file."""
     import torch.distributed as dist
 
-    from trainer import build, config
+    from trainer import build, config, labels
     from trainer.distributed import DistEnv
     from trainer.strategies import registry
 
     cfg = config.load("configs/demo.yaml", [f"model.name={tiny_model}", f"data.path={tmp_path}", "model.lora.r=4",
                                             f"output_dir={tmp_path / 'run'}", "train.precision=fp32"])
     cpu = torch.device("cpu")
-    adapted = build.load(cfg, DistEnv(), cpu, torch.float32).model
+    adapted = build.load(cfg, DistEnv(), cpu, torch.float32, labels.from_config(cfg.data)).model
     maps = Path("/proc/self/maps").read_text().splitlines()
     assert any(line.endswith("model.safetensors") for line in maps)  # memory-mapped, as on a node
     loaded = _written_pages_of("model.safetensors")  # what loading itself wrote (a few pages)

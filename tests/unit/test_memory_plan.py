@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from trainer import build, config, distributed, lora
+from trainer import build, config, distributed, labels, lora
 from trainer.distributed import DistEnv
 from trainer.preflight import memory
 
@@ -40,7 +40,7 @@ def run_config(model_dir, tmp_path, **overrides):
 def trained_for_one_step(cfg):
     """The model and optimizer as a CPU training run builds them (trainer/build.py), after one
     real step, its gradients kept."""
-    built = build.build(cfg, DistEnv(), torch.device("cpu"), max_steps=1)
+    built = build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=1)
     ids = torch.randint(5, 100, (cfg.train.batch_size, cfg.data.max_length))
     built.step.loss({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                      "labels": torch.zeros(len(ids), dtype=torch.long)}).backward()
@@ -62,7 +62,7 @@ def nbytes(tensors) -> int:
 def test_weights_gradients_and_optimizer_state_are_exact_to_the_byte(tiny_models, tmp_path, family, settings):
     cfg = run_config(tiny_models(family), tmp_path, **settings)
     cpu = torch.device("cpu")
-    plan = memory.make(cfg, cpu)
+    plan = memory.make(cfg, labels.from_config(cfg.data), cpu)
     trained, optimizer = trained_for_one_step(cfg)
     assert plan.weights == nbytes(itertools.chain(trained.parameters(), trained.buffers()))
     assert plan.gradients == nbytes(p.grad for p in trained.parameters() if p.grad is not None)
@@ -72,8 +72,10 @@ def test_weights_gradients_and_optimizer_state_are_exact_to_the_byte(tiny_models
 
 
 def test_ddp_keeps_a_second_copy_of_the_gradients_without_bucket_views(tiny_models, tmp_path):
-    views = memory.make(run_config(tiny_models("bert"), tmp_path), torch.device("cpu"))
+    bert = run_config(tiny_models("bert"), tmp_path)
+    views = memory.make(bert, labels.from_config(bert.data), torch.device("cpu"))
     copies = memory.make(run_config(tiny_models("bert"), tmp_path, **{"ddp.gradient_as_bucket_view": False}),
+                         labels.from_config(bert.data),
                          torch.device("cpu"))
     assert copies.gradients == 2 * views.gradients and copies.weights == views.weights
 
@@ -108,7 +110,7 @@ def test_the_activation_estimate_is_within_its_stated_band(tiny_models, tmp_path
             if with_lora else {}
         cfg = run_config(tiny_models(family), tmp_path, **{"train.precision": precision, "data.max_length": 128,
                                                            **lora_settings})
-        plan = memory.make(cfg, torch.device("cpu"))
+        plan = memory.make(cfg, labels.from_config(cfg.data), torch.device("cpu"))
         trained, _ = trained_for_one_step(cfg)
         measured = saved_for_backward(trained.train(), cfg.train.batch_size, 128, compute)
         assert 0.5 <= measured / plan.activations <= 1.8, (with_lora, measured, plan.activations)

@@ -125,6 +125,20 @@ def test_a_checkpoint_of_the_other_format_is_refused_before_anything_loads(tmp_p
     assert plan(tmp_path, f"train.strategy={saved_by}").path == path
 
 
+@pytest.mark.parametrize("saved, given, change", [
+    ("data.eval_fraction=0.1", "data.eval_fraction=0.2", "data.eval_fraction: 0.1 -> 0.2"),
+    ("data.label_names=[a,b]", "data.label_names=[b,a]", "data.label_names: ['a', 'b'] -> ['b', 'a']"),
+    ("train.class_weights=balanced", "train.class_weights=null", "train.class_weights: balanced -> None"),
+    ("data.problem_type=single_label", "data.problem_type=multi_label",
+     "data.problem_type: single_label -> multi_label"),
+], ids=["eval-fraction", "label-names", "class-weights", "problem-type"])
+def test_a_change_of_the_held_out_share_or_the_labels_is_refused_on_resume(tmp_path, saved, given, change):
+    """Another validation split, or other ids for the same names, is another run."""
+    checkpointed(tmp_path, saved)
+    with pytest.raises(ConfigError, match=re.escape(change)):
+        plan(tmp_path, saved, given)
+
+
 def test_allow_changes_accepts_a_key_or_a_section(tmp_path):
     checkpointed(tmp_path)
     accepted = plan(tmp_path, "train.lr=0.001", "data.max_length=64", "checkpoint.allow_changes=[train.lr,data]")

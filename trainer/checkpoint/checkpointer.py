@@ -253,7 +253,12 @@ class Checkpointer:
             # A disabled loss scaler (fp32, bf16) saves an empty state, which an enabled one
             # refuses: it then starts from its default.
             if name not in (*self.format.own, TRAIN, *PER_RANK_STATES) and saved.get(name):
-                stateful.load_state_dict(saved[name])
+                try:
+                    stateful.load_state_dict(saved[name])
+                except (ValueError, KeyError, RuntimeError) as e:  # torch's words for a state of another shape
+                    raise CheckpointError(f"checkpoint.resume: {path}: its {name} state does not fit this run's "
+                                          f"({describe(e)}): written by another version of the trainer or "
+                                          "another config; start over with checkpoint.resume=never") from None
         same_world = state["world_size"] == self.dist_env.world_size
         # At another world size no saved rank is this one: each takes rank 0's, and keeps of
         # it what is not one rank's own.

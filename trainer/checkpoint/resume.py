@@ -139,8 +139,8 @@ def _check_config_changes(path: Path, saved: dict, cfg: DictConfig) -> list[Chan
         log.warning("resuming with a changed config: %s", change)
     if any(config.RESUME_RULES[change.key] == config.EXTEND for change in accepted):
         log.warning("the run's length changed: the LR schedule is rebuilt for the new step count and continues "
-                    "from its value at this step (warmup over train.warmup_ratio of all steps, then linear "
-                    "decay to 0 at the new end; a longer run's lr is above the old schedule's)")
+                    "from its value at this step (a warmup given by train.warmup_ratio is of all steps; a "
+                    "decaying schedule now ends at the new end, so a longer run's lr is above the old one's)")
     return accepted
 
 

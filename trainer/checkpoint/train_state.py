@@ -3,8 +3,8 @@
 One `Stateful` object (state_dict / load_state_dict), saved as the checkpoint's state.json
 and read back only through it: the step and epoch, the global data position with its
 ledger, the batch plan, the wandb run id, the model selection and early stopping's count,
-and the last validation. The fp16 loss scaler, a torch Stateful of its own, is saved beside
-the optimizer.
+the last validation, and the label space (its class names, counts and weights). The fp16 loss
+scaler, a torch Stateful of its own, is saved beside the optimizer.
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from __future__ import annotations
 from trainer import data
 from trainer.data import BatchPlan, Data
 from trainer.distributed import DistEnv
+from trainer.errors import CheckpointError
+from trainer.labels import Labels
 from trainer.policy import Selection
 
 
 class TrainState:
     def __init__(self, batch: BatchPlan, run_data: Data, selection: Selection,
-                 dist_env: DistEnv, run_id: str):
-        self.batch, self.data, self.selection = batch, run_data, selection
+                 dist_env: DistEnv, run_id: str, labels: Labels):
+        self.batch, self.data, self.selection, self.labels = batch, run_data, selection, labels
         self.world_size = dist_env.world_size
         self.step = 0
         """The last optimizer step done."""
@@ -44,10 +46,19 @@ class TrainState:
             "wandb_run_id": self.run_id,
             "selection": self.selection.state_dict(),
             "last_eval": self.last_eval,
+            "labels": self.labels.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Raises CheckpointError if this run's sampler does not reproduce the saved data position."""
+        """Raises CheckpointError if this run's labels, or its sampler's data position, are not
+        the saved ones."""
+        saved_labels = state.get("labels")
+        if saved_labels is not None and Labels.from_state(saved_labels) != self.labels:
+            raise CheckpointError(
+                f"the labels changed: the checkpoint's are {Labels.from_state(saved_labels).describe()} "
+                f"(weights {saved_labels['weights']}); this run's data and config give {self.labels.describe()} "
+                f"(weights {self.labels.state_dict()['weights']}): resume with the data and labels the run was "
+                "started on, or start over with checkpoint.resume=never")
         data.check_position(self.data, state.get("data"), state["step"])
         self.step, self.epoch, self.run_id = state["step"], state["epoch"], state["wandb_run_id"]
         self.selection.load_state_dict(state.get("selection", {}))

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from trainer import data, distributed
+from trainer import labels as labels_module
 from trainer.distributed import DistEnv
 from trainer.errors import TrainerError, describe
 from trainer.preflight import forecast, grace, memory, network
@@ -271,7 +272,7 @@ def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings,
     write_error, seen = shared_output_dir(output_dir, dist_env)
     shared: list[tuple[str, list[int]]] = distributed.all_gather(dist_env, (write_error, seen))
 
-    plan = plan_or_reason(cfg, device, dist_env.world_size)
+    plan = plan_or_reason(cfg, dist_env, device)
     measured = _measure(cfg, dist_env, device, plan)
     computes: list = distributed.all_gather(dist_env, measured if isinstance(measured, str) else measured[:2])
     save_s = None
@@ -343,11 +344,13 @@ def _forecast(cfg, dist_env: DistEnv, backend, sizes, results, computes, own,
     return lines, warnings
 
 
-def plan_or_reason(cfg: DictConfig, device: torch.device, world_size: int) -> memory.MemoryPlan | str:
-    """The run's memory plan on this kind of device, or why there is none (a hub model this
-    node can't reach: training may still reach it)."""
+def plan_or_reason(cfg: DictConfig, dist_env: DistEnv, device: torch.device) -> memory.MemoryPlan | str:
+    """Collective: the run's memory plan on this kind of device, or why there is none (a hub
+    model this node can't reach: training may still reach it). Its labels are the config's,
+    or the data's where only the data can tell."""
     try:
-        return memory.make(cfg, device, world_size)
+        labels = labels_module.from_config(cfg.data) or data.load(cfg, dist_env).labels
+        return memory.make(cfg, labels, device, dist_env.world_size)
     except TrainerError as e:
         return str(e)
 

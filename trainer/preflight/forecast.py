@@ -292,14 +292,14 @@ class PhaseClock(StepObserver):
 
 
 def time_compute(step: TrainStep, micro_batch: int, length: int, vocab: int, device: torch.device,
-                 steps: int = 4) -> Compute:
+                 labels: torch.Tensor, steps: int = 4) -> Compute:
     """Median forward, backward and optimizer seconds over `steps` runs (after two that warm
     up allocations and kernels) of the training step itself, on one micro-batch of random
-    tokens: the work depends on the shapes, not the values."""
+    tokens and `labels` (the task's shape): the work depends on the shapes, not the values."""
     generator = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, vocab, (micro_batch, length), generator=generator).to(device),
              "attention_mask": torch.ones(micro_batch, length, dtype=torch.long, device=device),
-             "labels": torch.zeros(micro_batch, dtype=torch.long, device=device)}
+             "labels": labels}
     times: list[dict[str, float]] = []
     for i in range(steps + 2):
         clock = PhaseClock(device)
@@ -341,7 +341,7 @@ def measure(cfg: DictConfig, dist_env, device: torch.device) -> Measured:
     timed = cast(DictConfig, OmegaConf.merge(cfg, {"ddp": {"powersgd_start_step": 2}}))
     alone, _ = dist.new_subgroups(group_size=1)  # collective: every rank makes its own
     try:
-        built = build.build(timed, dist_env, device, max_steps=max_steps, group=alone)
+        built = build.build(timed, dist_env, device, splits.labels, max_steps=max_steps, group=alone)
         tokenized = data.build(cfg, dist_env, splits, built.tokenizer, device, plan)
         try:
             batches = describe_batches(tokenized.train_loader.dataset, tokenized.train_sampler, plan.micro_batch,
@@ -349,7 +349,8 @@ def measure(cfg: DictConfig, dist_env, device: torch.device) -> Measured:
         finally:
             tokenized.close()
         params = Param.all_of(built.model)
-        compute = time_compute(built.step, plan.micro_batch, batches.padded_length, built.config.vocab_size, device)
+        compute = time_compute(built.step, plan.micro_batch, batches.padded_length, built.config.vocab_size, device,
+                               labels=built.task.dummy_labels(plan.micro_batch, device))
     finally:
         dist.destroy_process_group(alone)
     return Measured(compute, batches, params, built, tokenized)

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from trainer import build, distributed, lora
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
+from trainer.labels import Labels
 from trainer.strategies import registry
 
 if TYPE_CHECKING:
@@ -117,17 +118,18 @@ def human(n: int) -> str:
     return f"{n / 1024**2:.1f} MiB"
 
 
-def make(cfg: DictConfig, device: torch.device | None = None, world_size: int = 1) -> MemoryPlan:
+def make(cfg: DictConfig, labels: Labels, device: torch.device | None = None, world_size: int = 1) -> MemoryPlan:
     """The plan of `cfg` on `device`; None: a GPU with native bf16 (what `check` plans for,
     on a machine that may have none). Reads model.name's config.json and its tokenizer, if
     it has one, never its weights; data.max_length is checked against the model's positions
-    first. The run's strategy says how its `world_size` ranks split the weights, gradients
-    and optimizer state (FSDP: one rank's shard), and what they gather whole for compute."""
+    first; `labels` give the head's size. The run's strategy says how its `world_size` ranks
+    split the weights, gradients and optimizer state (FSDP: one rank's shard), and what they
+    gather whole for compute."""
     if device is None:
         device, amp_dtype = torch.device("cuda"), PLANNED_PRECISION[cfg.train.precision]
     else:
         amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
-    on_meta = build.load(cfg, DistEnv(), device, amp_dtype, on_meta=True)
+    on_meta = build.load(cfg, DistEnv(), device, amp_dtype, labels, on_meta=True)
     strategy = registry.of(cfg)
     shards = strategy.memory_shards(world_size)
     weights, gradients, optimizer = static_bytes(on_meta.model, strategy.gradient_copies(), shards)

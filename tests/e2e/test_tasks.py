@@ -1,0 +1,114 @@
+"""Each task (data.problem_type) on data shaped as users bring it, under torchrun, with the
+guarantees of the demo's: a CSV of label names with no validation split and class weights
+(single_label), JSON lines of label lists (multi_label), numbers (regression).
+
+For each: 2 DDP ranks end with the weights of 1 process, and 2 FSDP ranks of LoRA with those of
+1 LoRA process (1e-6, fp32); the validation metrics are exact (the same with unequal shards);
+a rank SIGKILLed mid-run resumes bitwise; evaluate and predict answer in the task's terms.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from conftest import (
+    compare_weights,
+    kill_then_resume,
+    run,
+    tiny_overrides,
+    train,
+    train_together,
+    trainer_command,
+)
+from support import read_summary
+
+from trainer import demo_data
+
+STEPS = 12
+SHAPES = {
+    # task: (the generator of its file, the keys a user sets)
+    "single_label": (demo_data.sentiment, {"data.text_field": "review", "data.label_field": "sentiment",
+                                           "train.class_weights": "balanced", "train.label_smoothing": 0.1}),
+    "multi_label": (demo_data.complaints, {"data.label_field": "complaints", "data.problem_type": "multi_label",
+                                           "train.class_weights": "balanced"}),
+    "regression": (demo_data.score, {"data.label_field": "score", "data.problem_type": "regression",
+                                     "checkpoint.best_metric": "spearman"}),
+}
+METRICS = {"single_label": {"accuracy", "f1_macro", "loss"},
+           "multi_label": {"f1_micro", "f1_macro", "subset_accuracy", "loss"},
+           "regression": {"mse", "mae", "pearson", "spearman", "loss"}}
+LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def shaped(tmp_path_factory):
+    """Each task's file, 700 rows: 630 train and 70 held out for validation."""
+    folder = tmp_path_factory.mktemp("shaped")
+    return {task: generate(folder / task, 700, seed=3) for task, (generate, _) in SHAPES.items()}
+
+
+def options(task: str, path, **extra) -> dict:
+    return {"data.path": path, "data.num_labels": "null", "train.max_steps": STEPS, "checkpoint.every": 5,
+            "train.eval_every": 6, "train.eval_batch_size": 16, **SHAPES[task][1], **extra}
+
+
+@pytest.mark.parametrize("task", list(SHAPES))
+def test_each_task_trains_exactly_on_any_world_size_and_strategy(task, shaped, tiny_model, tmp_path):
+    """70 validation rows in batches of 16 over 2 ranks: 35 each, 3 batches, the last short."""
+    runs = {"single": ({"train.batch_size": 16}, None), "ddp": ({"train.batch_size": 8}, 2)}
+    lora = {"lora-single": ({**LORA, "train.batch_size": 16, "ddp.sparse_embedding_grad": False}, None),
+            "lora-fsdp": ({**LORA, "train.batch_size": 8, "train.strategy": "fsdp", "train.global_batch": 16,
+                           "ddp.sparse_embedding_grad": False}, 2)}
+    for group in (runs, lora):
+        train_together(*((tiny_overrides(tiny_model, shaped[task], tmp_path / name,
+                                         **options(task, shaped[task], **settings)), nproc)
+                         for name, (settings, nproc) in group.items()))
+    assert compare_weights(tmp_path / "single", tmp_path / "ddp", STEPS).max_abs <= 1e-6
+    assert compare_weights(tmp_path / "lora-single", tmp_path / "lora-fsdp", STEPS).max_abs <= 1e-6
+    single, ddp = read_summary(tmp_path / "single"), read_summary(tmp_path / "ddp")
+    assert set(single["final_eval"]) == METRICS[task]
+    for name, value in single["final_eval"].items():  # exact: every row once, by weights within 1e-6
+        assert ddp["final_eval"][name] == pytest.approx(value, abs=1e-4), name
+    labels = single["labels"]
+    assert labels["problem_type"] == task and labels == ddp["labels"]
+    if task == "single_label":
+        assert labels["names"] == ["negative", "neutral", "positive"] and labels["source"] == "the train split"
+        assert labels["weights"] == pytest.approx([labels["rows"] / (3 * n) for n in labels["counts"]])
+    if task == "regression":
+        assert single["best"]["metric"] == "spearman"
+
+
+@pytest.mark.parametrize("task", list(SHAPES))
+def test_each_task_resumes_bitwise_and_answers_in_its_own_terms(task, shaped, dropout_model, tmp_path):
+    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    settings = options(task, shaped[task], **{"train.batch_size": 8})
+    overrides = tiny_overrides(dropout_model, shaped[task], resumed, **settings)
+    train(tiny_overrides(dropout_model, shaped[task], uninterrupted, **settings))
+    # Saved every 5 steps, and at each evaluation (every 6) where a best_metric selects.
+    latest = 6 if "checkpoint.best_metric" in settings else 5
+    kill_then_resume(overrides, resumed, {"TRAINER_FAULT_SIGKILL": "1:8"}, resumed_from=latest)
+    assert not compare_weights(uninterrupted, resumed, STEPS).differing
+
+    evaluated = run(trainer_command(overrides, nproc=None, command="evaluate"))
+    assert evaluated.returncode == 0, evaluated.output[-3000:]
+    report = json.loads((resumed / "final" / "eval-test.json").read_text())
+    assert report["problem_type"] == task and report["samples"] == 70
+    assert METRICS[task] <= set(report) and (resumed / "final" / "eval-test.png").stat().st_size > 0
+    assert report["split"] == "test (held out of the train split)"
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": t, "review": t}) + "\n" for t in ("The food was terrible.", "Lovely!")))
+    output = tmp_path / "answers.csv"
+    predicted = run(trainer_command([*overrides, "checkpoint=final", f"input={rows}", f"output={output}"], nproc=None,
+                                    command="predict"))
+    assert predicted.returncode == 0, predicted.output[-3000:]
+    header, *answers = list(csv.reader(output.open()))
+    assert len(answers) == 2 and header[0] == "row"
+    assert header[1:3] == {"single_label": ["label", "label_name"], "multi_label": ["labels", "label_names"],
+                           "regression": ["value"]}[task][:2]
+    if task == "single_label":
+        assert {answer[2] for answer in answers} <= {"negative", "neutral", "positive"}
+    if task == "multi_label":
+        assert all(set(filter(None, answer[2].split("|"))) <= set(demo_data.COMPLAINED) for answer in answers)

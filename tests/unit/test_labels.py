@@ -1,0 +1,188 @@
+"""Labels as users store them (trainer/labels.py, through data.load as training and `check`
+load them): names, ids, ClassLabel, lists, numbers; a validation split held out of train; class
+weights; and each mistake as one line naming the column, the split, the row and the value."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from conftest import LABEL_NAMES
+
+from trainer import config, data
+from trainer import labels as labels_module
+from trainer.distributed import DistEnv
+from trainer.errors import ConfigError, DataError
+
+TEXTS = ["the food was great", "rude staff", "it was fine", "slow but tasty", "never again", "lovely place"]
+
+
+def write_csv(path, rows: list[dict]):
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def write_jsonl(path, rows: list[dict]):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def load(tmp_path, path, *overrides: str):
+    cfg = config.load(None, ["model.name=org/model", f"data.path={path}", "train.max_steps=1",
+                             f"output_dir={tmp_path / 'run'}", *overrides])
+    return data.load(cfg, DistEnv())
+
+
+def sentiment(n: int, names=("negative", "neutral", "positive")) -> list[dict]:
+    return [{"text": TEXTS[i % len(TEXTS)] + f" {i}", "label": names[i % len(names)]} for i in range(n)]
+
+
+def test_a_csv_of_label_names_without_validation_trains_on_ids_with_a_stratified_held_out_split(tmp_path):
+    rows = sentiment(90) + [{"text": f"great {i}", "label": "positive"} for i in range(30)]  # 30/30/60
+    splits = load(tmp_path, write_csv(tmp_path / "reviews.csv", rows))
+    labels = splits.labels
+    assert labels.names == ("negative", "neutral", "positive") and labels.source == "the train split"
+    assert (labels.stored_as, labels.num_labels) == ("names", 3)
+    assert splits.held_out == "10% of data.train_split, stratified by label, seed 42"
+    assert (len(splits.train), len(splits.eval)) == (108, 12)
+    held_out = [row["label"] for row in splits.eval]
+    assert sorted(held_out.count(name) for name in labels.names) == [3, 3, 6]  # as train: 1 : 1 : 2
+    assert labels.counts == (27, 27, 54) and labels.rows == 108
+    again = load(tmp_path, tmp_path / "reviews.csv")
+    assert again.eval["text"] == splits.eval["text"]  # every rank, every restart: the same rows
+    other = load(tmp_path, tmp_path / "reviews.csv", "data.eval_fraction=0.25")
+    assert len(other.eval) == 30
+
+
+def test_label_names_given_fix_the_ids_and_refuse_any_other_name(tmp_path):
+    path = write_csv(tmp_path / "reviews.csv", sentiment(30))
+    splits = load(tmp_path, path, "data.label_names=[positive,neutral,negative]")
+    assert splits.labels.names == ("positive", "neutral", "negative") and splits.labels.source == "data.label_names"
+    assert splits.labels.index == {"positive": 0, "neutral": 1, "negative": 2}
+    with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.train_split has 'neutral' in "
+                                        r"row 1, which is not one of data.label_names \(positive, negative\)$"):
+        load(tmp_path, path, "data.label_names=[positive,negative]")
+    with pytest.raises(DataError, match=r"^data.num_labels: 2, but the labels are 3 \(negative, neutral, positive, "
+                                        r"from the train split\)$"):
+        load(tmp_path, path, "data.num_labels=2")
+
+
+def test_a_validation_label_that_train_never_saw_names_the_value_the_split_and_the_row(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", sentiment(12, ("negative", "positive")))
+    write_jsonl(folder / "test.jsonl", [*sentiment(4, ("negative", "positive")), {"text": "meh", "label": "mixed"}])
+    with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.eval_split has 'mixed' in row 4, "
+                                        r"which is not one of the train split's labels \(negative, positive\)$"):
+        load(tmp_path, folder)
+
+
+def test_class_ids_keep_working_and_their_count_is_inferred(tmp_path, labeled_reviews):
+    rows = [{"text": TEXTS[i % 6], "label": i % 4} for i in range(40)]
+    splits = load(tmp_path, write_jsonl(tmp_path / "ids.jsonl", rows))
+    assert splits.labels.names == ("LABEL_0", "LABEL_1", "LABEL_2", "LABEL_3") and splits.labels.stored_as == "ids"
+    with pytest.raises(DataError, match=r"^data.num_labels: data.train_split has labels in \[0, 3\], outside \[0, 2\]"):
+        load(tmp_path, tmp_path / "ids.jsonl", "data.num_labels=3")
+    named = load(tmp_path, labeled_reviews)  # parquet written by `datasets` with a ClassLabel column
+    assert named.labels.names == tuple(LABEL_NAMES) and named.labels.source == "ClassLabel"
+    assert load(tmp_path, labeled_reviews, "data.label_names=[a,b,c,d,e]").labels.names == tuple("abcde")
+
+
+def test_multi_label_reads_lists_of_names_into_multi_hot_rows(tmp_path):
+    tags = [["food"], ["service", "price"], [], ["food", "price"]] * 5
+    rows = [{"text": TEXTS[i % 6], "tags": tag} for i, tag in enumerate(tags)]
+    splits = load(tmp_path, write_jsonl(tmp_path / "tags.jsonl", rows), "data.problem_type=multi_label",
+                  "data.label_field=tags")
+    labels = splits.labels
+    assert labels.names == ("food", "price", "service") and labels.problem_type == "multi_label"
+    assert splits.held_out.startswith("10% of data.train_split, seeded")  # lists are not stratified
+    assert labels_module.encode([["service", "price"], []], "multi_label", labels.index, 3) == [[0.0, 1.0, 1.0],
+                                                                                                 [0.0, 0.0, 0.0]]
+    with pytest.raises(DataError, match=r"column 'label' in data.train_split holds lists: for a set of classes per "
+                                        r"row, set data.problem_type=multi_label"):
+        load(tmp_path, write_jsonl(tmp_path / "lists.jsonl", [{"text": "a", "label": ["x"]}] * 4))
+    with pytest.raises(DataError, match=r"column 'label' in data.train_split holds names, not lists"):
+        load(tmp_path, write_csv(tmp_path / "flat.csv", sentiment(10)), "data.problem_type=multi_label")
+
+
+def test_regression_reads_numbers_and_refuses_what_is_not_one(tmp_path):
+    rows = [{"text": TEXTS[i % 6], "label": i / 10} for i in range(30)]
+    splits = load(tmp_path, write_jsonl(tmp_path / "scores.jsonl", rows), "data.problem_type=regression")
+    assert (splits.labels.problem_type, splits.labels.num_labels, splits.labels.names) == ("regression", 1, ())
+    assert labels_module.encode([1, 2.5], "regression", None, 1) == [1.0, 2.5]
+    with pytest.raises(DataError, match=r"holds numbers with fractions: single_label needs class ids \(integers\) "
+                                        r"or names \(strings\); for a number to predict, set "
+                                        r"data.problem_type=regression"):
+        load(tmp_path, tmp_path / "scores.jsonl")
+    with pytest.raises(DataError, match=r"column 'label' in data.train_split holds names: "
+                                        r"data.problem_type=regression needs numbers"):
+        load(tmp_path, write_csv(tmp_path / "names.csv", sentiment(10)), "data.problem_type=regression")
+
+
+def test_a_row_without_a_label_is_named(tmp_path):
+    rows = sentiment(6)
+    rows[4]["label"] = None
+    with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.train_split has no label in "
+                                        r"row 4$"):
+        load(tmp_path, write_jsonl(tmp_path / "gap.jsonl", rows))
+
+
+def test_balanced_class_weights_invert_each_class_frequency(tmp_path):
+    rows = sentiment(30, ("a", "b")) + [{"text": f"more {i}", "label": "a"} for i in range(30)]  # a 45, b 15
+    path = write_csv(tmp_path / "skewed.csv", rows)
+    labels = load(tmp_path, path, "train.class_weights=balanced", "data.eval_fraction=0.2").labels
+    assert labels.counts == (36, 12)
+    assert labels.weights == pytest.approx((48 / (2 * 36), 48 / (2 * 12)))
+    with pytest.raises(DataError, match=r"train.class_weights: balanced weighs each class by its train rows, and c "
+                                        r"has none"):
+        load(tmp_path, path, "train.class_weights=balanced", "data.label_names=[a,b,c]")
+    assert load(tmp_path, path, "train.class_weights=[1,3]").labels.weights == (1.0, 3.0)
+
+
+def test_missing_splits_and_columns_are_one_line(tmp_path):
+    path = write_csv(tmp_path / "reviews.csv", sentiment(20))
+    with pytest.raises(ConfigError, match=r"^data.train_split: 'training' is not a split of .*reviews.csv "
+                                          r"\(its splits: train\)$"):
+        load(tmp_path, path, "data.train_split=training")
+    with pytest.raises(ConfigError, match=r"^data.test_split: 'test' is not a split"):
+        load(tmp_path, path, "data.test_split=test")
+    with pytest.raises(DataError, match=r"^data.label_field: column 'stars' not in data.train_split"):
+        load(tmp_path, path, "data.label_field=stars")
+
+
+def test_slicing_keeps_working(tmp_path):
+    splits = load(tmp_path, write_csv(tmp_path / "reviews.csv", sentiment(40)), "data.train_split=train[:75%]",
+                  "data.eval_split=train[75%:]")
+    assert (len(splits.train), len(splits.eval), splits.held_out) == (30, 10, None)
+
+
+def test_the_ledger_key_changes_with_the_label():
+    import pyarrow as pa
+
+    ids, numbers = pa.array([0, 2, 1]), pa.array([0.5, 1.5, 0.5], type=pa.float32())
+    hot = pa.array([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], type=pa.list_(pa.float32()))
+    assert labels_module.keys(ids).tolist() == [0, 2, 1]
+    for column in (numbers, hot):
+        keys = labels_module.keys(column)
+        assert keys.dtype == np.int64 and keys[0] == keys[2] != keys[1]
+
+
+def test_a_resume_whose_data_gives_other_labels_is_refused(tmp_path):
+    """The names are fixed by the train split: a resumed run on data with a new class would
+    give every class a new id. Refused before the weights load, as a changed data position is."""
+    from trainer.checkpoint.train_state import TrainState
+    from trainer.errors import CheckpointError
+
+    saved = load(tmp_path, write_csv(tmp_path / "a.csv", sentiment(30, ("negative", "positive")))).labels
+    now = load(tmp_path, write_csv(tmp_path / "b.csv", sentiment(30))).labels
+    state = TrainState.__new__(TrainState)
+    state.labels = now
+    with pytest.raises(CheckpointError, match=r"^the labels changed: the checkpoint's are single_label, 2 labels from "
+                                              r"the train split: negative, positive .*this run's data and config give "
+                                              r"single_label, 3 labels"):
+        state.load_state_dict({"labels": saved.state_dict(), "step": 1})

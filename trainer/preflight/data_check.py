@@ -1,0 +1,118 @@
+"""`python -m trainer check`'s look at the data, before a node is taken: the splits loaded and
+checked as training will load and check them (trainer/data.py: the same code, so what passes
+here trains), the labels resolved and counted in Arrow, and the token lengths of a seeded
+sample. No weights load and no process group forms: a mistake in the data (a missing column or
+split, a label of the wrong type, a validation label train never saw) is one line and exit 2
+in seconds, on a login node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from omegaconf import DictConfig
+
+from trainer import data, model
+from trainer.data import BatchPlan, Splits
+from trainer.distributed import DistEnv
+from trainer.errors import ConfigError
+from trainer.labels import Labels
+
+SAMPLE_ROWS = 2_000
+"""The rows per split whose token lengths are measured: seeded, a few hundred milliseconds."""
+FEW_STEPS = 10
+"""An epoch shorter than this many optimizer steps is warned about."""
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class DataCheck:
+    labels: Labels
+    lines: list[str]
+    warnings: list[str]
+
+
+def check(cfg: DictConfig, world_size: int) -> DataCheck:
+    """The data report of `cfg` for a job of `world_size` ranks; raises a TrainerError on a
+    mistake in the data."""
+    splits = data.load(cfg, DistEnv())
+    labels = splits.labels
+    lines = [_splits_line(cfg, splits), f"  labels: {labels.describe()}"]
+    warnings: list[str] = []
+    if labels.counts:
+        lines.append(f"  {'rows holding each label' if labels.problem_type == 'multi_label' else 'rows of each label'}"
+                     f" (train): " + ", ".join(f"{name} {count:,} ({count / max(labels.rows, 1):.1%})"
+                                               for name, count in zip(labels.names, labels.counts, strict=True)))
+        imbalance = labels.imbalance() or 1.0
+        lines.append(f"  imbalance: the most frequent label has {imbalance:.3g}x the rows of the least")
+        if labels.weights is not None:
+            lines.append("  class weights: " + ", ".join(f"{name} {w:.4g}"
+                                                         for name, w in zip(labels.names, labels.weights, strict=True)))
+        elif imbalance > 10:
+            warnings.append(f"the labels are imbalanced ({imbalance:.3g}x): consider train.class_weights=balanced")
+    lines += _lengths(cfg, splits, warnings)
+    warnings += _epoch(cfg, splits, world_size)
+    return DataCheck(labels, lines, warnings)
+
+
+def _splits_line(cfg: DictConfig, splits: Splits) -> str:
+    data_cfg = cfg.data
+    validation = f"{len(splits.eval):,} rows" + (f" held out ({splits.held_out}), as {data_cfg.eval_split!r} is "
+                                                 f"not a split of the data" if splits.held_out else
+                                                 f" ({data_cfg.eval_split})")
+    test = "none" if splits.test is None else f"{len(splits.test):,} rows ({data_cfg.test_split})"
+    return (f"data: {data_cfg.path}, {data_cfg.problem_type}: train {len(splits.train):,} rows "
+            f"({data_cfg.train_split}), validation {validation}, test {test}")
+
+
+def _lengths(cfg: DictConfig, splits: Splits, warnings: list[str]) -> list[str]:
+    """Each split's token-length percentiles from a seeded sample, and the data.max_length
+    that keeps 99% of the train sample untruncated."""
+    try:
+        tokenizer = model.load_tokenizer(cfg.model)
+    except ConfigError as e:  # a hub model a login node can't reach: the rest of the check stands
+        warnings.append(f"token lengths not measured: {e}")
+        return []
+    data_cfg, lines = cfg.data, []
+    train_lengths = None
+    for name, split in (("train", splits.train), ("validation", splits.eval), ("test", splits.test)):
+        if split is None:
+            continue
+        sample = split.shuffle(seed=cfg.seed).select(range(min(SAMPLE_ROWS, len(split)))).with_format("arrow")
+        texts = sample[data_cfg.text_field].to_pylist()
+        pairs = sample[data_cfg.text_pair_field].to_pylist() if data_cfg.text_pair_field else None
+        lengths = np.array([len(ids) for ids in tokenizer(texts, pairs, truncation=False)["input_ids"]])
+        if train_lengths is None:
+            train_lengths = lengths
+        shown = ", ".join(f"p{q} {int(np.percentile(lengths, q))}" for q in PERCENTILES)
+        lines.append(f"  tokens ({name}, {len(lengths):,} sampled rows): {shown}, max {int(lengths.max())}")
+    assert train_lengths is not None, "there is always a train split"
+    keeps = int(np.ceil(np.percentile(train_lengths, 99)))
+    truncated = float((train_lengths > data_cfg.max_length).mean())
+    lines.append(f"  data.max_length {data_cfg.max_length} truncates {truncated:.1%} of the train sample; "
+                 f"data.max_length={keeps} keeps 99% of it whole")
+    if truncated > 0.05:
+        warnings.append(f"data.max_length {data_cfg.max_length} truncates {truncated:.0%} of the training texts; "
+                        f"{keeps} would keep 99% whole (within the model's positions)")
+    return lines
+
+
+def _epoch(cfg: DictConfig, splits: Splits, world_size: int) -> list[str]:
+    """An epoch of a few steps, or one that drops much of its data, at this world size."""
+    try:
+        plan = BatchPlan.of(cfg.train, world_size)
+    except ConfigError as e:
+        return [f"world_size={world_size}: {e}"]
+    rows = len(splits.train)
+    steps, dropped = divmod(rows, plan.global_batch)
+    where = f"at a global batch of {plan.global_batch} (world size {world_size}; check's world_size=N to change)"
+    warnings = []
+    if steps < FEW_STEPS:
+        plural = "s" if steps != 1 else ""
+        warnings.append(f"an epoch of {rows:,} train rows is {steps} optimizer step{plural} {where}: lower "
+                        "train.batch_size, or set train.global_batch")
+    if dropped > 0.1 * rows:
+        warnings.append(f"each epoch drops {dropped:,} of its {rows:,} train rows (a last partial global batch) "
+                        f"{where}")
+    return warnings

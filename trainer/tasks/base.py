@@ -1,0 +1,117 @@
+"""A task (data.problem_type): the loss the model trains on, the validation metrics, what
+`evaluate` reports and draws and what `predict` writes. Chosen once from the run's label space
+(trainer/labels.py) by trainer/tasks/registry.py, then asked by the step, evaluation, the
+evaluate and predict commands and the forecast; nothing else asks which task it is.
+
+Exact evaluation: each rank tallies its shard of the split (every sample once,
+data.EvalShardSampler), the tallies are summed (or gathered) across ranks, and the metrics are
+rank 0's, the same bits on every rank: model selection and early stopping decide on them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from omegaconf import DictConfig
+
+from trainer import distributed
+from trainer.distributed import DistEnv
+from trainer.labels import Labels
+
+
+class Tally:
+    """One evaluation's counts on this rank, summed or gathered across ranks by `finish`."""
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor, rows: list[int]) -> None:
+        """A batch: its logits (fp32), the model's labels, and the rows of the split they are."""
+        raise NotImplementedError
+
+    def finish(self, dist_env: DistEnv) -> tuple[dict[str, float], dict[str, Any]]:
+        """Collective: (the metrics, the details `evaluate` reports and draws), from every
+        rank's tallies, computed on rank 0 and the same on every rank."""
+        raise NotImplementedError
+
+
+class Task:
+    name: ClassVar[str]
+    hf_problem_type: ClassVar[str]
+    """transformers' config.problem_type: how a pipeline on final/ turns logits into scores."""
+    main_metrics: ClassVar[tuple[tuple[str, str], ...]]
+    """(metric, how the done line names it), the ones a run ends by reporting."""
+
+    def __init__(self, labels: Labels, data_cfg: DictConfig, train_cfg: DictConfig | None = None):
+        self.labels = labels
+        self.threshold = float(data_cfg.threshold)
+        self.weights = None if labels.weights is None else torch.tensor(labels.weights, dtype=torch.float32)
+        self.label_smoothing = float(train_cfg.label_smoothing) if train_cfg is not None else 0.0
+
+    # --- training ----------------------------------------------------------------------
+
+    def sample_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each sample's loss, in fp32 and weighted by its class (train.class_weights). The
+        step's loss is their mean over the batch, a sum over the same samples whatever the
+        ranks, so 2 ranks equal 1 process; evaluation sums them."""
+        raise NotImplementedError
+
+    def dummy_labels(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Labels of the model's shape and dtype for `rows` rows: the forecast times a step on them."""
+        raise NotImplementedError
+
+    # --- evaluation ----------------------------------------------------------------------
+
+    def tally(self, device: torch.device) -> Tally:
+        raise NotImplementedError
+
+    def scores(self, metrics: dict) -> str:
+        """The done line's words for a split's metrics."""
+        return ", ".join(f"{words} {metrics[name]:.4f}" for name, words in self.main_metrics)
+
+    def report(self, details: dict[str, Any]) -> dict[str, Any]:
+        """What `evaluate` writes beside the metrics (JSON), from finish's details."""
+        return {}
+
+    def format_report(self, report: dict[str, Any]) -> list[str]:
+        """The report's table, as `evaluate` prints it under the metrics."""
+        return []
+
+    def plot(self, details: dict[str, Any], title: str, path: Path) -> None:
+        """The picture `evaluate` draws of the split (a PNG)."""
+        raise NotImplementedError
+
+    # --- predict -------------------------------------------------------------------------
+
+    def predictions(self, logits: torch.Tensor) -> list[dict[str, Any]]:
+        """Each row's answer, by field, from its logits (fp32)."""
+        raise NotImplementedError
+
+    def csv_row(self, prediction: dict[str, Any]) -> list:
+        """A prediction as csv cells, in csv_header's order (after `row`)."""
+        raise NotImplementedError
+
+    def csv_header(self) -> list[str]:
+        raise NotImplementedError
+
+
+def gathered(dist_env: DistEnv, value: Any) -> Any:
+    """Every rank's `value`, by rank, on rank 0 (None elsewhere)."""
+    return distributed.gather_to_rank_zero(dist_env, value)
+
+
+def figure(width: float, height: float):
+    """A matplotlib figure for a file: no display on a cluster node."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width, height))
+
+
+def save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
