@@ -423,12 +423,20 @@ def train(overrides: list[str], nproc: int | None = 2, **kwargs) -> Run:
     return result
 
 
-def train_together(*launches: tuple[list[str], int | None]) -> list[Run]:
-    """Independent trainings, each (overrides, nproc), run at once: a one-process reference
-    and the 2-rank run compared with it spend most of their seconds importing and loading,
-    which overlap. Nothing here is timed, so sharing the cores changes no result."""
+def together(*launches: tuple[list[str], dict]) -> list[Run]:
+    """Independent launches, each (command, environment), run at once, their results in order:
+    a reference and the runs compared with it spend most of their seconds importing and
+    loading, which overlap. Nothing here is timed, so sharing the cores changes no result."""
     with ThreadPoolExecutor(len(launches)) as pool:
-        return list(pool.map(lambda launch: train(*launch), launches))
+        return list(pool.map(lambda launch: run(launch[0], env=launch[1]), launches))
+
+
+def train_together(*launches: tuple[list[str], int | None]) -> list[Run]:
+    """Independent trainings, each (overrides, nproc), run at once (`together`); each must succeed."""
+    results = together(*((trainer_command(overrides, nproc), {}) for overrides, nproc in launches))
+    for result in results:
+        assert result.returncode == 0, failure_output(result.output)
+    return results
 
 
 def failure_output(output: str, tail: int = 6000) -> str:
@@ -442,12 +450,17 @@ def failure_output(output: str, tail: int = 6000) -> str:
     return f"{output[start:start + tail]}\n[...]\n{output[-tail:]}"
 
 
-def kill_then_resume(overrides: list[str], output_dir: Path, faults: dict[str, str], resumed_from: int) -> Run:
+def kill_then_resume(overrides: list[str], output_dir: Path, faults: dict[str, str], resumed_from: int,
+                     beside: tuple[tuple[list[str], int | None], ...] = ()) -> Run:
     """Launch 2 ranks with `faults` (a TRAINER_FAULT_SIGKILL among them), which must kill the
     run, then relaunch without: the relaunch must resume from checkpoint `resumed_from` and
-    finish. Returns the relaunch."""
-    killed = run(trainer_command(overrides, nproc=2), env=faults)
+    finish. `beside`: trainings, each (overrides, nproc), that run at once with the killed one
+    and must succeed (the uninterrupted run it is compared with). Returns the relaunch."""
+    killed, *others = together((trainer_command(overrides, nproc=2), faults),
+                               *((trainer_command(o, nproc), {}) for o, nproc in beside))
     assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+    for other in others:
+        assert other.returncode == 0, failure_output(other.output)
     resumed = train(overrides)
     assert f"resumed from {output_dir / 'checkpoints' / f'step-{resumed_from}'}" in resumed.output
     return resumed

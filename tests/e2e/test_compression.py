@@ -7,7 +7,7 @@ demo model (within 1 pp of none) is measured by benchmarks/comm_hooks.py.
 """
 
 import pytest
-from conftest import compare_weights, kill_then_resume, run, tiny_overrides, train, trainer_command, weights
+from conftest import compare_weights, kill_then_resume, tiny_overrides, together, train, trainer_command, weights
 from support import read_summary
 
 STEPS = 14
@@ -47,9 +47,9 @@ def test_powersgd_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_pat
 
     options = {**OPTIONS, "ddp.comm_hook": "powersgd"}
     uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
-    train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
     kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
-                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
+                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10,
+                     beside=((tiny_overrides(dropout_model, reviews, uninterrupted, **options), 2),))
     assert not compare_weights(uninterrupted, resumed, STEPS).differing
     ranks = [torch.load(resumed / "checkpoints" / "step-10" / "per-rank" / f"rank-{r}.pt", weights_only=True)
              ["comm_hook"] for r in (0, 1)]
@@ -65,9 +65,10 @@ def test_powersgd_resumed_at_another_world_size_carries_on(dropout_model, review
 
     options = {**OPTIONS, "ddp.comm_hook": "powersgd"}
     uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
-    train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
     overrides = tiny_overrides(dropout_model, reviews, resumed, **options)
-    killed = run(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
+    killed, first = together((trainer_command(overrides, nproc=2), {"TRAINER_FAULT_SIGKILL": "1:13"}),
+                             (trainer_command(tiny_overrides(dropout_model, reviews, uninterrupted, **options), 2), {}))
+    assert first.returncode == 0, first.output[-3000:]
     assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
     train([*overrides, "train.batch_size=4"], nproc=4)
     assert read_summary(resumed)["resumed_from_step"] == 10

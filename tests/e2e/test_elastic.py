@@ -11,7 +11,7 @@ node lost for good under torchrun's elastic rendezvous: tests/system/test_multin
 import json
 from pathlib import Path
 
-from conftest import compare_weights, run, tiny_overrides, train, trainer_command, weights
+from conftest import compare_weights, run, tiny_overrides, together, train, trainer_command, weights
 from support import read_metrics
 
 STEPS = 56
@@ -46,18 +46,24 @@ def test_a_run_shrinks_to_one_rank_then_grows_to_three_on_the_same_global_batche
     1e-5 too (summation order is all that differs). The middle leg is also accumulation in
     one process, held to one big batch."""
     reference = tmp_path / "uninterrupted"
-    train(tiny_overrides(tiny_model, reviews, reference, **OPTIONS), nproc=2)
     out = tmp_path / "run"
     overrides = tiny_overrides(tiny_model, reviews, out, **OPTIONS)
 
-    def killed_at(step: int, nproc: int | None) -> str:
-        result = run(trainer_command(overrides, nproc=nproc), env={"TRAINER_FAULT_SIGKILL": f"0:{step}"})
+    def killed(result, nproc: int | None) -> str:
         # a plain process dies of the signal; torchrun names it in its report
-        killed = result.returncode == -9 if nproc is None else result.returncode != 0 and "SIGKILL" in result.output
-        assert killed, result.output[-3000:]
+        died = result.returncode == -9 if nproc is None else result.returncode != 0 and "SIGKILL" in result.output
+        assert died, result.output[-3000:]
         return result.output
 
-    killed_at(23, nproc=2)
+    def killed_at(step: int, nproc: int | None) -> str:
+        return killed(run(trainer_command(overrides, nproc=nproc), env={"TRAINER_FAULT_SIGKILL": f"0:{step}"}), nproc)
+
+    # The uninterrupted run and the first leg at once: independent launches.
+    first, uninterrupted = together(
+        (trainer_command(overrides, nproc=2), {"TRAINER_FAULT_SIGKILL": "0:23"}),
+        (trainer_command(tiny_overrides(tiny_model, reviews, reference, **OPTIONS), nproc=2), {}))
+    assert uninterrupted.returncode == 0, uninterrupted.output[-3000:]
+    killed(first, nproc=2)
     at_20 = state(out, 20)
     assert_resumed(killed_at(33, nproc=None), out, at_20, world_size=1)
     at_30 = state(out, 30)

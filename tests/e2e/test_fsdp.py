@@ -20,6 +20,7 @@ from conftest import (
     run,
     sharded_checkpoint,
     tiny_overrides,
+    together,
     train,
     train_together,
     trainer_command,
@@ -45,9 +46,11 @@ def test_fsdp_matches_one_process_and_ddp_with_and_without_accumulation(tiny_mod
         "fsdp-accum": ({"train.batch_size": 4}, 2),  # 2 micro-batches: the reduce-scatter waits for the last
         "ddp": ({"train.batch_size": 8, "train.strategy": "ddp"}, 2),
     }
-    for name, (options, nproc) in runs.items():
-        result = train(tiny_overrides(tiny_model, reviews, tmp_path / name, **{**FSDP, **options}), nproc=nproc)
-        assert "trains all 999,237 parameters, kept in fp32" in result.output
+    pairs = [list(runs.items())[:2], list(runs.items())[2:]]
+    for pair in pairs:
+        results = train_together(*((tiny_overrides(tiny_model, reviews, tmp_path / name, **{**FSDP, **options}), nproc)
+                                   for name, (options, nproc) in pair))
+        assert all("trains all 999,237 parameters, kept in fp32" in result.output for result in results)
     single = tmp_path / "single"
     assert compare_weights(weights(tiny_model), weights(single, STEPS)).max_abs > 1e-3  # it trained
     for name in ("fsdp", "fsdp-accum", "ddp"):
@@ -73,9 +76,10 @@ def test_fsdp_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_path):
     synchronously, as the resumes at another world size do)."""
     options = {**FSDP, "train.batch_size": 8}
     uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
-    train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
     overrides = tiny_overrides(dropout_model, reviews, resumed, **{**options, "checkpoint.async_save": True})
-    killed = run(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
+    killed, first = together((trainer_command(overrides, nproc=2), {"TRAINER_FAULT_SIGKILL": "1:13"}),
+                             (trainer_command(tiny_overrides(dropout_model, reviews, uninterrupted, **options), 2), {}))
+    assert first.returncode == 0, first.output[-3000:]
     assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
     assert "saved " in killed.output and " (in the background)" in killed.output
     train(overrides)
@@ -100,12 +104,17 @@ def test_fsdp_resumes_at_another_world_size_on_the_same_trajectory(tiny_model, r
     same global batches (12, which 1, 2 and 3 divide), so the same weights within 1e-5."""
     options = {**FSDP, "train.global_batch": 12, "train.batch_size": 6}
     reference = tmp_path / "uninterrupted"
-    train(tiny_overrides(tiny_model, reviews, reference, **options))
+    outs = {nproc: tmp_path / f"resumed-on-{nproc or 1}" for nproc in (3, None)}
+    # The uninterrupted run and the two killed ones at once: three independent launches.
+    uninterrupted, *killed = together(
+        (trainer_command(tiny_overrides(tiny_model, reviews, reference, **options), 2), {}),
+        *((trainer_command(tiny_overrides(tiny_model, reviews, out, **options), 2),
+           {"TRAINER_FAULT_SIGKILL": "0:12"}) for out in outs.values()))
+    assert uninterrupted.returncode == 0, uninterrupted.output[-3000:]
+    assert all(k.returncode != 0 and "SIGKILL" in k.output for k in killed), [k.output[-3000:] for k in killed]
     for nproc, batch_size in ((3, 4), (None, 12)):
-        out = tmp_path / f"resumed-on-{nproc or 1}"
+        out = outs[nproc]
         overrides = tiny_overrides(tiny_model, reviews, out, **options)
-        killed = run(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "0:12"})
-        assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
         resumed = train([*overrides, f"train.batch_size={batch_size}"], nproc=nproc)
         assert f"resumed from {out / 'checkpoints' / 'step-10'}" in resumed.output, resumed.output[-3000:]
         assert compare_weights(reference, out, STEPS).max_abs <= 1e-5, nproc
@@ -241,8 +250,9 @@ def test_activation_checkpointing_and_the_best_step_under_fsdp(tiny_model, revie
     options = {**FSDP, "train.batch_size": 8, "train.lr": 3e-3, "checkpoint.every": 7,
                "checkpoint.best_metric": "loss", "checkpoint.best_mode": "max", "checkpoint.load_best_at_end": True}
     plain, checkpointed = tmp_path / "plain", tmp_path / "checkpointed"
-    train(tiny_overrides(tiny_model, reviews, plain, **options))
-    train(tiny_overrides(tiny_model, reviews, checkpointed, **{**options, "model.gradient_checkpointing": True}))
+    recomputed = {**options, "model.gradient_checkpointing": True}
+    train_together((tiny_overrides(tiny_model, reviews, plain, **options), 2),
+                   (tiny_overrides(tiny_model, reviews, checkpointed, **recomputed), 2))
     assert compare_weights(plain, checkpointed, STEPS).max_abs <= 1e-6
     summary = read_summary(checkpointed)
     best = summary["best"]["step"]
@@ -252,21 +262,6 @@ def test_activation_checkpointing_and_the_best_step_under_fsdp(tiny_model, revie
     final = AutoModelForSequenceClassification.from_pretrained(checkpointed / "final").state_dict()
     saved = weights(checkpointed, best)
     assert not compare_weights(saved, {name: final[name] for name in saved}).differing
-
-
-@pytest.mark.parametrize("saved_by, resumed_by", [("ddp", "fsdp"), ("fsdp", "ddp")])
-def test_a_checkpoint_of_the_other_strategy_is_refused_in_one_line(tiny_model, reviews, tmp_path, saved_by,
-                                                                   resumed_by):
-    """Even with train.strategy in checkpoint.allow_changes: the formats don't convert."""
-    options = {**FSDP, "train.batch_size": 8, "train.max_steps": 5, "train.strategy": saved_by}
-    train(tiny_overrides(tiny_model, reviews, tmp_path, **options))
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{
-        **options, "train.strategy": resumed_by, "train.max_steps": 8,
-        "checkpoint.allow_changes": "[train.strategy]"}), nproc=2))
-    assert result.returncode != 0
-    written, this = [f"{name} \\(sharded\\)" if name == "fsdp" else name for name in (saved_by, resumed_by)]
-    assert re.search(rf"error: checkpoint.resume: \S+step-5: written by train.strategy={written}, and this run is "
-                     rf"{this}: the two formats don't convert", result.output), result.output[-3000:]
 
 
 def test_lora_under_fsdp_matches_one_process_at_any_world_size_and_exports_merged(tiny_model, reviews, tmp_path):
@@ -279,11 +274,16 @@ def test_lora_under_fsdp_matches_one_process_at_any_world_size_and_exports_merge
 
     options = {**FSDP, **LORA}
     single, ranks, elastic = tmp_path / "single", tmp_path / "ranks", tmp_path / "elastic"
-    _, trained = train_together(
-        (tiny_overrides(tiny_model, reviews, single, **{**options, "train.strategy": "ddp",
-                                                        "train.batch_size": 16}), None),
-        (tiny_overrides(tiny_model, reviews, ranks, **{**options, "train.batch_size": 8,
-                                                       "checkpoint.export_adapter": True}), 2))
+    overrides = tiny_overrides(tiny_model, reviews, elastic, **{**options, "train.batch_size": 8})
+    # The 1-process reference, the 2-rank run and a third killed at step 13, all at once.
+    first, trained, killed = together(
+        (trainer_command(tiny_overrides(tiny_model, reviews, single, **{**options, "train.strategy": "ddp",
+                                                                        "train.batch_size": 16}), None), {}),
+        (trainer_command(tiny_overrides(tiny_model, reviews, ranks, **{**options, "train.batch_size": 8,
+                                                                       "checkpoint.export_adapter": True}), 2), {}),
+        (trainer_command(overrides, nproc=2), {"TRAINER_FAULT_SIGKILL": "1:13"}))
+    assert first.returncode == 0 and trained.returncode == 0, (first.output[-3000:], trained.output[-3000:])
+    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
     assert "trains 1,189 of 1,000,261 parameters" in trained.output
     saved = weights(ranks, STEPS)
     assert sum(t.numel() for t in saved.values()) == 1189, sorted(saved)  # nothing of the frozen base
@@ -293,9 +293,6 @@ def test_lora_under_fsdp_matches_one_process_at_any_world_size_and_exports_merge
     assert float((merged - torch.tensor(logits_without_peft(single / "final"))).abs().max()) <= 1e-5
     assert float((merged - adapter_logits(tiny_model, ranks / "final" / "adapter")).abs().max()) <= 1e-5
 
-    overrides = tiny_overrides(tiny_model, reviews, elastic, **{**options, "train.batch_size": 8})
-    killed = run(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
-    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
     resumed = train([*overrides, "train.batch_size=16"], nproc=None)
     assert f"resumed from {elastic / 'checkpoints' / 'step-10'}" in resumed.output, resumed.output[-3000:]
     assert compare_weights(single, elastic, STEPS).max_abs <= 1e-5
@@ -308,10 +305,10 @@ def test_lora_under_fsdp_over_a_bf16_base_resumes_bitwise(dropout_model, reviews
     options = {**FSDP, **LORA, "model.lora.dropout": 0.1, "train.batch_size": 8, "model.dtype": "bf16",
                "train.precision": "bf16"}
     uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
-    first = train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
-    assert "kept in fp32, the frozen rest in bf16; computes in bf16" in first.output
-    kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
-                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
+    resumed_run = kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
+                                   {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10,
+                                   beside=((tiny_overrides(dropout_model, reviews, uninterrupted, **options), 2),))
+    assert "kept in fp32, the frozen rest in bf16; computes in bf16" in resumed_run.output
     assert not compare_weights(uninterrupted, resumed, STEPS).differing
     import torch
 

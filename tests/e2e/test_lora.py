@@ -112,9 +112,9 @@ def test_lora_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_path):
     uninterrupted run, bit for bit, with the optimizer state it had."""
     options = {**LORA, "model.lora.dropout": 0.1, "train.batch_size": 8}
     uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
-    train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
     kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
-                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
+                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10,
+                     beside=((tiny_overrides(dropout_model, reviews, uninterrupted, **options), 2),))
     assert not compare_weights(uninterrupted, resumed, STEPS).differing
     import torch
 
@@ -133,10 +133,10 @@ def test_a_bf16_base_trains_fp32_adapters_and_resumes_bitwise(dropout_model, rev
     options = {**LORA, "model.lora.dropout": 0.1, "train.batch_size": 8, "model.dtype": "bf16",
                "train.precision": "bf16", "train.max_steps": 14}
     uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
-    first = train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
-    assert "kept in fp32, the frozen rest in bf16; computes in bf16" in first.output
-    kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
-                     {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
+    relaunch = kill_then_resume(tiny_overrides(dropout_model, reviews, resumed, **options), resumed,
+                                {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10,
+                                beside=((tiny_overrides(dropout_model, reviews, uninterrupted, **options), 2),))
+    assert "kept in fp32, the frozen rest in bf16; computes in bf16" in relaunch.output
     assert not compare_weights(uninterrupted, resumed, 14).differing
     import torch
 

@@ -5,6 +5,7 @@ guarantees of the demo's: a CSV of label names with no validation split and clas
 For each: 2 DDP ranks end with the weights of 1 process, and 2 FSDP ranks of LoRA with those of
 1 LoRA process (1e-6, fp32); the validation metrics are exact (the same with unequal shards);
 a rank SIGKILLed mid-run resumes bitwise; evaluate and predict answer in the task's terms.
+Independent launches run at once, to overlap their start-ups: one test per task.
 """
 
 from __future__ import annotations
@@ -13,15 +14,7 @@ import csv
 import json
 
 import pytest
-from conftest import (
-    compare_weights,
-    kill_then_resume,
-    run,
-    tiny_overrides,
-    train,
-    train_together,
-    trainer_command,
-)
+from conftest import compare_weights, tiny_overrides, together, trainer_command
 from support import read_summary
 
 from trainer import demo_data
@@ -54,61 +47,72 @@ def options(task: str, path, **extra) -> dict:
             "train.eval_every": 6, "train.eval_batch_size": 16, **SHAPES[task][1], **extra}
 
 
+def succeeded(result) -> None:
+    assert result.returncode == 0, result.output[-4000:]
+
+
 @pytest.mark.parametrize("task", list(SHAPES))
-def test_each_task_trains_exactly_on_any_world_size_and_strategy(task, shaped, tiny_model, tmp_path):
-    """70 validation rows in batches of 16 over 2 ranks: 35 each, 3 batches, the last short."""
-    runs = {"single": ({"train.batch_size": 16}, None), "ddp": ({"train.batch_size": 8}, 2)}
-    lora = {"lora-single": ({**LORA, "train.batch_size": 16, "ddp.sparse_embedding_grad": False}, None),
-            "lora-fsdp": ({**LORA, "train.batch_size": 8, "train.strategy": "fsdp", "train.global_batch": 16,
-                           "ddp.sparse_embedding_grad": False}, 2)}
-    for group in (runs, lora):
-        train_together(*((tiny_overrides(tiny_model, shaped[task], tmp_path / name,
-                                         **options(task, shaped[task], **settings)), nproc)
-                         for name, (settings, nproc) in group.items()))
+def test_each_task_trains_exactly_resumes_bitwise_and_answers_in_its_own_terms(task, shaped, tiny_model, tmp_path):
+    """70 validation rows in batches of 16 over 2 ranks: 35 each, 3 batches, the last short.
+    The 2-rank DDP run is the reference of 1 process, and of its own kill and resume."""
+    def overrides(name: str, **settings) -> list[str]:
+        return tiny_overrides(tiny_model, shaped[task], tmp_path / name, **options(task, shaped[task], **settings))
+
+    ddp, lora = {"train.batch_size": 8}, {**LORA, "ddp.sparse_embedding_grad": False}
+    for result in together((trainer_command(overrides("single", **{"train.batch_size": 16}), None), {}),
+                           (trainer_command(overrides("ddp", **ddp), 2), {})):
+        succeeded(result)
+    lora_single, lora_fsdp, killed = together(
+        (trainer_command(overrides("lora-single", **lora, **{"train.batch_size": 16}), None), {}),
+        (trainer_command(overrides("lora-fsdp", **lora, **{"train.batch_size": 8, "train.strategy": "fsdp",
+                                                            "train.global_batch": 16}), 2), {}),
+        (trainer_command(overrides("resumed", **ddp), 2), {"TRAINER_FAULT_SIGKILL": "1:8"}))
+    succeeded(lora_single)
+    succeeded(lora_fsdp)
+    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": t, "review": t}) + "\n" for t in ("The food was terrible.", "Lovely!")))
+    answers = tmp_path / "answers.csv"
+    resumed, evaluated, predicted = together(
+        (trainer_command(overrides("resumed", **ddp), 2), {}),
+        (trainer_command(overrides("ddp", **ddp), None, command="evaluate"), {}),
+        (trainer_command([*overrides("ddp", **ddp), "checkpoint=final", f"input={rows}", f"output={answers}"], None,
+                         command="predict"), {}))
+    for result in (resumed, evaluated, predicted):
+        succeeded(result)
+
+    # 2 ranks = 1 process, with DDP and with LoRA under FSDP.
     assert compare_weights(tmp_path / "single", tmp_path / "ddp", STEPS).max_abs <= 1e-6
     assert compare_weights(tmp_path / "lora-single", tmp_path / "lora-fsdp", STEPS).max_abs <= 1e-6
-    single, ddp = read_summary(tmp_path / "single"), read_summary(tmp_path / "ddp")
+    single, two = read_summary(tmp_path / "single"), read_summary(tmp_path / "ddp")
     assert set(single["final_eval"]) == METRICS[task]
     for name, value in single["final_eval"].items():  # exact: every row once, by weights within 1e-6
-        assert ddp["final_eval"][name] == pytest.approx(value, abs=1e-4), name
+        assert two["final_eval"][name] == pytest.approx(value, abs=1e-4), name
     labels = single["labels"]
-    assert labels["problem_type"] == task and labels == ddp["labels"]
+    assert labels["problem_type"] == task and labels == two["labels"]
     if task == "single_label":
         assert labels["names"] == ["negative", "neutral", "positive"] and labels["source"] == "the train split"
         assert labels["weights"] == pytest.approx([labels["rows"] / (3 * n) for n in labels["counts"]])
     if task == "regression":
         assert single["best"]["metric"] == "spearman"
 
+    # Killed at step 8: resumed from the latest checkpoint (every 5 steps, and at each
+    # evaluation, every 6, where a best_metric selects), bitwise on the uninterrupted run.
+    latest = 6 if "checkpoint.best_metric" in SHAPES[task][1] else 5
+    assert f"resumed from {tmp_path / 'resumed' / 'checkpoints' / f'step-{latest}'}" in resumed.output
+    assert not compare_weights(tmp_path / "ddp", tmp_path / "resumed", STEPS).differing
 
-@pytest.mark.parametrize("task", list(SHAPES))
-def test_each_task_resumes_bitwise_and_answers_in_its_own_terms(task, shaped, dropout_model, tmp_path):
-    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
-    settings = options(task, shaped[task], **{"train.batch_size": 8})
-    overrides = tiny_overrides(dropout_model, shaped[task], resumed, **settings)
-    train(tiny_overrides(dropout_model, shaped[task], uninterrupted, **settings))
-    # Saved every 5 steps, and at each evaluation (every 6) where a best_metric selects.
-    latest = 6 if "checkpoint.best_metric" in settings else 5
-    kill_then_resume(overrides, resumed, {"TRAINER_FAULT_SIGKILL": "1:8"}, resumed_from=latest)
-    assert not compare_weights(uninterrupted, resumed, STEPS).differing
-
-    evaluated = run(trainer_command(overrides, nproc=None, command="evaluate"))
-    assert evaluated.returncode == 0, evaluated.output[-3000:]
-    report = json.loads((resumed / "final" / "eval-test.json").read_text())
+    report = json.loads((tmp_path / "ddp" / "final" / "eval-test.json").read_text())
     assert report["problem_type"] == task and report["samples"] == 70
-    assert METRICS[task] <= set(report) and (resumed / "final" / "eval-test.png").stat().st_size > 0
+    assert {name: report[name] for name in METRICS[task]} == pytest.approx(two["final_eval"], abs=1e-6)
     assert report["split"] == "test (held out of the train split)"
-
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"text": t, "review": t}) + "\n" for t in ("The food was terrible.", "Lovely!")))
-    output = tmp_path / "answers.csv"
-    predicted = run(trainer_command([*overrides, "checkpoint=final", f"input={rows}", f"output={output}"], nproc=None,
-                                    command="predict"))
-    assert predicted.returncode == 0, predicted.output[-3000:]
-    header, *answers = list(csv.reader(output.open()))
-    assert len(answers) == 2 and header[0] == "row"
+    assert (tmp_path / "ddp" / "final" / "eval-test.png").stat().st_size > 0
+    header, *answered = list(csv.reader(answers.open()))
+    assert len(answered) == 2 and header[0] == "row"
     assert header[1:3] == {"single_label": ["label", "label_name"], "multi_label": ["labels", "label_names"],
                            "regression": ["value"]}[task][:2]
     if task == "single_label":
-        assert {answer[2] for answer in answers} <= {"negative", "neutral", "positive"}
+        assert {answer[2] for answer in answered} <= {"negative", "neutral", "positive"}
     if task == "multi_label":
-        assert all(set(filter(None, answer[2].split("|"))) <= set(demo_data.COMPLAINED) for answer in answers)
+        assert all(set(filter(None, answer[2].split("|"))) <= set(demo_data.COMPLAINED) for answer in answered)
