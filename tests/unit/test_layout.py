@@ -7,6 +7,8 @@
   by comparing train.strategy with a name elsewhere: a new strategy is a module and a line
   of registration.
 - Subpackages' __init__ files are empty: importing one of their modules imports nothing else.
+- Test files have unique names across the tiers: pytest imports them by basename (the tiers
+  are not packages), so a second tests/*/test_x.py stops collection of the whole suite.
 """
 
 from __future__ import annotations
@@ -96,3 +98,10 @@ def test_subpackages_init_files_are_empty():
     assert inits == ["checkpoint/__init__.py", "faults/__init__.py", "preflight/__init__.py", "strategies/__init__.py",
                      "tasks/__init__.py"]
     assert all(not (PACKAGE / init).read_text().strip() for init in inits)
+
+
+def test_test_files_have_unique_names_across_tiers():
+    tests = Path(__file__).parents[1]
+    names = [p.name for p in tests.glob("*/test_*.py")]
+    assert len(names) > 50
+    assert sorted({n for n in names if names.count(n) > 1}) == []

@@ -1,5 +1,5 @@
 """Each task's loss and metrics (trainer/tasks/), in process, against scikit-learn and SciPy;
-tests/e2e/test_tasks.py trains each under torchrun."""
+tests/e2e/test_task_training.py trains each under torchrun."""
 
 from __future__ import annotations
 
