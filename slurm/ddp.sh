@@ -245,7 +245,7 @@ launch=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task="$cpus" "$
 # A bad config or key, a missing data column, split or label, fails here, in seconds, with one
 # line, before any node starts torchrun. Run where training runs (the venv or the image): it
 # reads the data as training will, and logs the resolved config, the labels and the memory plan.
-check_args=("${args[@]}")
+check_args=("${args[@]}" "world_size=$(( nnodes * nproc_per_node ))")
 [[ $check_setting != no-data ]] || check_args+=(--no-data)
 if [[ $check_setting == 0 ]]; then
     check=(true)

@@ -142,9 +142,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     trainer_args = (["-c", args.config] if args.config else []) + [PREEMPT_SIGNALS, *args.overrides]
+    tasks_per_node = args.tasks_per_node or max(args.gpus_per_node, 1)
     # `python -m trainer check` before anything is queued: the config, and the data read as the
-    # job will read it (--no-data: all but the data, for data the submit host can't see).
-    checked = trainer_main(["check", *trainer_args, *(["--no-data"] if args.no_data else [])])
+    # job will read it (--no-data: all but the data, for data the submit host can't see), at
+    # the job's world size.
+    checked = trainer_main(["check", *trainer_args, f"world_size={args.nodes * tasks_per_node}",
+                            *(["--no-data"] if args.no_data else [])])
     if checked:
         return checked
     extra = {}
@@ -154,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
             return report(f"--sbatch {option!r} is not KEY=VALUE")
         extra[key] = value
 
-    tasks_per_node = args.tasks_per_node or max(args.gpus_per_node, 1)
     # Whole nodes (--exclusive --mem=0), as slurm/ddp.sh takes them; each task is bound to its
     # own --cpus-per-task, so the node's CPUs are split between its ranks.
     cpus_per_task = args.cpus_per_task or max((node_cpus(args.partition) or tasks_per_node) // tasks_per_node, 1)

@@ -1,7 +1,7 @@
 """`python -m trainer {train,check,doctor,evaluate,predict} -c CONFIG [key=value ...]`, plain or
 under torchrun.
 
-    check [gpu_gib=80] [world_size=8] [--no-data]   the resolved config, the data, the memory plan per GPU
+    check [gpu_gib=80] [world_size=N] [--no-data]   the resolved config, the data, the memory plan per GPU
     evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
     predict checkpoint=PATH|final input=FILE output=FILE   probabilities for each row of a file
 """
@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # The arguments of evaluate and predict: `name=value` like the overrides, which no config key
 # can be taken for (checkpoint is a group of keys, the others are not keys).
-COMMAND_ARGS: dict[str, dict[str, str | None]] = {"check": {"gpu_gib": "80", "world_size": "8"},
+COMMAND_ARGS: dict[str, dict[str, str | None]] = {"check": {"gpu_gib": "80", "world_size": ""},
                 "evaluate": {"checkpoint": "final", "split": None},
                 "predict": {"checkpoint": None, "input": None, "output": None}}
 
@@ -110,10 +110,13 @@ def run_check(cfg, arguments: dict) -> int:
     """validate and print the resolved config, the data and the memory plan per GPU."""
     from trainer import labels, model
     from trainer.preflight import data_check, memory
+    from trainer.strategies import registry
 
     try:
         gpu_bytes = memory.parse_gib(str(arguments["gpu_gib"]))
-        world_size = memory.parse_world_size(str(arguments["world_size"]))
+        world_size = memory.parse_world_size(str(arguments["world_size"] or memory.PLANNED_WORLD_SIZE))
+        if arguments["world_size"]:  # the launch's own (the launchers pass it): what training would refuse
+            registry.of(cfg).check_world_size(world_size)
     except ConfigError as e:
         return errors.report(e)
     print(config.to_yaml(cfg), end="", flush=True)
@@ -129,7 +132,7 @@ def run_check(cfg, arguments: dict) -> int:
             return errors.report(e)
         run_labels, lines, warnings = checked.labels, checked.lines, checked.warnings
     if run_labels is None:  # --no-data without num_labels: a stand-in head, a few bytes off
-        run_labels = labels.Labels(cfg.data.problem_type, ("LABEL_0", "LABEL_1"), "a stand-in", labels.IDS)
+        run_labels = labels.Labels(cfg.data.problem_type, labels.placeholder_names(2), "a stand-in", labels.IDS)
         lines.append("memory plan: data.num_labels not given and the data not read: planned with 2 labels")
     try:
         plan = memory.make(cfg, run_labels, world_size=world_size)  # transformers, the tokenizer and config.json

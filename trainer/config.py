@@ -29,7 +29,7 @@ from trainer.tasks.registry import METRICS
 # --- keys: each one's check and its rule on resume sit on its field ----------------------
 
 FREE, EXTEND, FIXED = "free", "extend", "fixed"
-"""What a resumed run may do with a key (`trainer.resume.config_changes`). FREE: change it; it is how the
+"""What a resumed run may do with a key (`trainer.checkpoint.resume.config_changes`). FREE: change it; it is how the
 run is observed, stored or launched, the same math by other kernels or layouts, or how each
 global batch is split (the global batch itself is checked against the checkpoint's). EXTEND:
 raise it (a longer run). FIXED: it alters the weights, the data order or the model
@@ -162,9 +162,10 @@ class DataConfig:
     eval_split: str = key("test", FIXED)
     """The validation split: evaluated during and after training, each sample exactly once,
     and what checkpoint.best_metric selects the model on. Where the data has no split of
-    that name (a single CSV, say), data.eval_fraction of the train split is held out instead."""
+    this default name (a single CSV, say), data.eval_fraction of the train split is held out
+    instead; another name must be a split of the data, unless the data has a train split only."""
     eval_fraction: float = key(0.1, FIXED, fraction(closed_at_zero=False))
-    """The share of the train split held out for validation when data.eval_split names no
+    """The share of the train split held out for validation when data.eval_split is not a
     split of the data: seeded (seed), stratified by label for single_label, the same on every
     rank and every restart."""
     test_split: str | None = key(None, FREE)
@@ -220,7 +221,7 @@ class TrainConfig:
     batch (a last partial global batch of each epoch is dropped). The LR schedule and the
     progress bar count the derived steps."""
     lr: float = key(2e-5, FIXED, fraction(closed_at_zero=False))
-    """Peak learning rate of AdamW, after linear warmup, then decaying linearly to 0."""
+    """Peak learning rate of AdamW, reached after the warmup, then following train.lr_scheduler."""
     weight_decay: float = key(0.01, FIXED, at_least(0))
     """AdamW's decoupled weight decay, on every trained weight but the biases and the
     normalization layers' weights (as transformers.Trainer and torchtune do)."""

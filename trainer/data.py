@@ -26,7 +26,9 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from trainer import arrow
 from trainer import labels as labels_module
+from trainer.config import DataConfig
 from trainer.distributed import DistEnv, local_rank_zero_first
 from trainer.errors import CheckpointError, ConfigError, DataError, TrainerError, describe, one_line
 from trainer.labels import Labels
@@ -80,11 +82,11 @@ class Data:
     train_sampler: GlobalBatchSampler
     num_train: int
     num_eval: int
+    labels: Labels
+    """The run's label space (trainer/labels.py)."""
     test_loader: DataLoader | None = None
     """data.test_split's, evaluated once at the end; None without one."""
     num_test: int = 0
-    labels: Labels | None = None
-    """The run's label space (trainer/labels.py)."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -177,23 +179,14 @@ def _describe(e: BaseException) -> str:
     return describe(e) if one_line(e) else f"{describe(e)}: no rows could be read (is the file empty?)"
 
 
-def _arrow_column(ds, column: str):
-    """`column` as an Arrow ChunkedArray, in `ds`'s row order (a shuffle/select's indices
-    applied). Not `ds[column]`: that is a lazy column which formats each row in Python when
-    iterated or handed to numpy, ~5 us a row: 2 s per column of 400,000 rows, where this
-    takes milliseconds (with a subsample's indices, ~2 us a row: datasets gathers by row)."""
-    return ds.with_format("arrow")[column]
-
-
 def _int_column(ds, column: str) -> np.ndarray:
     """An integer column as an int64 array of its own: Arrow's is read-only, and
     torch.from_numpy (the length grouping) warns on a read-only array."""
-    return np.asarray(_arrow_column(ds, column).to_numpy(), dtype=np.int64).copy()
+    return np.asarray(arrow.column(ds, column).to_numpy(), dtype=np.int64).copy()
 
 
 def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     for key in ("text_field", "text_pair_field", "label_field"):
         column = data_cfg[key]
@@ -204,12 +197,11 @@ def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
     for key in ("text_field", "text_pair_field"):
         column = data_cfg[key]
         if column is not None:
-            values = _arrow_column(ds, column)
+            values = arrow.column(ds, column)
             if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
                 # A string column's only values that are not str are its nulls: found by Arrow
                 # in milliseconds, where a Python loop over the rows took seconds.
-                first_null = pc.index(pc.is_null(values), True).as_py()
-                row = None if first_null < 0 else first_null
+                row = arrow.first_null(values)
             else:  # any other type: the first row that is not a str, found row by row
                 row = next((i for i, value in enumerate(ds[column]) if not isinstance(value, str)), None)
             if row is not None:
@@ -284,11 +276,11 @@ def _tokenize(ds, data_cfg: DictConfig, split_key: str, tokenizer, labels: Label
     text, pair, label = str(data_cfg.text_field), data_cfg.text_pair_field, str(data_cfg.label_field)
     pair = None if pair is None else str(pair)
     max_length = int(data_cfg.max_length)
-    problem_type, index, num_labels = labels.problem_type, labels.index, labels.num_labels
+    problem_type, stored_as, names = labels.problem_type, labels.stored_as, labels.names
 
     def encode(batch):
         encoded = tokenizer(batch[text], batch[pair] if pair else None, truncation=True, max_length=max_length)
-        encoded["labels"] = labels_module.encode(batch[label], problem_type, index, num_labels)
+        encoded["labels"] = labels_module.encode(batch[label], problem_type, stored_as, names)
         encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
         return encoded
 
@@ -346,6 +338,10 @@ def load(cfg: DictConfig, dist_env: DistEnv, labels: Labels | None = None) -> Sp
         held_out = None
         if split_name(data_cfg.eval_split) in available:
             evaluated = _load_split(data_cfg, "eval_split", available)
+        elif data_cfg.eval_split != DataConfig.eval_split and len(available) > 1:  # a mistyped split
+            raise ConfigError(f"data.eval_split: {data_cfg.eval_split!r} is not a split of {data_cfg.path} (its "
+                              f"splits: {', '.join(available)}); name one of them, or leave data.eval_split unset "
+                              "to hold out data.eval_fraction of the train split")
         else:
             train, evaluated, held_out = _hold_out(train, labels, data_cfg, cfg.seed)
             log.info("data.eval_split: %r is not a split of %s (its splits: %s): validation is %s: %d rows, and "
@@ -359,7 +355,8 @@ def load(cfg: DictConfig, dist_env: DistEnv, labels: Labels | None = None) -> Sp
         if split is not None:
             _check_columns(split, data_cfg, f"data.{split_key}")
             labels_module.check_split(split, labels, data_cfg, f"data.{split_key}")
-    return Splits(train, evaluated, test, labels_module.counted(labels, train, data_cfg, cfg.train), held_out)
+    counted = labels_module.with_counts_and_weights(labels, train, data_cfg, cfg.train)
+    return Splits(train, evaluated, test, counted, held_out)
 
 
 class GlobalBatchSampler(DistributedSampler):
@@ -386,7 +383,7 @@ class GlobalBatchSampler(DistributedSampler):
             shuffle=True, seed=seed, drop_last=True,
         )
         self.lengths, self.label_keys = lengths, label_keys
-        """Each sample's token length, and its label as one int64 (labels.keys), for the ledger."""
+        """Each sample's token length, and its label as one int64 (labels.ledger_keys), for the ledger."""
         self.global_batch = global_batch
         self.group_by_length = group_by_length
         self.steps_per_epoch = len(lengths) // global_batch
@@ -474,7 +471,7 @@ def build(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device:
     splits.steps_per_epoch(plan, cfg.train)  # checked before the model loads; again for other callers
     loader_options = _loader_options(cfg, tokenizer, device)
     train_sampler = GlobalBatchSampler(
-        _int_column(train_ds, "length"), labels_module.keys(_arrow_column(train_ds, "labels")), plan.global_batch,
+        _int_column(train_ds, "length"), labels_module.ledger_keys(arrow.column(train_ds, "labels")), plan.global_batch,
         dist_env, cfg.seed, data_cfg.group_by_length,
     )
     train_loader = DataLoader(
@@ -483,9 +480,9 @@ def build(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device:
     )
     return Data(
         train_loader, _eval_loader(eval_ds, cfg, dist_env, loader_options), train_sampler,
-        len(train_ds), len(eval_ds),
+        len(train_ds), len(eval_ds), splits.labels,
         test_loader=None if test_ds is None else _eval_loader(test_ds, cfg, dist_env, loader_options),
-        num_test=0 if test_ds is None else len(test_ds), labels=splits.labels,
+        num_test=0 if test_ds is None else len(test_ds),
     )
 
 

@@ -1,26 +1,29 @@
 """The labels as a dataset stores them, and the label space the model learns: resolved once
-from the train split's label column and checked on every split, in Arrow (no Python loop
-over the rows: milliseconds for 400,000 of them).
+from the train split's label column and checked on every split, in Arrow (trainer/arrow.py:
+milliseconds for 400,000 rows).
 
 `Labels` is the run's label space: the task (data.problem_type), the class names in id order
-and where they came from, how the column stores them (class ids, names, numbers), each class's
-count in the train split, and the class weights (train.class_weights). It is saved in every
-checkpoint, whose resume refuses data that gives another (trainer/checkpoint/train_state.py),
-goes into final/'s config (id2label, problem_type) and summary.json, and `check` prints it.
+and where they came from, how the column stores them (class ids, names, multi-hot rows,
+numbers), each class's count in the train split, and the class weights (train.class_weights).
+It is saved in every checkpoint, whose resume refuses data that gives another
+(trainer/checkpoint/train_state.py), goes into final/'s config (id2label, problem_type) and
+summary.json, and `check` prints it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 
+from trainer import arrow
 from trainer.errors import DataError
 
-IDS, NAMES, NUMBERS = "ids", "names", "numbers"
-"""How a label column stores its labels."""
+IDS, NAMES, MULTI_HOT, NUMBERS = "ids", "names", "multi-hot rows", "numbers"
+"""How a label column stores its labels: class ids, class names (single_label, or lists of
+them: multi_label), a row of 0 or 1 per label (multi_label), numbers (regression)."""
 
 
 @dataclass(frozen=True)
@@ -29,9 +32,9 @@ class Labels:
     names: tuple[str, ...]
     """The class names in id order (LABEL_0, ... for ids without names); () for regression."""
     source: str
-    """Where the names come from: data.label_names, ClassLabel, the train split, ids."""
+    """Where the names come from: data.label_names, ClassLabel, the train split, ..."""
     stored_as: str
-    """IDS, NAMES or NUMBERS."""
+    """IDS, NAMES, MULTI_HOT or NUMBERS."""
     counts: tuple[int, ...] = ()
     """The train split's rows of each class (multi_label: the rows that hold it)."""
     rows: int = 0
@@ -43,11 +46,6 @@ class Labels:
     def num_labels(self) -> int:
         """The classification head's outputs."""
         return 1 if self.problem_type == "regression" else len(self.names)
-
-    @property
-    def index(self) -> dict[str, int] | None:
-        """Each name's id, for a column of names; None for ids and numbers."""
-        return {name: i for i, name in enumerate(self.names)} if self.stored_as == NAMES else None
 
     def state_dict(self) -> dict:
         return {**asdict(self), "names": list(self.names), "counts": list(self.counts),
@@ -68,40 +66,60 @@ class Labels:
         """One line: the task and its classes."""
         if self.problem_type == "regression":
             return "regression on one number"
-        shown = ", ".join(self.names[:8]) + (f", ... ({len(self.names)} in all)" if len(self.names) > 8 else "")
         weighted = "" if self.weights is None else ", class-weighted"
-        return f"{self.problem_type}, {self.num_labels} labels from {self.source}: {shown}{weighted}"
+        return f"{self.problem_type}, {self.num_labels} labels from {self.source}: {_shown(self.names, 8)}{weighted}"
+
+    def differences(self, other: Labels) -> list[str]:
+        """What differs from `other`, field by field: `name: mine -> other's`."""
+        return [f"{field.name}: {_shown_value(getattr(self, field.name))} -> {_shown_value(getattr(other, field.name))}"
+                for field in fields(self) if getattr(self, field.name) != getattr(other, field.name)]
+
+
+def placeholder_names(count: int) -> tuple[str, ...]:
+    """The names of class ids without names, as transformers names them."""
+    return tuple(f"LABEL_{i}" for i in range(count))
 
 
 def from_config(data_cfg) -> Labels | None:
     """The label space the config alone gives (no data read): for `check --no-data`'s memory
-    plan and checkpoints of older runs; None where only the data can tell."""
+    plan; None where only the data can tell."""
     if data_cfg.problem_type == "regression":
         return Labels("regression", (), "the task", NUMBERS)
     if data_cfg.label_names is not None:
         return Labels(data_cfg.problem_type, tuple(data_cfg.label_names), "data.label_names", IDS)
     if data_cfg.num_labels is not None:
-        return Labels(data_cfg.problem_type, _placeholders(data_cfg.num_labels), "data.num_labels", IDS)
+        return Labels(data_cfg.problem_type, placeholder_names(data_cfg.num_labels), "data.num_labels", IDS)
     return None
 
 
-def _placeholders(count: int) -> tuple[str, ...]:
-    return tuple(f"LABEL_{i}" for i in range(count))
+def _shown(names: Sequence, most: int = 6) -> str:
+    return ", ".join(map(str, names[:most])) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
+def _shown_value(value: Any) -> str:
+    return f"({_shown(value)})" if isinstance(value, tuple) else str(value)
 
 
 # --- reading the label column ---------------------------------------------------------------
 
 
+@dataclass
+class _Read:
+    """A label column as one flat Arrow array of labels, and the row of each."""
+
+    values: Any
+    """The column itself (single_label, regression); the lists' elements (multi_label); for
+    multi-hot rows, the position of each 1, which is its class id."""
+    rows: np.ndarray | None
+    """Each value's row; None: the values are the rows."""
+    kind: str
+    """IDS, NAMES, MULTI_HOT or NUMBERS."""
+    width: int = 0
+    """MULTI_HOT: the length of every row."""
+
+
 def _error(data_cfg, split_key: str, what: str) -> DataError:
     return DataError(f"data.label_field: column {data_cfg.label_field!r} in {split_key} {what}")
-
-
-def _first(mask) -> int | None:
-    """The first row where an Arrow boolean mask is true, or None."""
-    import pyarrow.compute as pc
-
-    found = pc.index(mask, True).as_py()
-    return None if found < 0 else found
 
 
 def _kind(arrow_type) -> str:
@@ -118,6 +136,92 @@ def _kind(arrow_type) -> str:
     return str(arrow_type)
 
 
+def _as_ids(values):
+    """Numbers that are all whole (1.0, as pandas writes ids beside a missing value) as int64
+    class ids; else None."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    as_float = values.cast(pa.float64())
+    if len(values) and not pc.all(pc.equal(pc.floor(as_float), as_float)).as_py():
+        return None
+    return as_float.cast(pa.int64())
+
+
+def _read(column, data_cfg, split_key: str, multi_hot: bool | None = None) -> _Read:
+    """The labels of `column`, checked for the task: no nulls, the type the task reads.
+    `multi_hot`: whether multi_label lists are multi-hot rows; None: decided by the lists."""
+    import pyarrow.compute as pc
+
+    null = arrow.first_null(column)
+    if null is not None:
+        raise _error(data_cfg, split_key, f"has no label in row {null}")
+    kind, problem = _kind(column.type), data_cfg.problem_type
+    if problem == "multi_label":
+        if kind != "lists":
+            raise _error(data_cfg, split_key, f"holds {kind}, not lists: data.problem_type=multi_label reads a list "
+                                              "of class names or ids per row (JSONL or Parquet: [\"a\", \"c\"])")
+        return _read_lists(column, data_cfg, split_key, multi_hot)
+    if kind == "lists":
+        raise _error(data_cfg, split_key, f"holds lists: for a set of classes per row, set data.problem_type="
+                                          f"multi_label (data.problem_type is {problem})")
+    if kind not in (IDS, NAMES, NUMBERS):  # a JSON column of mixed values, a struct, ...
+        raise _error(data_cfg, split_key, f"holds values of type {kind}, not class ids, names, lists or numbers "
+                                          "(are its rows of one kind?)")
+    if problem == "regression":
+        if kind == NAMES:
+            raise _error(data_cfg, split_key, "holds names: data.problem_type=regression needs numbers")
+        nan = arrow.first_true(pc.is_nan(column.cast("float64")))
+        if nan is not None:
+            raise _error(data_cfg, split_key, f"has NaN in row {nan}")
+        return _Read(column, None, NUMBERS)
+    if kind == NUMBERS:
+        ids = _as_ids(column)
+        if ids is None:
+            raise _error(data_cfg, split_key, "holds numbers with fractions: single_label needs class ids (integers) "
+                                              "or names (strings); for a number to predict, set "
+                                              "data.problem_type=regression")
+        return _Read(ids, None, IDS)
+    return _Read(column, None, kind)
+
+
+def _read_lists(column, data_cfg, split_key: str, multi_hot: bool | None) -> _Read:
+    """multi_label's lists: of class names or ids, or multi-hot rows (as many 0s and 1s as
+    there are labels, in every row). Lists of ids that are all as long, of 0s and 1s only, can
+    only be multi-hot: as ids they would say every row holds the same two classes."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values, rows = pc.list_flatten(column), pc.list_parent_indices(column).to_numpy()
+    null = arrow.first_null(values)
+    if null is not None:
+        raise _error(data_cfg, split_key, f"has a null label in the list of row {rows[null]}")
+    kind = _kind(values.type)
+    if kind == NUMBERS:
+        values, kind = _as_ids(values), IDS
+        if values is None:
+            raise _error(data_cfg, split_key, "holds lists of numbers with fractions: multi_label reads each row's "
+                                              "class names or ids, or a multi-hot row (a 0 or 1 per label)")
+    if kind not in (IDS, NAMES):
+        raise _error(data_cfg, split_key, f"holds lists of {kind}: multi_label reads each row's class names or ids, "
+                                          "or a multi-hot row (a 0 or 1 per label)")
+    if kind == NAMES or multi_hot is False:
+        return _Read(values, rows, kind)
+    lengths = pc.min_max(pc.list_value_length(column))
+    width = lengths["max"].as_py()
+    ones = pc.equal(values.cast(pa.int64()), 1)
+    zero_or_one = pc.all(pc.or_(ones, pc.equal(values.cast(pa.int64()), 0))).as_py()
+    if multi_hot is None and not (lengths["min"].as_py() == width >= 2 and zero_or_one):
+        return _Read(values, rows, IDS)
+    if lengths["min"].as_py() != width:
+        raise _error(data_cfg, split_key, f"holds multi-hot rows of {lengths['min']} to {width} values: each row "
+                                          "holds a 0 or 1 for every label")
+    if not zero_or_one:
+        raise _error(data_cfg, split_key, "holds a value other than 0 and 1 in a multi-hot row")
+    positions = np.flatnonzero(ones.to_numpy(zero_copy_only=False))
+    return _Read(pa.array(positions % width, type=pa.int64()), positions // width, MULTI_HOT, width)
+
+
 def _class_label_names(feature) -> list[str] | None:
     """A ClassLabel's names: the column's own, or its elements' (a list of ClassLabel)."""
     for candidate in (feature, getattr(feature, "feature", None)):
@@ -127,144 +231,122 @@ def _class_label_names(feature) -> list[str] | None:
     return None
 
 
-def _values(column, data_cfg, split_key: str):
-    """The column's labels as one flat Arrow array, and the row of each: the column itself for
-    single_label and regression, the lists' elements for multi_label. Nulls are refused."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    null = _first(pc.is_null(column)) if column.null_count else None
-    if null is not None:
-        raise _error(data_cfg, split_key, f"has no label in row {null}")
-    kind, problem = _kind(column.type), data_cfg.problem_type
-    if kind not in (IDS, NAMES, NUMBERS, "lists"):  # a JSON column of mixed values, a struct, ...
-        raise _error(data_cfg, split_key, f"holds values of type {kind}, not class ids, names, lists or numbers "
-                                          "(are its rows of one kind?)")
-    if problem == "multi_label":
-        if kind != "lists":
-            raise _error(data_cfg, split_key, f"holds {kind}, not lists: data.problem_type=multi_label reads a list "
-                                              "of class names or ids per row (JSONL or Parquet: [\"a\", \"c\"])")
-        values, rows = pc.list_flatten(column), pc.list_parent_indices(column)
-        if values.null_count:
-            raise _error(data_cfg, split_key, f"has a null label in the list of row {rows[_first(pc.is_null(values))]}")
-        return values, rows
-    if kind == "lists":
-        raise _error(data_cfg, split_key, f"holds lists: for a set of classes per row, set data.problem_type="
-                                          f"multi_label (data.problem_type is {problem})")
-    if problem == "regression" and kind not in (IDS, NUMBERS):
-        raise _error(data_cfg, split_key, f"holds {kind}: data.problem_type=regression needs numbers")
-    if problem == "single_label" and kind == NUMBERS:
-        raise _error(data_cfg, split_key, "holds numbers with fractions: single_label needs class ids (integers) "
-                                          "or names (strings); for a number to predict, set "
-                                          "data.problem_type=regression")
-    return column, None
-
-
 def resolve(train_ds, data_cfg) -> Labels:
-    """The run's classes from the whole train split (a `datasets` split, read in Arrow); its
-    counts and weights are `counted`'s."""
+    """The run's classes from the whole train split (a `datasets` split); its counts and
+    weights are `with_counts_and_weights`'s."""
     import pyarrow.compute as pc
 
-    column = train_ds.with_format("arrow")[data_cfg.label_field]
-    values, _ = _values(column, data_cfg, "data.train_split")
+    column, field = arrow.column(train_ds, data_cfg.label_field), data_cfg.label_field
+    feature_names = _class_label_names(train_ds.features.get(field))
+    # A list of ClassLabel holds ids, whatever their values.
+    read = _read(column, data_cfg, "data.train_split", multi_hot=False if feature_names else None)
     if data_cfg.problem_type == "regression":
-        if pc.any(pc.is_nan(values.cast("float64"))).as_py():
-            raise _error(data_cfg, "data.train_split", f"has NaN in row {_first(pc.is_nan(values.cast('float64')))}")
         return Labels("regression", (), "the task", NUMBERS)
-    kind = _kind(values.type)
-    feature_names = _class_label_names(train_ds.features.get(data_cfg.label_field))
     if data_cfg.label_names is not None:
         names, source = list(data_cfg.label_names), "data.label_names"
+        _same_order(names, feature_names, field)
     elif feature_names is not None:
         names, source = feature_names, "ClassLabel"
-    elif kind == NAMES:
-        names, source = sorted(pc.unique(values).to_pylist()), "the train split"
+    elif read.kind == NAMES:
+        names, source = sorted(pc.unique(read.values).to_pylist()), "the train split"
+    elif data_cfg.num_labels is not None:
+        names, source = list(placeholder_names(data_cfg.num_labels)), "data.num_labels"
+    elif read.kind == MULTI_HOT:
+        names, source = list(placeholder_names(read.width)), "the train split's multi-hot rows"
     else:
-        high = pc.max(values).as_py()
-        count = data_cfg.num_labels if data_cfg.num_labels is not None else (0 if high is None else int(high) + 1)
-        names, source = list(_placeholders(count)), "ids" if data_cfg.num_labels is None else "data.num_labels"
+        high = pc.max(read.values).as_py()
+        names, source = list(placeholder_names(0 if high is None else int(high) + 1)), "the train split's ids"
     if data_cfg.num_labels is not None and len(names) != data_cfg.num_labels:
         raise DataError(f"data.num_labels: {data_cfg.num_labels}, but the labels are {len(names)} "
                         f"({_shown(names)}, from {source})")
     if len(names) < 2:
-        raise DataError(f"data.label_field: column {data_cfg.label_field!r} in data.train_split has "
-                        f"{len(names)} class{'es' if len(names) != 1 else ''} ({_shown(names)}): "
-                        f"{data_cfg.problem_type} needs 2 or more")
-    labels = Labels(data_cfg.problem_type, tuple(map(str, names)), source, NAMES if kind == NAMES else IDS)
-    class_ids(column, labels, data_cfg, "data.train_split")  # every train label is one of them
+        raise DataError(f"data.label_field: column {field!r} in data.train_split has {len(names)} "
+                        f"class{'es' if len(names) != 1 else ''} ({_shown(names)}): {data_cfg.problem_type} needs "
+                        "2 or more")
+    stored_as = read.kind if read.kind in (NAMES, MULTI_HOT) else IDS
+    labels = Labels(data_cfg.problem_type, tuple(map(str, names)), source, stored_as)
+    _ids(column, labels, data_cfg, "data.train_split")  # every train label is one of them
     return labels
 
 
-def counted(labels: Labels, train_ds, data_cfg, train_cfg) -> Labels:
-    """`labels` with the train split's (the rows that train: after a held-out validation
-    share and data.max_train_samples) count of each class, and the class weights."""
-    column = train_ds.with_format("arrow")[data_cfg.label_field]
-    if labels.problem_type == "regression":
-        return replace(labels, rows=len(column))
-    ids = class_ids(column, labels, data_cfg, "data.train_split")
-    with_counts = replace(labels, counts=tuple(int(n) for n in np.bincount(ids, minlength=labels.num_labels)),
-                          rows=len(column))
-    return replace(with_counts, weights=_weights(with_counts, train_cfg.class_weights))
+def _same_order(names: list[str], feature_names: list[str] | None, field: str) -> None:
+    """data.label_names may rename a ClassLabel's ids, not reorder them: the column stores ids."""
+    if feature_names is None:
+        return
+    moved = [name for name in names if name in feature_names and names.index(name) != feature_names.index(name)]
+    if moved:
+        raise DataError(f"data.label_names: {moved[0]!r} is id {names.index(moved[0])} there and id "
+                        f"{feature_names.index(moved[0])} in column {field!r}'s ClassLabel ({_shown(feature_names)}): "
+                        "the column stores ids, so the names follow ClassLabel's order; leave data.label_names unset "
+                        "to use them")
 
 
-def _shown(names: Sequence[str]) -> str:
-    return ", ".join(map(str, names[:6])) + (", ..." if len(names) > 6 else "")
-
-
-def class_ids(column, labels: Labels, data_cfg, split_key: str) -> np.ndarray:
-    """The class id of every label in `column` (flat: multi_label's lists' elements), each
-    checked to be one of `labels`: an unknown one is an error naming the value, the split and
-    the row."""
+def _ids(column, labels: Labels, data_cfg, split_key: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The class id of every label in `column`, and the row of each (None: one per row),
+    each checked to be one of `labels`: an unknown one is an error naming the value, the
+    split and the row."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    values, rows = _values(column, data_cfg, split_key)
-    kind = _kind(values.type)
+    multi_hot = labels.stored_as == MULTI_HOT if labels.problem_type == "multi_label" else None
+    read = _read(column, data_cfg, split_key, multi_hot)
 
     def row_of(i: int) -> int:
-        return i if rows is None else rows[i].as_py()
+        return i if read.rows is None else int(read.rows[i])
 
-    if labels.stored_as == NAMES:
-        if kind != NAMES:
-            raise _error(data_cfg, split_key, f"holds {kind}, and the train split names its labels")
-        ids = pc.index_in(values, value_set=pa.array(labels.names))
-        missing = _first(pc.is_null(ids)) if ids.null_count else None
+    if (read.kind == NAMES) != (labels.stored_as == NAMES):
+        raise _error(data_cfg, split_key, f"holds {read.kind}, where the labels from {labels.source} are "
+                                          f"{labels.stored_as}")
+    if read.kind == MULTI_HOT and read.width != labels.num_labels:
+        raise _error(data_cfg, split_key, f"holds multi-hot rows of {read.width} values, for the {labels.num_labels} "
+                                          f"labels from {labels.source} ({_shown(labels.names)})")
+    if read.kind == NAMES:
+        ids = pc.index_in(read.values, value_set=pa.array(labels.names))
+        missing = arrow.first_null(ids)
         if missing is not None:
-            where = "data.label_names" if labels.source == "data.label_names" else "the train split's labels"
-            raise _error(data_cfg, split_key, f"has {values[missing].as_py()!r} in row {row_of(missing)}, which is not "
-                                              f"one of {where} ({_shown(labels.names)})")
-        return ids.to_numpy(zero_copy_only=False).astype(np.int64)
-    if kind != IDS:
-        raise _error(data_cfg, split_key, f"holds {kind}, and the train split holds class ids")
-    ids = values.cast(pa.int64())
-    outside = _first(pc.or_(pc.less(ids, 0), pc.greater_equal(ids, labels.num_labels))) if len(ids) else None
+            raise _error(data_cfg, split_key, f"has {read.values[missing].as_py()!r} in row {row_of(missing)}, which "
+                                              f"is not one of the labels from {labels.source} "
+                                              f"({_shown(labels.names)})")
+        return ids.to_numpy(zero_copy_only=False).astype(np.int64), read.rows
+    ids = read.values.cast(pa.int64())
+    outside = arrow.first_true(pc.or_(pc.less(ids, 0), pc.greater_equal(ids, labels.num_labels)))
     if outside is not None:
         extremes = pc.min_max(ids)
-        raise DataError(f"data.num_labels: {split_key} has labels in [{extremes['min']}, {extremes['max']}], "
-                        f"outside [0, {labels.num_labels - 1}] (row {row_of(outside)})")
-    return ids.to_numpy(zero_copy_only=False)
+        key = labels.source if labels.source.startswith("data.") else "data.label_field"
+        raise DataError(f"{key}: {split_key} has labels in [{extremes['min']}, {extremes['max']}], outside "
+                        f"[0, {labels.num_labels - 1}] (row {row_of(outside)}): the labels from {labels.source} are "
+                        f"{labels.num_labels}")
+    return ids.to_numpy(zero_copy_only=False), read.rows
 
 
 def check_split(ds, labels: Labels, data_cfg, split_key: str) -> None:
     """Every label of another split (validation, test) is one the run knows."""
-    import pyarrow.compute as pc
-
-    column = ds.with_format("arrow")[data_cfg.label_field]
+    column = arrow.column(ds, data_cfg.label_field)
     if labels.problem_type == "regression":
-        values, _ = _values(column, data_cfg, split_key)
-        nan = pc.is_nan(values.cast("float64"))
-        if pc.any(nan).as_py():
-            raise _error(data_cfg, split_key, f"has NaN in row {_first(nan)}")
-        return
-    class_ids(column, labels, data_cfg, split_key)
+        _read(column, data_cfg, split_key)
+    else:
+        _ids(column, labels, data_cfg, split_key)
 
 
 def single_label_ids(ds, labels: Labels, data_cfg) -> np.ndarray | None:
     """Each row's class id, for stratifying a split: single_label only, else None."""
     if labels.problem_type != "single_label":
         return None
-    return class_ids(ds.with_format("arrow")[data_cfg.label_field], labels, data_cfg, "data.train_split")
+    return _ids(arrow.column(ds, data_cfg.label_field), labels, data_cfg, "data.train_split")[0]
+
+
+def with_counts_and_weights(labels: Labels, train_ds, data_cfg, train_cfg) -> Labels:
+    """`labels` with the count of each class in the rows that train (after a held-out
+    validation share and data.max_train_samples), and the class weights."""
+    column = arrow.column(train_ds, data_cfg.label_field)
+    if labels.problem_type == "regression":
+        return replace(labels, rows=len(column))
+    ids, rows = _ids(column, labels, data_cfg, "data.train_split")
+    if rows is not None:  # the rows holding each label: a label listed twice in a row counts once
+        ids = np.unique(rows * labels.num_labels + ids) % labels.num_labels
+    counted = replace(labels, counts=tuple(int(n) for n in np.bincount(ids, minlength=labels.num_labels)),
+                      rows=len(column))
+    return replace(counted, weights=_weights(counted, train_cfg.class_weights))
 
 
 def _weights(labels: Labels, setting: Any) -> tuple[float, ...] | None:
@@ -292,24 +374,27 @@ def _weights(labels: Labels, setting: Any) -> tuple[float, ...] | None:
 # --- into the model's labels -----------------------------------------------------------------
 
 
-def encode(values: list, problem_type: str, index: dict[str, int] | None, num_labels: int) -> list:
+def encode(values: list, problem_type: str, stored_as: str, names: tuple[str, ...]) -> list:
     """A batch of the column's labels as the model's: class ids (single_label), multi-hot rows
-    of floats (multi_label), floats (regression). Run in the tokenizing map, on labels
-    `class_ids` has checked; plain arguments, which `datasets` hashes into the cache's name."""
+    of floats (multi_label), floats (regression). Run in the tokenizing map, on labels `_ids`
+    has checked; plain arguments, which `datasets` hashes into the cache's name."""
     if problem_type == "regression":
         return [float(v) for v in values]
+    if stored_as == MULTI_HOT:
+        return [[float(v) for v in row] for row in values]
+    index = {name: i for i, name in enumerate(names)} if stored_as == NAMES else None
     if problem_type == "single_label":
         return [index[v] for v in values] if index is not None else [int(v) for v in values]
     rows = []
     for row in values:
-        hot = [0.0] * num_labels
+        hot = [0.0] * len(names)
         for value in row:
             hot[index[value] if index is not None else int(value)] = 1.0
         rows.append(hot)
     return rows
 
 
-def keys(column) -> np.ndarray:
+def ledger_keys(column) -> np.ndarray:
     """One int64 per row that changes with the row's label (the model's, after `encode`), for
     the data ledger (trainer/data.py): the class id; a number's bits; a multi-hot row packed."""
     import pyarrow as pa

@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from trainer.errors import ConfigError, describe
-from trainer.labels import IDS, NUMBERS, Labels
+from trainer.labels import IDS, NUMBERS, Labels, placeholder_names
 
 if TYPE_CHECKING:  # transformers is imported where a model is loaded: it is slow to import
     from transformers import PretrainedConfig, PreTrainedModel
@@ -73,7 +73,7 @@ def load_config(model_cfg: DictConfig, labels: Labels, device_type: str,
 
     from trainer.tasks.registry import task_class
 
-    names = labels.names or tuple(f"LABEL_{i}" for i in range(labels.num_labels))
+    names = labels.names or placeholder_names(labels.num_labels)
     try:
         pad = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
         config = AutoConfig.from_pretrained(
@@ -153,8 +153,9 @@ def labels_of(config: PretrainedConfig) -> Labels:
     saved = getattr(config, "trainer_labels", None)
     if saved:
         return Labels.from_state(saved)
-    problem_type = {"multi_label_classification": "multi_label", "regression": "regression"}.get(
-        getattr(config, "problem_type", None) or "", "single_label")
+    from trainer.tasks.registry import of_transformers
+
+    problem_type = of_transformers(getattr(config, "problem_type", None))
     if problem_type == "regression":
         return Labels("regression", (), "the task", NUMBERS)
     # A loaded config's id2label has int keys (transformers converts config.json's strings).

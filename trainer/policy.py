@@ -73,7 +73,8 @@ class Selection:
     """
 
     metric: str | None
-    """accuracy, f1_macro, loss; None: no selection (and no early stopping)."""
+    """Any validation metric of the task (trainer/tasks/registry.py); None: no selection (and
+    no early stopping)."""
     higher_is_better: bool = True
     patience: int = 0
     threshold: float = 0.0

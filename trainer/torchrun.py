@@ -9,8 +9,9 @@ torchrun's own (its rendezvous) is a crash, retryable.
 
 With TRAINER_CHECK=1 (the Kubernetes manifests set it) a training launch first runs `python -m
 trainer check` on the same config and overrides, in this process: the data read and checked,
-the labels resolved, the memory plan made, before any rank starts. A mistake is one line and
-exit 2 (never retried), not a pod of ranks that each fail after the rendezvous.
+the labels resolved, the memory plan made for the launch's world size, before any rank starts.
+A mistake is one line and exit 2 (never retried), not a pod of ranks that each fail after the
+rendezvous.
 TRAINER_CHECK=no-data checks everything but the data.
 """
 
@@ -48,7 +49,23 @@ def check_first(argv: list[str], environ=os.environ) -> int:
         return 0
     from trainer.__main__ import main as trainer_main
 
-    return trainer_main(["check", *args, *CHECKS[setting]])
+    world_size = launch_world_size(argv)
+    sized = [] if world_size is None else [f"world_size={world_size}"]
+    return trainer_main(["check", *args, *sized, *CHECKS[setting]])
+
+
+def launch_world_size(argv: list[str]) -> int | None:
+    """The ranks this launch starts, as torchrun reads its arguments (and their PET_*
+    environment defaults, which the Kubeflow operators set): nodes (the least of an elastic
+    MIN:MAX, the memory plan's worst case) times processes per node. None where torchrun
+    would count devices this host may not have (--nproc-per-node=gpu on a CPU host)."""
+    from torch.distributed.run import determine_local_world_size, get_args_parser, parse_min_max_nnodes
+
+    launch = get_args_parser().parse_args(argv)
+    try:
+        return parse_min_max_nnodes(launch.nnodes)[0] * determine_local_world_size(launch.nproc_per_node)
+    except ValueError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

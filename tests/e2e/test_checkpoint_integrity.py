@@ -89,7 +89,7 @@ def test_pruning_never_deletes_the_last_good_checkpoint(uninterrupted, tiny_mode
 
 
 # FSDP's synchronous saves raise DCP's failures through the same path as its async ones
-# (sharded._reported), which this covers with the background write's extra steps.
+# (formats.dcp_failures), which this covers with the background write's extra steps.
 @pytest.mark.parametrize("strategy, async_save", [("ddp", False), ("ddp", True), ("fsdp", True)],
                          ids=["sync", "async", "fsdp-async"])
 def test_disk_full_mid_save_keeps_the_previous_checkpoint(uninterrupted, tiny_model, reviews, tmp_path, strategy,

@@ -88,7 +88,7 @@ def test_a_validation_label_that_train_never_saw_stops_check_and_train_alike(usa
         result = usage_run(tiny_overrides(tiny_model, data, tmp_path / "run", **{"data.num_labels": "null"}),
                            command=command)
         assert_usage_error(result, "data.label_field: column 'label' in data.eval_split has 'mixed' in row 6, which "
-                                   "is not one of the train split's labels (negative, positive)")
+                                   "is not one of the labels from the train split (negative, positive)")
     assert not (tmp_path / "run").exists()
 
 
@@ -190,6 +190,17 @@ def test_the_8b_full_fsdp_example_fits_when_sharded_over_16_gpus(usage_run):
     assert "1/16 of each on this rank (FSDP)" in sharded.output and "#   fits in 80.00 GiB" in sharded.output
     whole = usage_run([*shape, "world_size=1"], command="check", config="configs/llama8b_full_fsdp.yaml")
     assert whole.returncode == 0 and "#   does NOT fit in 80.00 GiB" in whole.output, whole.output[-2000:]
+
+
+def test_check_at_the_launchs_world_size_refuses_a_global_batch_it_cannot_split(usage_run, tiny_model, reviews,
+                                                                                 tmp_path):
+    """The launchers pass their world size to `check` (ddp.sh, submit.py, trainer.torchrun):
+    a global batch every rank would refuse after the rendezvous is one line before it; `check`
+    without one plans for 8 ranks and only warns."""
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"train.global_batch": 8})
+    assert_usage_error(usage_run([*overrides, "world_size=3"], command="check"),
+                       "train.global_batch: 8 samples per step cannot be split evenly over world size 3")
+    assert usage_run([*overrides, "world_size=2"], command="check").returncode == 0
 
 
 def test_positions_are_checked_before_any_weight_loads(usage_run, tiny_model, reviews, tmp_path):

@@ -283,7 +283,7 @@ def test_a_data_mistake_fails_the_check_step_and_no_rank_starts(cluster, tiny_mo
                                                                           "TRAINER_DRY_RUN": "1"})
     record = finished(cluster, job_id, log, timeout=60)
     (would_check,) = [line for line in record["log"].splitlines() if line.startswith("slurm/ddp.sh: would check:")]
-    assert would_check.endswith(" --no-data"), record["log"]
+    assert would_check.endswith(" world_size=2 --no-data"), record["log"]
 
 
 def test_submitit_does_not_requeue_a_node_fault_that_would_leave_too_few_nodes(cluster, tmp_path):

@@ -17,8 +17,10 @@ from trainer.config import TrainConfig
 from trainer.data import BatchPlan, Data, GlobalBatchSampler, check_position, micro_batches, position
 from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError, ConfigError
+from trainer.labels import IDS, Labels, placeholder_names
 
 SAMPLES, GLOBAL_BATCH, BATCH_SIZE = 50, 6, 3  # 8 steps per epoch; 2 samples dropped from each
+THREE_CLASSES = Labels("single_label", placeholder_names(3), "data.num_labels", IDS)
 STEPS_PER_EPOCH = SAMPLES // GLOBAL_BATCH
 RNG = np.random.default_rng(0)
 LENGTHS, LABELS = RNG.integers(5, 60, SAMPLES), RNG.integers(0, 3, SAMPLES)
@@ -53,7 +55,7 @@ def rank_data(world_size: int, rank: int, seed: int = 0, labels=LABELS, group_by
     sampler = GlobalBatchSampler(LENGTHS, labels, GLOBAL_BATCH, DistEnv(rank=rank, world_size=world_size), seed,
                                  group_by_length)
     loader = DataLoader(list(range(SAMPLES)), batch_size=plan.micro_batch, sampler=sampler, drop_last=True)
-    return Data(loader, None, sampler, SAMPLES, 0), plan.grad_accum
+    return Data(loader, None, sampler, SAMPLES, 0, THREE_CLASSES), plan.grad_accum
 
 
 def global_batches(world_size: int, start_step: int, steps: int, group_by_length: bool = False

@@ -63,9 +63,10 @@ def test_label_names_given_fix_the_ids_and_refuse_any_other_name(tmp_path):
     path = write_csv(tmp_path / "reviews.csv", sentiment(30))
     splits = load(tmp_path, path, "data.label_names=[positive,neutral,negative]")
     assert splits.labels.names == ("positive", "neutral", "negative") and splits.labels.source == "data.label_names"
-    assert splits.labels.index == {"positive": 0, "neutral": 1, "negative": 2}
+    assert labels_module.encode(["negative", "positive"], "single_label", "names", splits.labels.names) == [2, 0]
     with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.train_split has 'neutral' in "
-                                        r"row 1, which is not one of data.label_names \(positive, negative\)$"):
+                                        r"row 1, which is not one of the labels from data.label_names "
+                                        r"\(positive, negative\)$"):
         load(tmp_path, path, "data.label_names=[positive,negative]")
     with pytest.raises(DataError, match=r"^data.num_labels: 2, but the labels are 3 \(negative, neutral, positive, "
                                         r"from the train split\)$"):
@@ -78,19 +79,44 @@ def test_a_validation_label_that_train_never_saw_names_the_value_the_split_and_t
     write_jsonl(folder / "train.jsonl", sentiment(12, ("negative", "positive")))
     write_jsonl(folder / "test.jsonl", [*sentiment(4, ("negative", "positive")), {"text": "meh", "label": "mixed"}])
     with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.eval_split has 'mixed' in row 4, "
-                                        r"which is not one of the train split's labels \(negative, positive\)$"):
+                                        r"which is not one of the labels from the train split "
+                                        r"\(negative, positive\)$"):
         load(tmp_path, folder)
 
 
-def test_class_ids_keep_working_and_their_count_is_inferred(tmp_path, labeled_reviews):
+def test_a_validation_split_that_is_not_one_is_refused_where_the_data_has_others(tmp_path):
+    """Holding out is for data without a validation split: a mistyped name must not
+    silently train on 90% of train and select the model on rows of its own."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for split in ("train", "validation"):
+        write_jsonl(folder / f"{split}.jsonl", sentiment(20))
+    with pytest.raises(ConfigError, match=r"^data.eval_split: 'valid' is not a split of .*data \(its splits: "
+                                          r"train, validation\); name one of them, or leave data.eval_split unset"):
+        load(tmp_path, folder, "data.eval_split=valid")
+    assert load(tmp_path, folder).held_out.startswith("10% of data.train_split")  # the default, test: none here
+    assert load(tmp_path, folder, "data.eval_split=validation").held_out is None
+    single = write_csv(tmp_path / "reviews.csv", sentiment(20))  # one split: any name holds out
+    assert load(tmp_path, single, "data.eval_split=validation").held_out.startswith("10% of data.train_split")
+
+
+def test_class_ids_are_read_and_their_count_inferred(tmp_path, labeled_reviews):
     rows = [{"text": TEXTS[i % 6], "label": i % 4} for i in range(40)]
     splits = load(tmp_path, write_jsonl(tmp_path / "ids.jsonl", rows))
     assert splits.labels.names == ("LABEL_0", "LABEL_1", "LABEL_2", "LABEL_3") and splits.labels.stored_as == "ids"
-    with pytest.raises(DataError, match=r"^data.num_labels: data.train_split has labels in \[0, 3\], outside \[0, 2\]"):
+    assert splits.labels.source == "the train split's ids"
+    with pytest.raises(DataError, match=r"^data.num_labels: data.train_split has labels in \[0, 3\], outside "
+                                        r"\[0, 2\] \(row 3\): the labels from data.num_labels are 3$"):
         load(tmp_path, tmp_path / "ids.jsonl", "data.num_labels=3")
+    as_floats = [{"text": row["text"], "label": float(row["label"])} for row in rows]  # pandas' ids beside a gap
+    assert load(tmp_path, write_jsonl(tmp_path / "floats.jsonl", as_floats)).labels == splits.labels
     named = load(tmp_path, labeled_reviews)  # parquet written by `datasets` with a ClassLabel column
     assert named.labels.names == tuple(LABEL_NAMES) and named.labels.source == "ClassLabel"
-    assert load(tmp_path, labeled_reviews, "data.label_names=[a,b,c,d,e]").labels.names == tuple("abcde")
+    assert load(tmp_path, labeled_reviews, "data.label_names=[a,b,c,d,e]").labels.names == tuple("abcde")  # renamed
+    reordered = [LABEL_NAMES[1], LABEL_NAMES[0], *LABEL_NAMES[2:]]
+    with pytest.raises(DataError, match=rf"^data.label_names: '{LABEL_NAMES[1]}' is id 0 there and id 1 in column "
+                                        r"'label''s ClassLabel .*the names follow ClassLabel's order"):
+        load(tmp_path, labeled_reviews, f"data.label_names=[{','.join(reordered)}]")
 
 
 def test_multi_label_reads_lists_of_names_into_multi_hot_rows(tmp_path):
@@ -101,20 +127,53 @@ def test_multi_label_reads_lists_of_names_into_multi_hot_rows(tmp_path):
     labels = splits.labels
     assert labels.names == ("food", "price", "service") and labels.problem_type == "multi_label"
     assert splits.held_out.startswith("10% of data.train_split, seeded")  # lists are not stratified
-    assert labels_module.encode([["service", "price"], []], "multi_label", labels.index, 3) == [[0.0, 1.0, 1.0],
-                                                                                                 [0.0, 0.0, 0.0]]
+    assert labels_module.encode([["service", "price"], []], "multi_label", "names", labels.names) == [[0.0, 1.0, 1.0],
+                                                                                                       [0.0, 0.0, 0.0]]
+    twice = [{"text": "a", "tags": ["food", "food"]}, *rows]  # a label listed twice in a row is one row holding it
+    counted = load(tmp_path, write_jsonl(tmp_path / "twice.jsonl", twice), "data.problem_type=multi_label",
+                   "data.label_field=tags", "data.eval_split=train[:1]").labels
+    assert counted.counts == (11, 10, 5) and counted.rows == 21
     with pytest.raises(DataError, match=r"column 'label' in data.train_split holds lists: for a set of classes per "
                                         r"row, set data.problem_type=multi_label"):
         load(tmp_path, write_jsonl(tmp_path / "lists.jsonl", [{"text": "a", "label": ["x"]}] * 4))
     with pytest.raises(DataError, match=r"column 'label' in data.train_split holds names, not lists"):
         load(tmp_path, write_csv(tmp_path / "flat.csv", sentiment(10)), "data.problem_type=multi_label")
+    odd = [{"text": "a", "label": [{"name": "x"}]}] * 4
+    with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.train_split holds lists of "
+                                        r"struct<name: string>: multi_label reads each row's class names or ids, or "
+                                        r"a multi-hot row \(a 0 or 1 per label\)$"):
+        load(tmp_path, write_jsonl(tmp_path / "structs.jsonl", odd), "data.problem_type=multi_label")
+
+
+def test_multi_label_reads_multi_hot_rows_of_ints_or_floats(tmp_path):
+    """A row of as many 0s and 1s as there are labels (HF Trainer's own format) is read as the
+    row's labels, not as ids 0 and 1: [1, 0, 1] is labels 0 and 2."""
+    hot = [[1, 0, 1], [0, 1, 0], [0, 0, 0], [1, 1, 0]] * 5
+    rows = [{"text": TEXTS[i % 6], "label": row} for i, row in enumerate(hot)]
+    splits = load(tmp_path, write_jsonl(tmp_path / "hot.jsonl", rows), "data.problem_type=multi_label",
+                  "data.eval_split=train[:4]")
+    labels = splits.labels
+    assert (labels.names, labels.stored_as, labels.counts) == (("LABEL_0", "LABEL_1", "LABEL_2"), "multi-hot rows",
+                                                               (10, 10, 5))
+    assert labels_module.encode([[1, 0, 1]], "multi_label", labels.stored_as, labels.names) == [[1.0, 0.0, 1.0]]
+    floats = [{"text": row["text"], "label": [float(v) for v in row["label"]]} for row in rows]
+    named = load(tmp_path, write_jsonl(tmp_path / "floats.jsonl", floats), "data.problem_type=multi_label",
+                 "data.label_names=[food,price,service]", "data.eval_split=train[:4]").labels
+    assert (named.names, named.stored_as, named.counts) == (("food", "price", "service"), "multi-hot rows", (10, 10, 5))
+    with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.train_split holds multi-hot rows "
+                                        r"of 3 values, for the 4 labels from data.label_names \(a, b, c, d\)$"):
+        load(tmp_path, tmp_path / "hot.jsonl", "data.problem_type=multi_label", "data.label_names=[a,b,c,d]")
+    fractions = [{"text": "a", "label": [0.2, 0.8]}] * 4
+    with pytest.raises(DataError, match=r"holds lists of numbers with fractions: multi_label reads each row's class "
+                                        r"names or ids, or a multi-hot row"):
+        load(tmp_path, write_jsonl(tmp_path / "soft.jsonl", fractions), "data.problem_type=multi_label")
 
 
 def test_regression_reads_numbers_and_refuses_what_is_not_one(tmp_path):
     rows = [{"text": TEXTS[i % 6], "label": i / 10} for i in range(30)]
     splits = load(tmp_path, write_jsonl(tmp_path / "scores.jsonl", rows), "data.problem_type=regression")
     assert (splits.labels.problem_type, splits.labels.num_labels, splits.labels.names) == ("regression", 1, ())
-    assert labels_module.encode([1, 2.5], "regression", None, 1) == [1.0, 2.5]
+    assert labels_module.encode([1, 2.5], "regression", "numbers", ()) == [1.0, 2.5]
     with pytest.raises(DataError, match=r"holds numbers with fractions: single_label needs class ids \(integers\) "
                                         r"or names \(strings\); for a number to predict, set "
                                         r"data.problem_type=regression"):
@@ -166,9 +225,9 @@ def test_the_ledger_key_changes_with_the_label():
 
     ids, numbers = pa.array([0, 2, 1]), pa.array([0.5, 1.5, 0.5], type=pa.float32())
     hot = pa.array([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], type=pa.list_(pa.float32()))
-    assert labels_module.keys(ids).tolist() == [0, 2, 1]
+    assert labels_module.ledger_keys(ids).tolist() == [0, 2, 1]
     for column in (numbers, hot):
-        keys = labels_module.keys(column)
+        keys = labels_module.ledger_keys(column)
         assert keys.dtype == np.int64 and keys[0] == keys[2] != keys[1]
 
 
@@ -182,7 +241,7 @@ def test_a_resume_whose_data_gives_other_labels_is_refused(tmp_path):
     now = load(tmp_path, write_csv(tmp_path / "b.csv", sentiment(30))).labels
     state = TrainState.__new__(TrainState)
     state.labels = now
-    with pytest.raises(CheckpointError, match=r"^the labels changed: the checkpoint's are single_label, 2 labels from "
-                                              r"the train split: negative, positive .*this run's data and config give "
-                                              r"single_label, 3 labels"):
+    with pytest.raises(CheckpointError, match=r"^the labels changed from the checkpoint's to what this run's data and "
+                                              r"config give: names: \(negative, positive\) -> \(negative, neutral, "
+                                              r"positive\); counts: \(14, 13\) -> \(9, 9, 9\): resume with"):
         state.load_state_dict({"labels": saved.state_dict(), "step": 1})

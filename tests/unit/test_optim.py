@@ -33,10 +33,10 @@ def schedule_cfg(**changes):
                              "warmup_steps": None, "lr_scheduler": "linear", **changes})
 
 
-@pytest.mark.parametrize("scheduler, at_half", [("linear", 5 / 9), ("cosine", 0.5 * (1 + torch.cos(torch.tensor(
-    torch.pi * 4 / 9)).item())), ("constant", 1.0)])
-def test_each_schedule_warms_up_then_follows_its_shape(scheduler, at_half):
-    train_cfg = schedule_cfg(lr_scheduler=scheduler, warmup_steps=1)  # wins over warmup_ratio's 0.1 x 10 = 1 as well
+@pytest.mark.parametrize("scheduler, at_five", [("linear", 5 / 7), ("cosine", 0.5 * (1 + torch.cos(torch.tensor(
+    torch.pi * 2 / 7)).item())), ("constant", 1.0)])
+def test_each_schedule_warms_up_then_follows_its_shape(scheduler, at_five):
+    train_cfg = schedule_cfg(lr_scheduler=scheduler, warmup_steps=3)  # not warmup_ratio's 0.1 x 10 = 1
     opt = optim.optimizer(torch.nn.Linear(2, 2), train_cfg)
     schedule = optim.lr_schedule(opt, train_cfg, max_steps=10)
     lrs = []
@@ -44,8 +44,8 @@ def test_each_schedule_warms_up_then_follows_its_shape(scheduler, at_half):
         lrs.append(schedule.get_last_lr()[0])
         opt.step()
         schedule.step()
-    assert lrs[0] == 0.0 and lrs[1] == 1.0
-    assert lrs[5] == pytest.approx(at_half)
+    assert lrs[:4] == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0])
+    assert lrs[5] == pytest.approx(at_five)
     resumed = optim.lr_schedule(optim.optimizer(torch.nn.Linear(2, 2), train_cfg), train_cfg, 10, last_step=5)
     assert resumed.get_last_lr()[0] == pytest.approx(lrs[5])
 

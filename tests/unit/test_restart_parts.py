@@ -39,6 +39,20 @@ def test_the_torchrun_wrapper_refuses_a_bad_retry_code(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: TRAINER_RETRYABLE_EXIT_CODE='retry' is not an exit code from 1 to 255\n"
 
 
+@pytest.mark.parametrize("argv, environ, world_size", [
+    (["--nnodes=2", "--nproc-per-node=3"], {}, 6),
+    (["--nnodes", "1:4", "--nproc_per_node", "2"], {}, 2),  # elastic: the fewest nodes, the memory plan's worst
+    ([], {"PET_NNODES": "3", "PET_NPROC_PER_NODE": "4"}, 12),  # the Kubeflow operators' environment
+    (["--nproc-per-node=gpu"], {}, None),  # this host has no GPU to count
+])
+def test_the_checked_launch_plans_for_the_world_size_torchrun_starts(monkeypatch, argv, environ, world_size):
+    for name in ("PET_NNODES", "PET_NPROC_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert torchrun.launch_world_size([*argv, "-m", "trainer", "train", "-c", "x.yaml"]) == world_size
+
+
 def test_suspects_go_to_the_launchers_file_when_it_gave_one(tmp_path):
     faults = tmp_path / "faults"
     exit_codes.record_suspect("node3", {})

@@ -54,11 +54,10 @@ class TrainState:
         the saved ones."""
         saved_labels = state.get("labels")
         if saved_labels is not None and Labels.from_state(saved_labels) != self.labels:
+            changed = "; ".join(Labels.from_state(saved_labels).differences(self.labels))
             raise CheckpointError(
-                f"the labels changed: the checkpoint's are {Labels.from_state(saved_labels).describe()} "
-                f"(weights {saved_labels['weights']}); this run's data and config give {self.labels.describe()} "
-                f"(weights {self.labels.state_dict()['weights']}): resume with the data and labels the run was "
-                "started on, or start over with checkpoint.resume=never")
+                f"the labels changed from the checkpoint's to what this run's data and config give: {changed}: resume "
+                "with the data and labels the run was started on, or start over with checkpoint.resume=never")
         data.check_position(self.data, state.get("data"), state["step"])
         self.step, self.epoch, self.run_id = state["step"], state["epoch"], state["wandb_run_id"]
         self.selection.load_state_dict(state.get("selection", {}))

@@ -273,7 +273,11 @@ def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings,
     shared: list[tuple[str, list[int]]] = distributed.all_gather(dist_env, (write_error, seen))
 
     plan = plan_or_reason(cfg, dist_env, device)
-    measured = _measure(cfg, dist_env, device, plan)
+    # forecast.measure is collective (its subgroups, the data's local-rank-zero-first): every
+    # rank measures or none does, or those that did would wait for the others until the timeout.
+    unmeasured = [reason for reason in distributed.all_gather(dist_env, _unmeasured(cfg, dist_env, device, plan))
+                  if reason]
+    measured = unmeasured[0] if unmeasured else _measure(cfg, dist_env, device)
     computes: list = distributed.all_gather(dist_env, measured if isinstance(measured, str) else measured[:2])
     save_s = None
     if not any(isinstance(m, str) for m in computes) and not any(e for e, _ in shared):
@@ -301,22 +305,27 @@ def _grace(cfg, dist_env: DistEnv, computes: list, save_s: float | None) -> tupl
     return grace.check(step_s, save_s)
 
 
-def _measure(cfg, dist_env: DistEnv, device: torch.device, plan) -> tuple | str:
-    """This rank's timed training steps for the forecast, or why there are none. Not when
-    the memory plan fails this rank: doctor reports that instead of running out of memory."""
+def _unmeasured(cfg, dist_env: DistEnv, device: torch.device, plan) -> str | None:
+    """Why this rank can't time training steps, or None. Not when the memory plan fails it:
+    doctor reports that instead of running out of memory."""
     unsupported = registry.of(cfg).forecast_unsupported
     if unsupported:
         return unsupported
     if isinstance(plan, str):
-        return "no memory plan"
+        return f"no memory plan on rank {dist_env.rank}"
     if not plan.fits(memory.device_bytes(device, dist_env.local_world_size)):
-        return "the memory plan does not fit"
+        return f"the memory plan does not fit rank {dist_env.rank}"
+    return None
+
+
+def _measure(cfg, dist_env: DistEnv, device: torch.device) -> tuple | str:
+    """This rank's timed training steps for the forecast (a collective), or why there are none."""
     try:
         return forecast.measure(cfg, dist_env, device)
     except TrainerError as e:
-        return str(e)
+        return f"rank {dist_env.rank}: {e}"
     except Exception as e:  # a forecast that can't be made is a warning, not a failed check  # noqa: BLE001
-        return describe(e)
+        return f"rank {dist_env.rank}: {describe(e)}"
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the timed model is gone: give its memory back
@@ -327,7 +336,7 @@ def _forecast(cfg, dist_env: DistEnv, backend, sizes, results, computes, own,
     """(the "Scaling forecast" section's lines, warnings)."""
     reasons = [m for m in computes if isinstance(m, str)]
     if reasons:
-        return [], [f"no scaling forecast on rank {computes.index(reasons[0])}: {reasons[0]}"]
+        return [], [f"no scaling forecast: {reasons[0]}"]
     if dist_env.world_size == 1:
         return [], ["no scaling forecast: one rank has no link to measure"]
     timings = [(numel * 4, statistics.median(t for t, _ in per_rank))

@@ -56,7 +56,6 @@ def time_save(cfg: DictConfig, dist_env: DistEnv, built: Built, run_data: Data, 
     from trainer.policy import Selection
 
     batch = BatchPlan.of(cfg.train, dist_env.world_size)
-    assert run_data.labels is not None, "data.build gives the labels"
     train_state = TrainState(batch, run_data, Selection.from_config(cfg), dist_env, "doctor", run_data.labels)
     checkpointer = Checkpointer(str(folder), keep=1, dist_env=dist_env,
                                 checkpoint_format=built.strategy.checkpoint_format)

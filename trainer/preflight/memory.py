@@ -220,6 +220,10 @@ def parse_gib(value: str) -> int:
     return int(gib * GIB)
 
 
+PLANNED_WORLD_SIZE = 8
+"""`check`'s world size where none is given: a node of 8 GPUs."""
+
+
 def parse_world_size(value: str) -> int:
     """`check world_size=16`: how many ranks an FSDP run shards over."""
     if not value.isdigit() or int(value) < 1:

@@ -1,7 +1,8 @@
 """A task (data.problem_type): the loss the model trains on, the validation metrics, what
 `evaluate` reports and draws and what `predict` writes. Chosen once from the run's label space
 (trainer/labels.py) by trainer/tasks/registry.py, then asked by the step, evaluation, the
-evaluate and predict commands and the forecast; nothing else asks which task it is.
+evaluate and predict commands and the forecast. Reading the label column for the task is
+trainer/labels.py's.
 
 Exact evaluation: each rank tallies its shard of the split (every sample once,
 data.EvalShardSampler), the tallies are summed (or gathered) across ranks, and the metrics are
@@ -16,7 +17,6 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig
 
-from trainer import distributed
 from trainer.distributed import DistEnv
 from trainer.labels import Labels
 
@@ -92,11 +92,6 @@ class Task:
 
     def csv_header(self) -> list[str]:
         raise NotImplementedError
-
-
-def gathered(dist_env: DistEnv, value: Any) -> Any:
-    """Every rank's `value`, by rank, on rank 0 (None elsewhere)."""
-    return distributed.gather_to_rank_zero(dist_env, value)
 
 
 def figure(width: float, height: float):

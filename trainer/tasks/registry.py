@@ -1,6 +1,7 @@
 """data.problem_type's names, the class each one stands for, and the validation metrics it
 reports with the direction each one improves in (what checkpoint.best_metric may name, and
-its best_mode by default). A new task is a module in trainer/tasks/ and one line here.
+its best_mode by default). A new task is a module in trainer/tasks/ and a line here (and, for
+labels stored in a new shape, their reading in trainer/labels.py).
 
 Torch-free, so that the config can check the names before torch is imported.
 """
@@ -31,6 +32,12 @@ METRICS = {name: metrics for name, (_, metrics) in TASKS.items()}
 def task_class(problem_type: str) -> type[Task]:
     module, _, name = TASKS[problem_type][0].partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def of_transformers(hf_problem_type: str | None) -> str:
+    """The task of a transformers config's problem_type (single_label where it has none)."""
+    by_hf = {task_class(name).hf_problem_type: name for name in TASKS}
+    return by_hf.get(hf_problem_type or "", "single_label")
 
 
 def of(labels: Labels, data_cfg: DictConfig, train_cfg: DictConfig | None = None) -> Task:

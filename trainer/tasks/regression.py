@@ -16,7 +16,7 @@ import torch
 
 from trainer import distributed
 from trainer.distributed import DistEnv
-from trainer.tasks.base import Tally, Task, figure, gathered, save
+from trainer.tasks.base import Tally, Task, figure, save
 
 
 class Pairs(Tally):
@@ -31,7 +31,7 @@ class Pairs(Tally):
         self.truth += labels.double().tolist()
 
     def finish(self, dist_env: DistEnv) -> tuple[dict[str, float], dict[str, Any]]:
-        shards = gathered(dist_env, (self.rows, self.predicted, self.truth))
+        shards = distributed.gather_to_rank_zero(dist_env, (self.rows, self.predicted, self.truth))
         metrics: dict[str, float] | None = None
         pairs = None
         if shards is not None:  # rank 0
