@@ -344,9 +344,12 @@ def load(cfg: DictConfig, dist_env: DistEnv, labels: Labels | None = None) -> Sp
                               "to hold out data.eval_fraction of the train split")
         else:
             train, evaluated, held_out = _hold_out(train, labels, data_cfg, cfg.seed)
-            log.info("data.eval_split: %r is not a split of %s (its splits: %s): validation is %s: %d rows, and "
-                     "%d train rows", data_cfg.eval_split, data_cfg.path, ", ".join(available), held_out,
-                     len(evaluated), len(train))
+            others = [name for name in available if name != split_name(data_cfg.train_split)]
+            # A warning where the data has a split that may be meant for validation.
+            log.log(logging.WARNING if others else logging.INFO,
+                    "data.eval_split: %r is not a split of %s (its splits: %s): validation is %s: %d rows, and %d "
+                    "train rows%s", data_cfg.eval_split, data_cfg.path, ", ".join(available), held_out, len(evaluated),
+                    len(train), f"; data.eval_split={others[0]} would validate on that split" if others else "")
         test = None if data_cfg.test_split is None else _load_split(data_cfg, "test_split", available)
     train = _subsample(train, data_cfg.max_train_samples, cfg.seed)
     evaluated = _subsample(evaluated, data_cfg.max_eval_samples, cfg.seed)

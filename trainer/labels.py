@@ -136,21 +136,25 @@ def _kind(arrow_type) -> str:
     return str(arrow_type)
 
 
-def _as_ids(values):
-    """Numbers that are all whole (1.0, as pandas writes ids beside a missing value) as int64
-    class ids; else None."""
+_LARGEST_ID = 2**53
+"""Beyond this a float is not an id (nor exactly an integer)."""
+
+
+def _not_an_id(values) -> int | None:
+    """The first of `values` (numbers) that is not a whole number a class id can be (NaN,
+    inf, 2.5, 1e30), or None: all are (1.0, as pandas writes ids beside a missing value)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     as_float = values.cast(pa.float64())
-    if len(values) and not pc.all(pc.equal(pc.floor(as_float), as_float)).as_py():
-        return None
-    return as_float.cast(pa.int64())
+    whole = pc.and_(pc.equal(pc.floor(as_float), as_float), pc.less_equal(pc.abs(as_float), _LARGEST_ID))
+    return arrow.first_true(pc.invert(pc.fill_null(whole, False)))
 
 
 def _read(column, data_cfg, split_key: str, multi_hot: bool | None = None) -> _Read:
     """The labels of `column`, checked for the task: no nulls, the type the task reads.
     `multi_hot`: whether multi_label lists are multi-hot rows; None: decided by the lists."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     null = arrow.first_null(column)
@@ -176,19 +180,19 @@ def _read(column, data_cfg, split_key: str, multi_hot: bool | None = None) -> _R
             raise _error(data_cfg, split_key, f"has NaN in row {nan}")
         return _Read(column, None, NUMBERS)
     if kind == NUMBERS:
-        ids = _as_ids(column)
-        if ids is None:
-            raise _error(data_cfg, split_key, "holds numbers with fractions: single_label needs class ids (integers) "
-                                              "or names (strings); for a number to predict, set "
-                                              "data.problem_type=regression")
-        return _Read(ids, None, IDS)
+        bad = _not_an_id(column)
+        if bad is not None:
+            raise _error(data_cfg, split_key, f"holds numbers that are not class ids ({column[bad].as_py()!r} in "
+                                              f"row {bad}): single_label needs class ids (integers) or names "
+                                              "(strings); for a number to predict, set data.problem_type=regression")
+        return _Read(column.cast(pa.float64()).cast(pa.int64()), None, IDS)
     return _Read(column, None, kind)
 
 
 def _read_lists(column, data_cfg, split_key: str, multi_hot: bool | None) -> _Read:
-    """multi_label's lists: of class names or ids, or multi-hot rows (as many 0s and 1s as
-    there are labels, in every row). Lists of ids that are all as long, of 0s and 1s only, can
-    only be multi-hot: as ids they would say every row holds the same two classes."""
+    """multi_label's lists: of class names or ids, or multi-hot rows (a 0 or 1 per label, as
+    many in every row). Lists of 0s and 1s are multi-hot where a row repeats a value or every
+    row holds two or more: as ids, a row would list a class twice, or every row the same two."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -198,27 +202,34 @@ def _read_lists(column, data_cfg, split_key: str, multi_hot: bool | None) -> _Re
         raise _error(data_cfg, split_key, f"has a null label in the list of row {rows[null]}")
     kind = _kind(values.type)
     if kind == NUMBERS:
-        values, kind = _as_ids(values), IDS
-        if values is None:
-            raise _error(data_cfg, split_key, "holds lists of numbers with fractions: multi_label reads each row's "
-                                              "class names or ids, or a multi-hot row (a 0 or 1 per label)")
+        bad = _not_an_id(values)
+        if bad is not None:
+            raise _error(data_cfg, split_key, f"holds numbers that are not class ids ({values[bad].as_py()!r} in the "
+                                              f"list of row {rows[bad]}): multi_label reads each row's class names "
+                                              "or ids, or a multi-hot row (a 0 or 1 per label)")
+        values, kind = values.cast(pa.float64()).cast(pa.int64()), IDS
     if kind not in (IDS, NAMES):
         raise _error(data_cfg, split_key, f"holds lists of {kind}: multi_label reads each row's class names or ids, "
                                           "or a multi-hot row (a 0 or 1 per label)")
     if kind == NAMES or multi_hot is False:
         return _Read(values, rows, kind)
-    lengths = pc.min_max(pc.list_value_length(column))
-    width = lengths["max"].as_py()
-    ones = pc.equal(values.cast(pa.int64()), 1)
-    zero_or_one = pc.all(pc.or_(ones, pc.equal(values.cast(pa.int64()), 0))).as_py()
-    if multi_hot is None and not (lengths["min"].as_py() == width >= 2 and zero_or_one):
-        return _Read(values, rows, IDS)
-    if lengths["min"].as_py() != width:
-        raise _error(data_cfg, split_key, f"holds multi-hot rows of {lengths['min']} to {width} values: each row "
-                                          "holds a 0 or 1 for every label")
+    as_ints = values.cast(pa.int64()).to_numpy(zero_copy_only=False)
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    width = int(lengths.max())
+    zero_or_one = bool(((as_ints == 0) | (as_ints == 1)).all())
+    if multi_hot is None:
+        repeats = any(np.bincount(rows[as_ints == v], minlength=len(lengths)).max(initial=0) > 1 for v in (0, 1))
+        if not zero_or_one or not (repeats or int(lengths.min()) >= 2):
+            return _Read(values, rows, IDS)
+    other = np.flatnonzero(lengths != width)
+    if len(other):
+        raise _error(data_cfg, split_key, f"holds multi-hot rows of {lengths[other[0]]} and {width} values (row "
+                                          f"{other[0]}): each row holds a 0 or 1 for every label")
     if not zero_or_one:
-        raise _error(data_cfg, split_key, "holds a value other than 0 and 1 in a multi-hot row")
-    positions = np.flatnonzero(ones.to_numpy(zero_copy_only=False))
+        first = int(np.flatnonzero((as_ints != 0) & (as_ints != 1))[0])
+        raise _error(data_cfg, split_key, f"holds {as_ints[first]} in the multi-hot row {rows[first]}: a multi-hot "
+                                          "row holds a 0 or 1 per label")
+    positions = np.flatnonzero(as_ints == 1)
     return _Read(pa.array(positions % width, type=pa.int64()), positions // width, MULTI_HOT, width)
 
 
@@ -288,13 +299,15 @@ def _ids(column, labels: Labels, data_cfg, split_key: str) -> tuple[np.ndarray, 
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    multi_hot = labels.stored_as == MULTI_HOT if labels.problem_type == "multi_label" else None
+    # Lists of ClassLabel are ids; other lists of 0s and 1s are looked at in every split, so that
+    # multi-hot rows where train holds ids (or the other way round) are refused, not misread.
+    multi_hot = True if labels.stored_as == MULTI_HOT else False if labels.source == "ClassLabel" else None
     read = _read(column, data_cfg, split_key, multi_hot)
 
     def row_of(i: int) -> int:
         return i if read.rows is None else int(read.rows[i])
 
-    if (read.kind == NAMES) != (labels.stored_as == NAMES):
+    if read.kind != labels.stored_as:
         raise _error(data_cfg, split_key, f"holds {read.kind}, where the labels from {labels.source} are "
                                           f"{labels.stored_as}")
     if read.kind == MULTI_HOT and read.width != labels.num_labels:

@@ -58,13 +58,14 @@ def launch_world_size(argv: list[str]) -> int | None:
     """The ranks this launch starts, as torchrun reads its arguments (and their PET_*
     environment defaults, which the Kubeflow operators set): nodes (the least of an elastic
     MIN:MAX, the memory plan's worst case) times processes per node. None where torchrun
-    would count devices this host may not have (--nproc-per-node=gpu on a CPU host)."""
+    would count devices this host may not have (--nproc-per-node=gpu on a CPU host), or would
+    refuse the arguments itself: it says why when it runs."""
     from torch.distributed.run import determine_local_world_size, get_args_parser, parse_min_max_nnodes
 
     launch = get_args_parser().parse_args(argv)
     try:
         return parse_min_max_nnodes(launch.nnodes)[0] * determine_local_world_size(launch.nproc_per_node)
-    except ValueError:
+    except Exception:  # noqa: BLE001  (RuntimeError, ValueError: torchrun's own answer to them follows)
         return None
 
 

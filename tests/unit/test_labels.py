@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import numpy as np
 import pytest
@@ -84,7 +85,7 @@ def test_a_validation_label_that_train_never_saw_names_the_value_the_split_and_t
         load(tmp_path, folder)
 
 
-def test_a_validation_split_that_is_not_one_is_refused_where_the_data_has_others(tmp_path):
+def test_a_validation_split_that_is_not_one_is_refused_where_the_data_has_others(tmp_path, caplog):
     """Holding out is for data without a validation split: a mistyped name must not
     silently train on 90% of train and select the model on rows of its own."""
     folder = tmp_path / "data"
@@ -94,7 +95,9 @@ def test_a_validation_split_that_is_not_one_is_refused_where_the_data_has_others
     with pytest.raises(ConfigError, match=r"^data.eval_split: 'valid' is not a split of .*data \(its splits: "
                                           r"train, validation\); name one of them, or leave data.eval_split unset"):
         load(tmp_path, folder, "data.eval_split=valid")
-    assert load(tmp_path, folder).held_out.startswith("10% of data.train_split")  # the default, test: none here
+    with caplog.at_level("WARNING", logger="trainer.data"):
+        assert load(tmp_path, folder).held_out.startswith("10% of data.train_split")  # the default, test: none here
+    assert "data.eval_split=validation would validate on that split" in caplog.text
     assert load(tmp_path, folder, "data.eval_split=validation").held_out is None
     single = write_csv(tmp_path / "reviews.csv", sentiment(20))  # one split: any name holds out
     assert load(tmp_path, single, "data.eval_split=validation").held_out.startswith("10% of data.train_split")
@@ -108,11 +111,25 @@ def test_class_ids_are_read_and_their_count_inferred(tmp_path, labeled_reviews):
     with pytest.raises(DataError, match=r"^data.num_labels: data.train_split has labels in \[0, 3\], outside "
                                         r"\[0, 2\] \(row 3\): the labels from data.num_labels are 3$"):
         load(tmp_path, tmp_path / "ids.jsonl", "data.num_labels=3")
-    as_floats = [{"text": row["text"], "label": float(row["label"])} for row in rows]  # pandas' ids beside a gap
-    assert load(tmp_path, write_jsonl(tmp_path / "floats.jsonl", as_floats)).labels == splits.labels
     named = load(tmp_path, labeled_reviews)  # parquet written by `datasets` with a ClassLabel column
     assert named.labels.names == tuple(LABEL_NAMES) and named.labels.source == "ClassLabel"
-    assert load(tmp_path, labeled_reviews, "data.label_names=[a,b,c,d,e]").labels.names == tuple("abcde")  # renamed
+
+
+def test_ids_written_as_floats_are_ids_and_other_numbers_are_named(tmp_path):
+    rows = [{"text": TEXTS[i % 6], "label": float(i % 4)} for i in range(40)]  # pandas' ids beside a gap: 1.0
+    labels = load(tmp_path, write_jsonl(tmp_path / "floats.jsonl", rows)).labels
+    assert (labels.names, labels.stored_as, labels.counts) == (("LABEL_0", "LABEL_1", "LABEL_2", "LABEL_3"), "ids",
+                                                               (9, 9, 9, 9))
+    for value in (2.5, 1e30, float("inf")):  # json writes inf as Infinity, which Arrow reads
+        bad = write_jsonl(tmp_path / "bad.jsonl", [*rows[:3], {"text": "x", "label": value}, *rows[4:]])
+        with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.train_split holds numbers "
+                                            rf"that are not class ids \({re.escape(repr(value))} in row 3\): "
+                                            r"single_label needs"):
+            load(tmp_path, bad)
+
+
+def test_label_names_may_rename_a_classlabel_but_not_reorder_it(tmp_path, labeled_reviews):
+    assert load(tmp_path, labeled_reviews, "data.label_names=[a,b,c,d,e]").labels.names == tuple("abcde")
     reordered = [LABEL_NAMES[1], LABEL_NAMES[0], *LABEL_NAMES[2:]]
     with pytest.raises(DataError, match=rf"^data.label_names: '{LABEL_NAMES[1]}' is id 0 there and id 1 in column "
                                         r"'label''s ClassLabel .*the names follow ClassLabel's order"):
@@ -129,10 +146,6 @@ def test_multi_label_reads_lists_of_names_into_multi_hot_rows(tmp_path):
     assert splits.held_out.startswith("10% of data.train_split, seeded")  # lists are not stratified
     assert labels_module.encode([["service", "price"], []], "multi_label", "names", labels.names) == [[0.0, 1.0, 1.0],
                                                                                                        [0.0, 0.0, 0.0]]
-    twice = [{"text": "a", "tags": ["food", "food"]}, *rows]  # a label listed twice in a row is one row holding it
-    counted = load(tmp_path, write_jsonl(tmp_path / "twice.jsonl", twice), "data.problem_type=multi_label",
-                   "data.label_field=tags", "data.eval_split=train[:1]").labels
-    assert counted.counts == (11, 10, 5) and counted.rows == 21
     with pytest.raises(DataError, match=r"column 'label' in data.train_split holds lists: for a set of classes per "
                                         r"row, set data.problem_type=multi_label"):
         load(tmp_path, write_jsonl(tmp_path / "lists.jsonl", [{"text": "a", "label": ["x"]}] * 4))
@@ -143,6 +156,15 @@ def test_multi_label_reads_lists_of_names_into_multi_hot_rows(tmp_path):
                                         r"struct<name: string>: multi_label reads each row's class names or ids, or "
                                         r"a multi-hot row \(a 0 or 1 per label\)$"):
         load(tmp_path, write_jsonl(tmp_path / "structs.jsonl", odd), "data.problem_type=multi_label")
+
+
+def test_multi_label_counts_the_rows_holding_each_label(tmp_path):
+    """A label listed twice in a row is one row holding it: balanced weights weigh rows."""
+    tags = [["food", "food"], ["service", "price"], [], ["food", "price"]] * 5
+    rows = [{"text": TEXTS[i % 6], "tags": tag} for i, tag in enumerate(tags)]
+    labels = load(tmp_path, write_jsonl(tmp_path / "twice.jsonl", rows), "data.problem_type=multi_label",
+                  "data.label_field=tags", "data.eval_split=train[:1]").labels
+    assert (labels.names, labels.counts, labels.rows) == (("food", "price", "service"), (10, 10, 5), 20)
 
 
 def test_multi_label_reads_multi_hot_rows_of_ints_or_floats(tmp_path):
@@ -164,9 +186,28 @@ def test_multi_label_reads_multi_hot_rows_of_ints_or_floats(tmp_path):
                                         r"of 3 values, for the 4 labels from data.label_names \(a, b, c, d\)$"):
         load(tmp_path, tmp_path / "hot.jsonl", "data.problem_type=multi_label", "data.label_names=[a,b,c,d]")
     fractions = [{"text": "a", "label": [0.2, 0.8]}] * 4
-    with pytest.raises(DataError, match=r"holds lists of numbers with fractions: multi_label reads each row's class "
-                                        r"names or ids, or a multi-hot row"):
+    with pytest.raises(DataError, match=r"holds numbers that are not class ids \(0.2 in the list of row 0\): "
+                                        r"multi_label reads each row's class names or ids, or a multi-hot row"):
         load(tmp_path, write_jsonl(tmp_path / "soft.jsonl", fractions), "data.problem_type=multi_label")
+
+
+def test_multi_hot_rows_of_other_lengths_are_refused_not_read_as_ids(tmp_path):
+    """One short row must not turn a multi-hot column into ids 0 and 1 (a 2-label task)."""
+    hot = [[1, 0, 1], [0, 1, 0], [0, 0, 1], [1, 1]]
+    rows = [{"text": TEXTS[i % 6], "label": row} for i, row in enumerate(hot * 5)]
+    with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.train_split holds multi-hot rows "
+                                        r"of 2 and 3 values \(row 3\): each row holds a 0 or 1 for every label$"):
+        load(tmp_path, write_jsonl(tmp_path / "ragged.jsonl", rows), "data.problem_type=multi_label")
+
+
+def test_multi_hot_validation_rows_where_train_holds_ids_are_refused(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [{"text": TEXTS[i % 6], "label": [i % 3]} for i in range(12)])
+    write_jsonl(folder / "test.jsonl", [{"text": "a", "label": [0, 1, 1]}, {"text": "b", "label": [1, 0, 0]}])
+    with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.eval_split holds multi-hot rows, "
+                                        r"where the labels from the train split's ids are ids$"):
+        load(tmp_path, folder, "data.problem_type=multi_label")
 
 
 def test_regression_reads_numbers_and_refuses_what_is_not_one(tmp_path):
@@ -174,9 +215,9 @@ def test_regression_reads_numbers_and_refuses_what_is_not_one(tmp_path):
     splits = load(tmp_path, write_jsonl(tmp_path / "scores.jsonl", rows), "data.problem_type=regression")
     assert (splits.labels.problem_type, splits.labels.num_labels, splits.labels.names) == ("regression", 1, ())
     assert labels_module.encode([1, 2.5], "regression", "numbers", ()) == [1.0, 2.5]
-    with pytest.raises(DataError, match=r"holds numbers with fractions: single_label needs class ids \(integers\) "
-                                        r"or names \(strings\); for a number to predict, set "
-                                        r"data.problem_type=regression"):
+    with pytest.raises(DataError, match=r"holds numbers that are not class ids \(0.1 in row 1\): single_label needs "
+                                        r"class ids \(integers\) or names \(strings\); for a number to predict, "
+                                        r"set data.problem_type=regression"):
         load(tmp_path, tmp_path / "scores.jsonl")
     with pytest.raises(DataError, match=r"column 'label' in data.train_split holds names: "
                                         r"data.problem_type=regression needs numbers"):

@@ -43,9 +43,11 @@ def test_the_torchrun_wrapper_refuses_a_bad_retry_code(monkeypatch, capsys):
     (["--nnodes=2", "--nproc-per-node=3"], {}, 6),
     (["--nnodes", "1:4", "--nproc_per_node", "2"], {}, 2),  # elastic: the fewest nodes, the memory plan's worst
     ([], {"PET_NNODES": "3", "PET_NPROC_PER_NODE": "4"}, 12),  # the Kubeflow operators' environment
-    (["--nproc-per-node=gpu"], {}, None),  # this host has no GPU to count
+    (["--nproc-per-node=gpu"], {}, None),  # a host without a GPU to count
+    (["--nnodes=1:2:3"], {}, None),  # torchrun refuses it, in its own words, when it runs
 ])
 def test_the_checked_launch_plans_for_the_world_size_torchrun_starts(monkeypatch, argv, environ, world_size):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name in ("PET_NNODES", "PET_NPROC_PER_NODE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environ.items():
