@@ -127,7 +127,7 @@ def hf_side(task: str, path: Path, out: Path, precision: str) -> None:
         args=TrainingArguments(
             output_dir=str(out.parent / f"hf-trainer-{task}"), per_device_train_batch_size=PER_RANK,
             per_device_eval_batch_size=64, num_train_epochs=1, learning_rate=1e-4, weight_decay=0.01,
-            warmup_ratio=0.06, lr_scheduler_type="linear", bf16=precision == "bf16", use_cpu=True,
+            warmup_steps=0.06, lr_scheduler_type="linear", bf16=precision == "bf16", use_cpu=True,
             train_sampling_strategy="group_by_length", dataloader_num_workers=1,
             dataloader_persistent_workers=True, report_to="none", save_strategy="no", logging_steps=10_000,
             disable_tqdm=True, seed=cfg.seed,
