@@ -102,6 +102,20 @@ def test_an_fsdp_job_across_two_nodes_restarts_after_a_sigkill_bitwise(dropout_m
     assert not compare_weights(reference, out, 20).differing
 
 
+def children(net: Network, host: str, parent: int) -> list[int]:
+    """The processes on `host` whose parent is `parent` (torchrun's: its ranks; not their own
+    DataLoader workers, nor a process that ended since the listing)."""
+    found = []
+    for pid in net.pids(host):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:  # the field after the name is the state, then ppid
+            found.append(int(pid))
+    return found
+
+
 def sigterm_pending(pid: int) -> bool:
     """Whether SIGTERM waits for a stopped process (it acts once the process continues)."""
     status = Path(f"/proc/{pid}/status").read_text()
@@ -185,12 +199,13 @@ def test_sigterm_on_one_node_saves_everywhere_and_resumes_exactly(uninterrupted,
         workers = [pid for host in TWO_NODES for pid in net.pids(host) if pid not in launchers]
         for pid in workers:
             os.kill(int(pid), signal.SIGSTOP)
+        node1_ranks = children(net, "node1", procs["node1"].pid)
+        assert node1_ranks, net.pids("node1")
         signalled = time.monotonic()
         procs["node1"].send_signal(signal.SIGTERM)  # nsenter, unshare and sh exec: this is torchrun
         # torchrun forwards it to node1's workers: thawed before it arrives, a worker could
         # finish the run first.
-        node1_workers = [pid for pid in net.pids("node1") if pid not in launchers]
-        wait_for(lambda: all(sigterm_pending(int(pid)) for pid in node1_workers), 30,
+        wait_for(lambda: all(sigterm_pending(pid) for pid in node1_ranks), 30,
                  "torchrun to forward SIGTERM to node1's workers", procs)
         for pid in workers:
             os.kill(int(pid), signal.SIGCONT)

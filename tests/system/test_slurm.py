@@ -478,7 +478,8 @@ def test_pyxis_launch_lines(cluster, tmp_path, public):
              "--no-container-mount-home", ("--container-env=OMP_NUM_THREADS,PYTHONSAFEPATH,PYTHONNOUSERSITE,"
                                            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT,TRAINER_GRACE_S,TRAINER_NODE_FAULTS,MY_SETTING")]
     assert dry_run(record, "check") == ["srun", "--nodes=1", "--ntasks=1", "--quiet", *pyxis,
-                                        "python", "-m", "trainer", "check", "-c", "configs/demo.yaml"]
+                                        "python", "-m", "trainer", "check", "-c", "configs/demo.yaml",
+                                        "world_size=2"]  # 2 nodes x 1 GPU
     argv = dry_run(record, "run")
     prefix = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", "--cpus-per-task=1", *pyxis, "bash", "-c"]
     assert argv[:len(prefix)] == prefix, argv
@@ -531,5 +532,6 @@ def test_apptainer_gets_a_clean_environment_with_what_the_job_needs(cluster, tmp
             assert argv[len(apptainer) + 3:] == ["node1", str(REPO / ".trainer-workspace" / "slurm" / job_id),
                                                  *torchrun_line(job_id)], argv
         else:
-            assert argv[len(apptainer):] == ["python", "-m", "trainer", "check", "-c", "configs/demo.yaml"], argv
+            assert argv[len(apptainer):] == ["python", "-m", "trainer", "check", "-c", "configs/demo.yaml",
+                                             "world_size=2"], argv
     assert sorted((task["SLURMD_NODENAME"], task["SLURM_NODEID"]) for task in tasks) == [("node1", "0"), ("node2", "1")]
