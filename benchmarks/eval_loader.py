@@ -35,8 +35,8 @@ def main() -> None:
     cfg = config.load("configs/demo.yaml", [f"data.path={args.data}", "output_dir=/tmp/eval-loader-bench"])
     dist_env, device = distributed.read_env(), torch.device("cpu")
     splits = data.load(cfg, dist_env)
-    trained = build.build(cfg, dist_env, device, splits.labels, max_steps=1)  # the model as training evaluates it
-    logits_of, tokenizer = trained.strategy.logits, trained.tokenizer
+    built_run = build.build(cfg, dist_env, device, splits.labels, max_steps=1)  # the model as training evaluates it
+    logits_of, tokenizer = built_run.strategy.logits, built_run.tokenizer
     assert logits_of is not None, "build() parallelized the model"
     built = data.build(cfg, dist_env, splits, tokenizer, device, data.BatchPlan.of(cfg.train, 1))
     in_process = built.eval_loader
@@ -50,7 +50,7 @@ def main() -> None:
             order = [("in_process", in_process), ("one_worker", worker)]
             for name, loader in order if rep % 2 == 0 else reversed(order):
                 started = time.perf_counter()
-                evaluation.evaluate(logits_of, loader, built.num_eval, cfg.data.num_labels, device, dist_env)
+                evaluation.evaluate(logits_of, loader, built.num_eval, built_run.task, device, dist_env)
                 seconds[name].append(round(time.perf_counter() - started, 3))
     finally:  # Data.close ends the worker, which ignores SIGTERM: the exit would wait for it
         dataclasses.replace(built, eval_loader=worker).close()

@@ -100,8 +100,10 @@ def rows(schema: type, docs: dict[str, dict[str, str]], prefix: str = "") -> lis
             continue
         meaning = docs.get(schema.__name__, {}).get(f.name, "")
         on_resume = ON_RESUME[f.metadata["resume"]]
-        out.append(f"| `{prefix}{f.name}` | {type_name(hints[f.name])} | {default_text(f)} | {on_resume} | "
-                   f"{cell(meaning)} |")
+        shown = type_name(hints[f.name])
+        if hints[f.name] is Any and "check" in f.metadata:  # a key of several shapes: its check says which
+            shown = f.metadata["check"][1].removeprefix("must be ")
+        out.append(f"| `{prefix}{f.name}` | {shown} | {default_text(f)} | {on_resume} | {cell(meaning)} |")
     return out
 
 

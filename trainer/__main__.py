@@ -3,7 +3,7 @@ under torchrun.
 
     check [gpu_gib=80] [world_size=N] [--no-data]   the resolved config, the data, the memory plan per GPU
     evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
-    predict checkpoint=PATH|final input=FILE output=FILE   probabilities for each row of a file
+    predict checkpoint=PATH|final input=FILE output=FILE   each row's answer, in the task's terms
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-# The arguments of evaluate and predict: `name=value` like the overrides, which no config key
+# The arguments of check, evaluate and predict: `name=value` like the overrides, which no config key
 # can be taken for (checkpoint is a group of keys, the others are not keys).
 COMMAND_ARGS: dict[str, dict[str, str | None]] = {"check": {"gpu_gib": "80", "world_size": ""},
                 "evaluate": {"checkpoint": "final", "split": None},
@@ -216,7 +216,8 @@ def run_evaluate(cfg, arguments: dict) -> int:
 
 
 def run_predict(cfg, arguments: dict) -> int:
-    """probabilities of a trained model for each row of a file."""
+    """a trained model's answer for each row of a file (a class and the probabilities, the
+    labels, or a value)."""
     try:
         dist_env, device, backend = launch_env(cfg)
         from trainer import model, predict

@@ -1,6 +1,7 @@
 """What a run writes is whole or absent: a file or folder is written under a temporary name,
 flushed to the disk and renamed into place (`publish`), so a crash, a kill or a full disk
-leaves the previous version or the new one, never a torn one. Checkpoints, final/, summary.json,
+never leaves a torn one: a file is the previous version or the new one; a folder replaced is
+the new one, the previous one, or (killed between the two renames) neither. Checkpoints, final/, summary.json,
 metrics.jsonl's rewrite on resume and predict's output all go through it. And output_dir
 itself: created through links, or refused in one line that says whose folder refused it.
 """

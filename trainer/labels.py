@@ -69,10 +69,15 @@ class Labels:
         weighted = "" if self.weights is None else ", class-weighted"
         return f"{self.problem_type}, {self.num_labels} labels from {self.source}: {_shown(self.names, 8)}{weighted}"
 
-    def differences(self, other: Labels) -> list[str]:
-        """What differs from `other`, field by field: `name: mine -> other's`."""
-        return [f"{field.name}: {_shown_value(getattr(self, field.name))} -> {_shown_value(getattr(other, field.name))}"
-                for field in fields(self) if getattr(self, field.name) != getattr(other, field.name)]
+    def differences(self, other: Labels, among: Sequence[str] | None = None) -> list[str]:
+        """What differs from `other`, field by field (of `among`, else all): `name: mine -> other's`."""
+        names = [field.name for field in fields(self)] if among is None else among
+        return [f"{name}: {_shown_value(getattr(self, name))} -> {_shown_value(getattr(other, name))}"
+                for name in names if getattr(self, name) != getattr(other, name)]
+
+
+SPACE = ("problem_type", "names", "stored_as")
+"""The fields that give each class its id and the model its head: what a resume must keep."""
 
 
 def placeholder_names(count: int) -> tuple[str, ...]:
@@ -276,7 +281,7 @@ def resolve(train_ds, data_cfg) -> Labels:
                         "2 or more")
     stored_as = read.kind if read.kind in (NAMES, MULTI_HOT) else IDS
     labels = Labels(data_cfg.problem_type, tuple(map(str, names)), source, stored_as)
-    _ids(column, labels, data_cfg, "data.train_split")  # every train label is one of them
+    _ids(train_ds, labels, data_cfg, "data.train_split")  # every train label is one of them
     return labels
 
 
@@ -292,8 +297,8 @@ def _same_order(names: list[str], feature_names: list[str] | None, field: str) -
                         "to use them")
 
 
-def _ids(column, labels: Labels, data_cfg, split_key: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """The class id of every label in `column`, and the row of each (None: one per row),
+def _ids(ds, labels: Labels, data_cfg, split_key: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The class id of every label of split `ds`, and the row of each (None: one per row),
     each checked to be one of `labels`: an unknown one is an error naming the value, the
     split and the row."""
     import pyarrow as pa
@@ -301,8 +306,9 @@ def _ids(column, labels: Labels, data_cfg, split_key: str) -> tuple[np.ndarray, 
 
     # Lists of ClassLabel are ids; other lists of 0s and 1s are looked at in every split, so that
     # multi-hot rows where train holds ids (or the other way round) are refused, not misread.
-    multi_hot = True if labels.stored_as == MULTI_HOT else False if labels.source == "ClassLabel" else None
-    read = _read(column, data_cfg, split_key, multi_hot)
+    class_label = _class_label_names(ds.features.get(data_cfg.label_field)) is not None
+    multi_hot = True if labels.stored_as == MULTI_HOT else False if class_label else None
+    read = _read(arrow.column(ds, data_cfg.label_field), data_cfg, split_key, multi_hot)
 
     def row_of(i: int) -> int:
         return i if read.rows is None else int(read.rows[i])
@@ -334,31 +340,29 @@ def _ids(column, labels: Labels, data_cfg, split_key: str) -> tuple[np.ndarray, 
 
 def check_split(ds, labels: Labels, data_cfg, split_key: str) -> None:
     """Every label of another split (validation, test) is one the run knows."""
-    column = arrow.column(ds, data_cfg.label_field)
     if labels.problem_type == "regression":
-        _read(column, data_cfg, split_key)
+        _read(arrow.column(ds, data_cfg.label_field), data_cfg, split_key)
     else:
-        _ids(column, labels, data_cfg, split_key)
+        _ids(ds, labels, data_cfg, split_key)
 
 
 def single_label_ids(ds, labels: Labels, data_cfg) -> np.ndarray | None:
     """Each row's class id, for stratifying a split: single_label only, else None."""
     if labels.problem_type != "single_label":
         return None
-    return _ids(arrow.column(ds, data_cfg.label_field), labels, data_cfg, "data.train_split")[0]
+    return _ids(ds, labels, data_cfg, "data.train_split")[0]
 
 
 def with_counts_and_weights(labels: Labels, train_ds, data_cfg, train_cfg) -> Labels:
     """`labels` with the count of each class in the rows that train (after a held-out
     validation share and data.max_train_samples), and the class weights."""
-    column = arrow.column(train_ds, data_cfg.label_field)
     if labels.problem_type == "regression":
-        return replace(labels, rows=len(column))
-    ids, rows = _ids(column, labels, data_cfg, "data.train_split")
+        return replace(labels, rows=len(train_ds))
+    ids, rows = _ids(train_ds, labels, data_cfg, "data.train_split")
     if rows is not None:  # the rows holding each label: a label listed twice in a row counts once
         ids = np.unique(rows * labels.num_labels + ids) % labels.num_labels
     counted = replace(labels, counts=tuple(int(n) for n in np.bincount(ids, minlength=labels.num_labels)),
-                      rows=len(column))
+                      rows=len(train_ds))
     return replace(counted, weights=_weights(counted, train_cfg.class_weights))
 
 

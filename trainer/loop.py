@@ -46,8 +46,9 @@ class Trainer:
         """The global batch, split over this run's ranks."""
 
         splits = data.load(cfg, dist_env)  # checked first: a data mistake costs no model download
-        self.labels = splits.labels
-        """The label space (trainer/labels.py), resolved from the train split."""
+        self.labels = resume.labels_on_resume(self.resume_plan, splits.labels)
+        """The label space (trainer/labels.py), resolved from the train split (on resume: the
+        checkpoint's, which must agree)."""
         self.policy = Policy.from_config(cfg, splits.steps_per_epoch(self.batch, cfg.train))
         startup.mark("data")
         self.built = build.build(cfg, dist_env, device, self.labels, max_steps=self.policy.max_steps,

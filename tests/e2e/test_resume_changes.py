@@ -78,3 +78,20 @@ def test_a_resume_on_other_data_is_refused_by_the_ledger(usage_run, first_run, t
     assert_usage_error(result, f"checkpoint.resume: {out / 'checkpoints' / 'step-4'}: the data position does not "
                                "reproduce: the checkpoint consumed 64 samples of epoch 0")
     assert snapshot(out) == before
+
+
+def test_a_resume_whose_labels_differ_is_refused_before_the_model_loads(usage_run, first_run, tiny_model, reviews,
+                                                                        tmp_path):
+    """Other class names, even where checkpoint.allow_changes accepts the key: each class's id
+    and the head are the checkpoint's. Refused in one line, nothing written, before any weight
+    loads: the model here has weights no one could load."""
+    out = copy_of(first_run, tmp_path)
+    before = snapshot(out)
+    unloadable = Path(shutil.copytree(tiny_model, tmp_path / "model"))
+    (unloadable / "model.safetensors").write_bytes(b"not weights")
+    result = usage_run(tiny_overrides(unloadable, reviews, out, **{
+        **LONGER, "data.label_names": "[a,b,c,d,e]", "checkpoint.allow_changes": "[data.label_names,model.name]"}))
+    assert_usage_error(result, "the labels changed from the checkpoint's to what this run's data and config give: "
+                               "names: (")
+    assert "-> (a, b, c, d, e): resume with the data and labels the run was started on" in result.output
+    assert snapshot(out) == before

@@ -105,7 +105,7 @@ def test_sections_named_in_code_exist():
     assert not broken, "references to missing docs:\n" + "\n".join(broken)
 
 
-# `trainer/watchdog.py`, `docs/config.md`: a repository path in a code span; `test_resume.py`: a test
+# `trainer/faults/watchdog.py`, `docs/config.md`: a repository path in a code span; `test_resume.py`: a test
 # file named by its name alone, wherever its tier puts it.
 REPO_PATH = re.compile(r"`((?:trainer|tests|configs|slurm|k8s|benchmarks|docs)/[\w./-]+\.(?:py|md|ya?ml|sh|json))`")
 TEST_FILE = re.compile(r"`(test_\w+\.py)`")

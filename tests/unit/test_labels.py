@@ -17,6 +17,7 @@ from trainer import labels as labels_module
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError, DataError
 
+ONE_BATCH = data.BatchPlan(16, 16, 1)
 TEXTS = ["the food was great", "rude staff", "it was fine", "slow but tasty", "never again", "lovely place"]
 
 
@@ -274,15 +275,42 @@ def test_the_ledger_key_changes_with_the_label():
 
 def test_a_resume_whose_data_gives_other_labels_is_refused(tmp_path):
     """The names are fixed by the train split: a resumed run on data with a new class would
-    give every class a new id. Refused before the weights load, as a changed data position is."""
-    from trainer.checkpoint.train_state import TrainState
+    give every class a new id. Refused before the model loads."""
+    from trainer.checkpoint.resume import ResumePlan, labels_on_resume
     from trainer.errors import CheckpointError
 
     saved = load(tmp_path, write_csv(tmp_path / "a.csv", sentiment(30, ("negative", "positive")))).labels
     now = load(tmp_path, write_csv(tmp_path / "b.csv", sentiment(30))).labels
-    state = TrainState.__new__(TrainState)
-    state.labels = now
+    plan = ResumePlan(ONE_BATCH, tmp_path, {"labels": saved.state_dict(), "step": 1})
     with pytest.raises(CheckpointError, match=r"^the labels changed from the checkpoint's to what this run's data and "
                                               r"config give: names: \(negative, positive\) -> \(negative, neutral, "
-                                              r"positive\); counts: \(14, 13\) -> \(9, 9, 9\): resume with"):
-        state.load_state_dict({"labels": saved.state_dict(), "step": 1})
+                                              r"positive\): resume with the data and labels the run was started on"):
+        labels_on_resume(plan, now)
+
+
+def test_a_resume_keeps_the_class_weights_computed_at_the_runs_start(tmp_path):
+    """Balanced weights are computed once: a resume on fewer rows (checkpoint.allow_changes:
+    data.max_train_samples) keeps the checkpoint's counts and weights, so its loss is the run's."""
+    from trainer.checkpoint.resume import ResumePlan, labels_on_resume
+
+    path = write_csv(tmp_path / "skewed.csv", sentiment(30, ("a", "b")) + sentiment(30, ("a",)))
+    started = load(tmp_path, path, "train.class_weights=balanced").labels
+    fewer = load(tmp_path, path, "train.class_weights=balanced", "data.max_train_samples=20").labels
+    assert fewer.weights != started.weights
+    plan = ResumePlan(ONE_BATCH, tmp_path, {"labels": started.state_dict(), "step": 1})
+    assert labels_on_resume(plan, fewer) == started
+    assert labels_on_resume(ResumePlan(ONE_BATCH), fewer) == fewer  # a fresh run: its own
+
+
+def test_lists_of_classlabel_are_ids_whatever_their_values(tmp_path):
+    """A Hub dataset's Sequence(ClassLabel) holds class ids: rows of two ids among 0 and 1 are
+    two classes each, not multi-hot rows, with or without data.label_names renaming them."""
+    import datasets
+
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.Sequence(datasets.ClassLabel(names=["food", "price", "staff"]))})
+    rows = {"text": [TEXTS[i % 6] for i in range(20)], "label": [[0, 1], [1, 0]] * 10}
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp_path / "tags.parquet")
+    for renamed in ([], ["data.label_names=[meal,cost,staff]"]):
+        labels = load(tmp_path, tmp_path / "tags.parquet", "data.problem_type=multi_label", *renamed).labels
+        assert (labels.stored_as, labels.num_labels, labels.counts[2]) == ("ids", 3, 0)

@@ -23,6 +23,7 @@ from trainer.checkpoint.store import Store, read_state, verify
 from trainer.data import BatchPlan
 from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError, ConfigError
+from trainer.labels import SPACE, Labels
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,27 @@ def decide(cfg: DictConfig, dist_env: DistEnv, checkpointer: Checkpointer) -> Re
                         "world size = %d (train.global_batch=%d says so)", batch.global_batch, by_keys,
                         batch.global_batch)
     return ResumePlan(batch, path, saved, accepted)
+
+
+def labels_on_resume(plan: ResumePlan, labels: Labels) -> Labels:
+    """The run's labels: on resume, the checkpoint's. Its label space (the task, the classes
+    in id order, how the column stores them) must be the one this run's data and config give,
+    or every class could have another id: refused here, before the model loads. Its counts
+    and class weights stay the checkpoint's, computed once at the run's start, even where
+    checkpoint.allow_changes lets the data change."""
+    saved = None if plan.saved is None else plan.saved.get("labels")
+    if saved is None:
+        return labels
+    resumed = Labels.from_state(saved)
+    changed = resumed.differences(labels, among=SPACE)
+    if changed:
+        raise CheckpointError(f"the labels changed from the checkpoint's to what this run's data and config give: "
+                              f"{'; '.join(changed)}: resume with the data and labels the run was started on, or "
+                              "start over with checkpoint.resume=never")
+    if resumed != labels:
+        log.info("the labels' counts and class weights stay the checkpoint's, of the data the run started on (%s)",
+                 "; ".join(resumed.differences(labels)))
+    return resumed
 
 
 def choose(resume: str, store: Store, dist_env: DistEnv) -> Path | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from trainer import data
 from trainer.data import BatchPlan, Data
 from trainer.distributed import DistEnv
-from trainer.errors import CheckpointError
 from trainer.labels import Labels
 from trainer.policy import Selection
 
@@ -50,14 +49,8 @@ class TrainState:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Raises CheckpointError if this run's labels, or its sampler's data position, are not
-        the saved ones."""
-        saved_labels = state.get("labels")
-        if saved_labels is not None and Labels.from_state(saved_labels) != self.labels:
-            changed = "; ".join(Labels.from_state(saved_labels).differences(self.labels))
-            raise CheckpointError(
-                f"the labels changed from the checkpoint's to what this run's data and config give: {changed}: resume "
-                "with the data and labels the run was started on, or start over with checkpoint.resume=never")
+        """Raises CheckpointError if its sampler's data position is not the saved one (the
+        labels were held to the checkpoint's by resume.labels_on_resume, before the model loaded)."""
         data.check_position(self.data, state.get("data"), state["step"])
         self.step, self.epoch, self.run_id = state["step"], state["epoch"], state["wandb_run_id"]
         self.selection.load_state_dict(state.get("selection", {}))

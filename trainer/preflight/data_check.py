@@ -2,7 +2,7 @@
 checked as training will load and check them (trainer/data.py: the same code, so what passes
 here trains), the labels resolved and counted in Arrow, and the token lengths of a seeded
 sample. No weights load and no process group forms: a mistake in the data (a missing column or
-split, a label of the wrong type, a validation label train never saw) is one line and exit 2
+split, a label of the wrong type, a validation label outside the train split's classes) is one line and exit 2
 in seconds, on a login node.
 """
 
