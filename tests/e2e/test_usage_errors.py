@@ -57,8 +57,8 @@ BAD_DATA = [
     ("null-text", GOOD_ROWS + json.dumps({"text": None, "label": 1}) + "\n",
      "data.text_field: column 'text' in data.train_split has a non-text value in row 40: None"),
     ("fractional-labels", GOOD_ROWS.replace('"label": 1}', '"label": 1.5}'),
-     ("holds numbers with fractions: single_label needs class ids (integers) or names (strings); for a number to "
-     "predict, set data.problem_type=regression")),
+     ("holds numbers that are not class ids (1.5 in row 1): single_label needs class ids (integers) or names "
+     "(strings); for a number to predict, set data.problem_type=regression")),
     ("missing-label", GOOD_ROWS + json.dumps({"text": "x", "label": None}) + "\n",
      "data.label_field: column 'label' in data.train_split has no label in row 40"),
 ]
