@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -372,24 +373,58 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
     return Run(proc.returncode, output)
 
 
+_preloaded: preloaded.Server | None = None
+_preloaded_lock = threading.Lock()
+"""The session's tests/preloaded.py server, started on first use; it serves one run at a time."""
+
+IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH", "PYTORCH_", "ATEN_", "ONEDNN_",
+                   "DNNL_", "XDG_", "OMP_", "MKL_", "PYTHON")
+"""What the interpreter and the libraries read once, at start or import (ATEN_CPU_CAPABILITY,
+say): a run that sets any of it needs an interpreter of its own, not the preloaded one's."""
+
+
+def run_preloaded(args: list[str], env: dict | None = None, timeout: float = 300) -> Run:
+    """`python -m trainer ARGS` as one process, forked from tests/preloaded.py's server, which
+    imported torch, transformers and datasets once: the same entry point, in a process and
+    session of its own, without the 3-4 s of imports a fresh interpreter pays."""
+    global _preloaded
+    with _preloaded_lock:
+        if _preloaded is None:
+            _preloaded = preloaded.Server(PYTHON, BASE_ENV, REPO)
+        code, output, timed_out = _preloaded.run(args, env or {}, REPO, timeout)
+    if timed_out:
+        pytest.fail(f"timed out after {timeout}s: python -m trainer {' '.join(args)}\n{output[-4000:]}")
+    return Run(code, output)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _preloaded_server_closed():
+    yield
+    if _preloaded is not None:
+        _preloaded.close()
+
+
 @pytest.fixture(scope="session")
 def usage_run() -> Callable[..., Run]:
     """`usage_run(overrides, command="train", config=None, env=None, timeout=120)`: like
     `run(trainer_command(overrides, nproc=None, ...))`, for a run that must stop at a usage
-    error before it trains: a fork of tests/preloaded.py's server, which imported the trainer's
-    dependencies once (0.3-1 s a run instead of 3-8 s)."""
-    server = preloaded.Server(PYTHON, BASE_ENV, REPO)
+    error before it trains, forked from the preloaded server (0.3-1 s a run instead of 3-8 s)."""
 
     def run_cli(overrides: list[str], command: str = "train", config: str | None = None,
                 env: dict | None = None, timeout: float = 120) -> Run:
-        args = trainer_program(command, config, overrides)[2:]  # what follows `-m trainer`
-        code, output, timed_out = server.run(args, env or {}, REPO, timeout)
-        if timed_out:
-            pytest.fail(f"timed out after {timeout}s: python -m trainer {' '.join(args)}\n{output[-4000:]}")
-        return Run(code, output)
+        return run_preloaded(trainer_program(command, config, overrides)[2:], env, timeout)  # after `-m trainer`
 
-    yield run_cli
-    server.close()
+    return run_cli
+
+
+def launch(cmd: list[str], env: dict | None = None, timeout: float = 300) -> Run:
+    """`run(cmd)`; a one-process `python -m trainer` (the 1 process that 2 ranks must equal)
+    forked from the preloaded server instead, unless its environment sets what the libraries
+    read at import. torchrun's workers are fresh interpreters, as a user's are."""
+    env = env or {}
+    if cmd[:3] == [PYTHON, "-m", "trainer"] and not any(key.startswith(IMPORT_TIME_ENV) for key in env):
+        return run_preloaded(cmd[3:], env, timeout)
+    return run(cmd, timeout=timeout, env=env)
 
 
 def assert_usage_error(result: Run, expected: str) -> None:
@@ -418,7 +453,7 @@ def snapshot(out: Path) -> dict[str, str]:
 
 
 def train(overrides: list[str], nproc: int | None = 2, **kwargs) -> Run:
-    result = run(trainer_command(overrides, nproc), **kwargs)
+    result = launch(trainer_command(overrides, nproc), **kwargs)
     assert result.returncode == 0, failure_output(result.output)
     return result
 
@@ -428,7 +463,7 @@ def together(*launches: tuple[list[str], dict]) -> list[Run]:
     a reference and the runs compared with it spend most of their seconds importing and
     loading, which overlap. Nothing here is timed, so sharing the cores changes no result."""
     with ThreadPoolExecutor(len(launches)) as pool:
-        return list(pool.map(lambda launch: run(launch[0], env=launch[1]), launches))
+        return list(pool.map(lambda command_env: launch(*command_env), launches))
 
 
 def train_together(*launches: tuple[list[str], int | None]) -> list[Run]:

@@ -1,4 +1,4 @@
-"""`python -m trainer` for runs that end before training starts, without its seconds of imports.
+"""`python -m trainer` as one process, without its seconds of imports.
 
 The e2e usage-error tests run the CLI some twenty-five times (the mistakes that need real data,
 a model or a checkpoint, and the CLI's contract; the rest are checked in process, in
@@ -8,8 +8,10 @@ then forks a child per run. The child takes the run's arguments, environment and
 directory, runs `trainer`'s __main__ as `python -m trainer` does, and exits with its status;
 what it writes to stdout and stderr is the run's output. So each run is still a process of its
 own, with its own exit status, and nothing it does reaches the next run; only the interpreter's
-start and the imports are shared. Runs that train use conftest.run, a fresh interpreter as a
-user's is.
+start and the imports are shared. The server only imports (it computes nothing, so no thread
+pool exists to be forked). One-process trainings run here too (conftest.launch: the 1 process
+that 2 ranks must equal), unless they set what the libraries read at import; torchrun's
+workers are fresh interpreters, as a user's are.
 
 Server protocol (JSON lines): a request {args, env, cwd, output} on stdin; the reply
 {"pid"} as soon as the child exists, then {"returncode"} when it has ended.
@@ -114,6 +116,7 @@ class Server:
             timed_out = True
             killpg(pid)
             reply = self._reply(60)
+        killpg(pid)  # what the run left in its session (a loader worker), as conftest.run kills its group
         text = output.read_text(errors="replace")
         output.unlink()
         return reply["returncode"], text, timed_out

@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import compare_weights, locally, run, tiny_overrides, train, trainer_command, weights
+from conftest import compare_weights, launch, locally, run, tiny_overrides, train, trainer_command, weights
 from support import read_summary
 
 from trainer.checkpoint.store import verify
@@ -77,7 +77,7 @@ def test_pruning_never_deletes_the_last_good_checkpoint(uninterrupted, tiny_mode
     flip_byte(out / "checkpoints/step-8/model.safetensors")
     settings = overrides(tiny_model, reviews, out, **{"checkpoint.keep": 1, "checkpoint.every": 3})
 
-    killed = run(trainer_command(settings, nproc=None), env={"TRAINER_FAULT_SIGKILL": "0:7"})
+    killed = launch(trainer_command(settings, nproc=None), env={"TRAINER_FAULT_SIGKILL": "0:7"})
     assert killed.returncode != 0
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names[0] == "abandoned-step-8" or names[0].startswith("abandoned-step-8-"), names
@@ -134,7 +134,7 @@ def test_sigkill_mid_background_write_resumes_from_the_checkpoint_before(uninter
     resumes from step 4, rewrites step 6, and ends with the uninterrupted run's weights."""
     out = tmp_path / "run"
     settings = overrides(tiny_model, reviews, out, **{"checkpoint.async_save": True})
-    killed = run(trainer_command(settings, nproc=None), env={"TRAINER_FAULT_SIGKILL_IN_SAVE": "6"})
+    killed = launch(trainer_command(settings, nproc=None), env={"TRAINER_FAULT_SIGKILL_IN_SAVE": "6"})
     assert killed.returncode == -9, killed.output[-3000:]
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == [".tmp-step-6", "step-2", "step-4"], names  # torn, unmarked

@@ -9,7 +9,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import BASE_ENV, REPO, run, tiny_overrides, trainer_command
+from conftest import BASE_ENV, REPO, launch, tiny_overrides, trainer_command
 from support import kill_tree, read_metrics, read_summary
 from transformers import AutoTokenizer
 
@@ -104,7 +104,7 @@ def test_mfu_is_within_0_and_100_percent(reviews, tmp_path, precision, env):
     overrides = [f"data.path={reviews}", f"output_dir={tmp_path}", f"train.precision={precision}",
                  "train.max_steps=3", "train.log_every=1", "train.batch_size=4", "data.max_length=32",
                  "checkpoint.every=0", "data.max_eval_samples=16", "data.num_workers=0", "wandb.mode=disabled"]
-    result = run(trainer_command(overrides, nproc=None, config="configs/demo.yaml"), env=env)
+    result = launch(trainer_command(overrides, nproc=None, config="configs/demo.yaml"), env=env)
     assert result.returncode == 0, result.output[-6000:]
     mfus = [r["mfu"] for r in read_metrics(tmp_path) if "samples_per_s" in r]
     assert len(mfus) == 3 and all(mfu is None or 0 < mfu <= 1 for mfu in mfus), mfus
