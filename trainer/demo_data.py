@@ -25,6 +25,7 @@ import argparse
 import csv
 import json
 import random
+from collections.abc import Iterable
 from pathlib import Path
 
 TOPICS = ["food", "service", "room", "staff", "price", "delivery", "battery", "screen", "coffee",
@@ -107,34 +108,35 @@ def sentiment(out_dir: str | Path, rows: int = 4000, seed: int = 0) -> Path:
 def complaints(out_dir: str | Path, rows: int = 4000, seed: int = 0) -> Path:
     """complaints.jsonl: text, complaints (the topics a review speaks ill of; a list)."""
     rng = random.Random(seed)
-    path = Path(out_dir) / "complaints.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for _ in range(rows):
-        sentences, complained = [], []
-        for topic in rng.sample(COMPLAINED, rng.randint(1, 3)):
-            rating = rng.choice([0, 1, 3, 4])
-            sentences.append(f"The {topic} {rng.choice(VOICE[rating])}.")
-            if rating <= 1:
-                complained.append(topic)
-        if rng.random() < 0.3:
-            sentences.insert(rng.randrange(len(sentences) + 1), _filler(rng))
-        lines.append(json.dumps({"text": " ".join(sentences), "complaints": sorted(complained)}))
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return _write_jsonl(Path(out_dir) / "complaints.jsonl", (_complaint(rng) for _ in range(rows)))
+
+
+def _complaint(rng: random.Random) -> dict:
+    sentences, complained = [], []
+    for topic in rng.sample(COMPLAINED, rng.randint(1, 3)):
+        rating = rng.choice([0, 1, 3, 4])
+        sentences.append(f"The {topic} {rng.choice(VOICE[rating])}.")
+        if rating <= 1:
+            complained.append(topic)
+    if rng.random() < 0.3:
+        sentences.insert(rng.randrange(len(sentences) + 1), _filler(rng))
+    return {"text": " ".join(sentences), "complaints": sorted(complained)}
 
 
 def score(out_dir: str | Path, rows: int = 4000, seed: int = 0) -> Path:
     """scores.jsonl: text, score (the stars, 1.0 to 5.0, with noise of +-0.5)."""
     rng = random.Random(seed)
-    path = Path(out_dir) / "scores.jsonl"
+    return _write_jsonl(Path(out_dir) / "scores.jsonl", (_score(rng) for _ in range(rows)))
+
+
+def _score(rng: random.Random) -> dict:
+    rating = rng.randrange(5)
+    return {"text": review(rng, rating), "score": round(min(5.0, max(1.0, rating + 1 + rng.uniform(-0.5, 0.5))), 2)}
+
+
+def _write_jsonl(path: Path, records: Iterable[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for _ in range(rows):
-        rating = rng.randrange(5)
-        lines.append(json.dumps({"text": review(rng, rating),
-                                 "score": round(min(5.0, max(1.0, rating + 1 + rng.uniform(-0.5, 0.5))), 2)}))
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
 
 

@@ -12,7 +12,7 @@ summary.json, and `check` prints it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -145,21 +145,25 @@ _LARGEST_ID = 2**53
 """Beyond this a float is not an id (nor exactly an integer)."""
 
 
-def _not_an_id(values) -> int | None:
-    """The first of `values` (numbers) that is not a whole number a class id can be (NaN,
-    inf, 2.5, 1e30), or None: all are (1.0, as pandas writes ids beside a missing value)."""
+def _as_ids(values, data_cfg, split_key: str, row_of: Callable[[int], str], advice: str):
+    """`values` (numbers) as int64 class ids. Each must be a whole number a class id can be:
+    1.0 is (as pandas writes ids beside a missing value); NaN, inf, 2.5 and 1e30 are not, and
+    the first of them is named, in `row_of(its index)`, with `advice`."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     as_float = values.cast(pa.float64())
     whole = pc.and_(pc.equal(pc.floor(as_float), as_float), pc.less_equal(pc.abs(as_float), _LARGEST_ID))
-    return arrow.first_true(pc.invert(pc.fill_null(whole, False)))
+    bad = arrow.first_true(pc.invert(pc.fill_null(whole, False)))
+    if bad is not None:
+        raise _error(data_cfg, split_key, f"holds numbers that are not class ids ({values[bad].as_py()!r} in "
+                                          f"{row_of(bad)}): {advice}")
+    return as_float.cast(pa.int64())
 
 
 def _read(column, data_cfg, split_key: str, multi_hot: bool | None = None) -> _Read:
     """The labels of `column`, checked for the task: no nulls, the type the task reads.
     `multi_hot`: whether multi_label lists are multi-hot rows; None: decided by the lists."""
-    import pyarrow as pa
     import pyarrow.compute as pc
 
     null = arrow.first_null(column)
@@ -185,12 +189,9 @@ def _read(column, data_cfg, split_key: str, multi_hot: bool | None = None) -> _R
             raise _error(data_cfg, split_key, f"has NaN in row {nan}")
         return _Read(column, None, NUMBERS)
     if kind == NUMBERS:
-        bad = _not_an_id(column)
-        if bad is not None:
-            raise _error(data_cfg, split_key, f"holds numbers that are not class ids ({column[bad].as_py()!r} in "
-                                              f"row {bad}): single_label needs class ids (integers) or names "
-                                              "(strings); for a number to predict, set data.problem_type=regression")
-        return _Read(column.cast(pa.float64()).cast(pa.int64()), None, IDS)
+        ids = _as_ids(column, data_cfg, split_key, lambda i: f"row {i}", "single_label needs class ids (integers) "
+                      "or names (strings); for a number to predict, set data.problem_type=regression")
+        return _Read(ids, None, IDS)
     return _Read(column, None, kind)
 
 
@@ -207,12 +208,9 @@ def _read_lists(column, data_cfg, split_key: str, multi_hot: bool | None) -> _Re
         raise _error(data_cfg, split_key, f"has a null label in the list of row {rows[null]}")
     kind = _kind(values.type)
     if kind == NUMBERS:
-        bad = _not_an_id(values)
-        if bad is not None:
-            raise _error(data_cfg, split_key, f"holds numbers that are not class ids ({values[bad].as_py()!r} in the "
-                                              f"list of row {rows[bad]}): multi_label reads each row's class names "
-                                              "or ids, or a multi-hot row (a 0 or 1 per label)")
-        values, kind = values.cast(pa.float64()).cast(pa.int64()), IDS
+        values = _as_ids(values, data_cfg, split_key, lambda i: f"the list of row {rows[i]}", "multi_label reads "
+                         "each row's class names or ids, or a multi-hot row (a 0 or 1 per label)")
+        kind = IDS
     if kind not in (IDS, NAMES):
         raise _error(data_cfg, split_key, f"holds lists of {kind}: multi_label reads each row's class names or ids, "
                                           "or a multi-hot row (a 0 or 1 per label)")
