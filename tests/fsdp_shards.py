@@ -40,7 +40,9 @@ held = {"weights": local(params) + sum(b.numel() * b.element_size() for b in bar
         "whole_weights": whole, "whole_trained": whole_trained,
         "buffers": sum(b.numel() * b.element_size() for b in bare.buffers())}
 plan = memory.make(cfg, run_labels, cpu, dist_env.world_size)
-print(json.dumps({"rank": dist_env.rank, **held,
-                  "plan": {"weights": plan.weights, "gradients": plan.gradients, "optimizer": plan.optimizer}}),
-      flush=True)
+# One write of the whole line: the ranks share torchrun's stdout, and print() writes the text
+# and its newline apart, between which another rank's line can land (seen on a loaded machine).
+sys.stdout.write(json.dumps({"rank": dist_env.rank, **held, "plan": {
+    "weights": plan.weights, "gradients": plan.gradients, "optimizer": plan.optimizer}}) + "\n")
+sys.stdout.flush()
 dist.destroy_process_group()
