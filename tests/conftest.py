@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -373,35 +373,40 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
     return Run(proc.returncode, output)
 
 
-_preloaded: preloaded.Server | None = None
-_preloaded_lock = threading.Lock()
-"""The session's tests/preloaded.py server, started on first use; it serves one run at a time."""
+_idle_servers: queue.SimpleQueue[preloaded.Server] = queue.SimpleQueue()
+_servers: list[preloaded.Server] = []
+"""tests/preloaded.py's servers: each serves one run at a time, and a run that finds none idle
+starts one (together() runs 2 or 3 at once)."""
 
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH", "PYTORCH_", "ATEN_", "ONEDNN_",
                    "DNNL_", "XDG_", "OMP_", "MKL_", "PYTHON")
 """What the interpreter and the libraries read once, at start or import (ATEN_CPU_CAPABILITY,
-say): a run that sets any of it needs an interpreter of its own, not the preloaded one's."""
+say): a run that sets any of it needs an interpreter of its own, not a preloaded one."""
+
+PRELOADED_MODULES = ("trainer", "trainer.torchrun")
 
 
-def run_preloaded(args: list[str], env: dict | None = None, timeout: float = 300) -> Run:
-    """`python -m trainer ARGS` as one process, forked from tests/preloaded.py's server, which
+def run_preloaded(module: str, args: list[str], env: dict | None = None, timeout: float = 300) -> Run:
+    """`python -m MODULE ARGS` as a process forked from a tests/preloaded.py server, which
     imported torch, transformers and datasets once: the same entry point, in a process and
     session of its own, without the 3-4 s of imports a fresh interpreter pays."""
-    global _preloaded
-    with _preloaded_lock:
-        if _preloaded is None:
-            _preloaded = preloaded.Server(PYTHON, BASE_ENV, REPO)
-        code, output, timed_out = _preloaded.run(args, env or {}, REPO, timeout)
+    try:
+        server = _idle_servers.get_nowait()
+    except queue.Empty:
+        server = preloaded.Server(PYTHON, BASE_ENV, REPO)
+        _servers.append(server)
+    code, output, timed_out = server.run(module, args, env or {}, REPO, timeout)
+    _idle_servers.put(server)  # not after an interrupted run, whose reply it may still owe
     if timed_out:
-        pytest.fail(f"timed out after {timeout}s: python -m trainer {' '.join(args)}\n{output[-4000:]}")
+        pytest.fail(f"timed out after {timeout}s: python -m {module} {' '.join(args)}\n{output[-4000:]}")
     return Run(code, output)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _preloaded_server_closed():
+def _preloaded_servers_closed():
     yield
-    if _preloaded is not None:
-        _preloaded.close()
+    for server in _servers:
+        server.close()
 
 
 @pytest.fixture(scope="session")
@@ -412,18 +417,19 @@ def usage_run() -> Callable[..., Run]:
 
     def run_cli(overrides: list[str], command: str = "train", config: str | None = None,
                 env: dict | None = None, timeout: float = 120) -> Run:
-        return run_preloaded(trainer_program(command, config, overrides)[2:], env, timeout)  # after `-m trainer`
+        return run_preloaded("trainer", trainer_program(command, config, overrides)[2:], env, timeout)
 
     return run_cli
 
 
 def launch(cmd: list[str], env: dict | None = None, timeout: float = 300) -> Run:
-    """`run(cmd)`; a one-process `python -m trainer` (the 1 process that 2 ranks must equal)
-    forked from the preloaded server instead, unless its environment sets what the libraries
-    read at import. torchrun's workers are fresh interpreters, as a user's are."""
+    """`run(cmd)`; `python -m trainer` (the 1 process that 2 ranks must equal) and
+    `python -m trainer.torchrun` forked from a preloaded server instead, unless the environment
+    sets what is read at import. torchrun's workers are fresh interpreters, as a user's are."""
     env = env or {}
-    if cmd[:3] == [PYTHON, "-m", "trainer"] and not any(key.startswith(IMPORT_TIME_ENV) for key in env):
-        return run_preloaded(cmd[3:], env, timeout)
+    if (cmd[:2] == [PYTHON, "-m"] and cmd[2] in PRELOADED_MODULES
+            and not any(key.startswith(IMPORT_TIME_ENV) for key in env)):
+        return run_preloaded(cmd[2], cmd[3:], env, timeout)
     return run(cmd, timeout=timeout, env=env)
 
 

@@ -1,24 +1,28 @@
-"""`python -m trainer` as one process, without its seconds of imports.
+"""`python -m trainer` and `python -m trainer.torchrun` without their seconds of imports.
 
-The e2e usage-error tests run the CLI some twenty-five times (the mistakes that need real data,
-a model or a checkpoint, and the CLI's contract; the rest are checked in process, in
-tests/unit), and each run would spend 3-8 s of a busy CI machine importing torch, transformers
-and datasets before it reads its first argument. Here one server process imports them once,
-then forks a child per run. The child takes the run's arguments, environment and working
-directory, runs `trainer`'s __main__ as `python -m trainer` does, and exits with its status;
-what it writes to stdout and stderr is the run's output. So each run is still a process of its
-own, with its own exit status, and nothing it does reaches the next run; only the interpreter's
-start and the imports are shared. The server only imports (it computes nothing, so no thread
-pool exists to be forked). One-process trainings run here too (conftest.launch: the 1 process
-that 2 ranks must equal), unless they set what the libraries read at import; torchrun's
-workers are fresh interpreters, as a user's are.
+On this suite's 2-core machine most of the CPU a short training run takes is the interpreter's
+start and its imports: 3-4 s for torch, transformers and datasets, in every process. Here one
+server process imports them once, then forks a child per run. The child takes the run's module,
+arguments, environment and working directory, runs the module's __main__ as `python -m` does,
+and exits with its status; what it writes to stdout and stderr is the run's output. So each run
+is still a process of its own, in a session of its own, with its own exit status, and nothing
+it does reaches the next run; only the interpreter's start and the imports are shared. The
+server only imports (it computes nothing, so no thread pool exists to be forked).
 
-Server protocol (JSON lines): a request {args, env, cwd, output} on stdin; the reply
-{"pid"} as soon as the child exists, then {"returncode"} when it has ended.
+conftest.launch runs here the usage errors, the one process that 2 ranks must equal, and
+torchrun itself (trainer.torchrun: the launcher's own code, forked). torchrun starts its
+workers as it always does, as fresh interpreters, as a user's are. A run that sets what is
+read at start or import gets a fresh interpreter instead.
+
+Server protocol (JSON lines): a request {module, args, env, cwd, output} on stdin; the reply
+{"pid"} as soon as the child exists, then {"returncode"} when it has ended. A server serves
+one run at a time: runs at once (conftest.together) take a server each.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import runpy
@@ -30,13 +34,16 @@ import time
 import traceback
 from pathlib import Path
 
+import psutil
 from support import killpg
 
 PRELOAD = ["torch", "datasets", "transformers", "transformers.modeling_utils", "transformers.models.bert.modeling_bert",
            "trainer.config", "trainer.distributed", "trainer.build", "trainer.loop", "trainer.predict",
-           "trainer.evaluation"]
-"""What `python -m trainer` imports before it stops at a usage error (trainer.__main__ itself
-is run afresh in each child, as __main__), and the tiny test models' modeling code."""
+           "trainer.evaluation", "torch.distributed.run", "trainer.torchrun"]
+"""What `python -m trainer` and torchrun import (each child runs its module's __main__
+afresh), and the tiny test models' modeling code."""
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
 def serve() -> None:
@@ -48,6 +55,10 @@ def serve() -> None:
     for name in ("AutoConfig", "AutoModelForSequenceClassification", "AutoTokenizer"):
         getattr(transformers, name)  # resolved lazily, on first use: the imports that take the time
 
+    # What a run leaves behind when it exits (a rank's loader worker; torchrun's workers each
+    # have a session of their own) is reparented to this server, not to init: the run has
+    # ended when the last of them has, as conftest.run waits for the last holder of its pipe.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()  # nothing buffered may be written twice, by the child too
@@ -56,6 +67,9 @@ def serve() -> None:
             _child(request)
         print(json.dumps({"pid": pid}), flush=True)
         _, status = os.waitpid(pid, 0)
+        with contextlib.suppress(ChildProcessError):
+            while True:
+                os.waitpid(-1, 0)
         print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
 
 
@@ -72,9 +86,9 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         sys.path[0] = request["cwd"]  # where `python -m` looks first (this file's folder, here)
-        sys.argv = ["trainer", *request["args"]]  # run_module sets argv[0] to the module's file
+        sys.argv = [request["module"], *request["args"]]  # run_module sets argv[0] to the module's file
         try:
-            runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:  # the interpreter's rules for sys.exit's argument
             if e.code is None or isinstance(e.code, int):
@@ -90,7 +104,7 @@ def _child(request: dict) -> None:
 
 
 class Server:
-    """The client: one server for the test session; `run(args, env, cwd, timeout)`."""
+    """The client: `run(module, args, env, cwd, timeout)`, one run at a time."""
 
     def __init__(self, python: str, env: dict[str, str], cwd: Path):
         self.env = env
@@ -100,11 +114,13 @@ class Server:
         self.outputs = Path(tempfile.mkdtemp(prefix="preloaded-"))
         self._runs = 0
 
-    def run(self, args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> tuple[int, str, bool]:
+    def run(self, module: str, args: list[str], env: dict[str, str], cwd: Path,
+            timeout: float) -> tuple[int, str, bool]:
         """(exit status, output, whether it was killed for running past `timeout`)."""
         self._runs += 1
         output = self.outputs / f"run-{self._runs}.txt"
-        request = {"args": args, "env": {**self.env, **env}, "cwd": str(cwd), "output": str(output)}
+        request = {"module": module, "args": args, "env": {**self.env, **env}, "cwd": str(cwd),
+                   "output": str(output)}
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
         # The first reply waits for the server's imports, once: the cost every run would pay.
@@ -114,12 +130,23 @@ class Server:
             reply = self._reply(timeout)
         except TimeoutError:
             timed_out = True
-            killpg(pid)
+            self._kill_run(pid)
             reply = self._reply(60)
-        killpg(pid)  # what the run left in its session (a loader worker), as conftest.run kills its group
+        except BaseException:  # pytest interrupted (a CI timeout): nothing of the run may outlive it
+            self._kill_run(pid)
+            raise
         text = output.read_text(errors="replace")
         output.unlink()
         return reply["returncode"], text, timed_out
+
+    def _kill_run(self, pid: int) -> None:
+        """SIGKILL the run and everything it started: the server's only children are the run's
+        process and what it left (torchrun's workers are in sessions of their own)."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for process in psutil.Process(self.proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+        killpg(pid)
 
     def _reply(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -139,8 +166,8 @@ class Server:
         self.proc.stdin.close()
         try:
             self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        except subprocess.TimeoutExpired:  # still waiting for a run of an interrupted session
+            self._kill_run(self.proc.pid)
             self.proc.wait()
         for leftover in self.outputs.iterdir():
             leftover.unlink()

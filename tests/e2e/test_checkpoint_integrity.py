@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import compare_weights, launch, locally, run, tiny_overrides, train, trainer_command, weights
+from conftest import compare_weights, launch, locally, tiny_overrides, train, trainer_command, weights
 from support import read_summary
 
 from trainer.checkpoint.store import verify
@@ -110,7 +110,7 @@ def test_disk_full_mid_save_keeps_the_previous_checkpoint(uninterrupted, tiny_mo
                                                        "checkpoint.async_save": async_save,
                                                        "train.strategy": strategy,
                                                        "ddp.sparse_embedding_grad": strategy == "ddp"})
-        full = run(trainer_command(settings, nproc=2))
+        full = launch(trainer_command(settings, nproc=2))
         assert full.returncode != 0
         error = re.compile(rf"error: checkpoint step-8: save failed: .* \([0-9.]+ MB free in {out}/checkpoints\)")
         assert len(error.findall(full.output)) in (1, 2), full.output[-3000:]  # rank 0, rank 1 or both

@@ -11,7 +11,7 @@ node lost for good under torchrun's elastic rendezvous: tests/system/test_multin
 import json
 from pathlib import Path
 
-from conftest import compare_weights, run, tiny_overrides, together, train, trainer_command, weights
+from conftest import compare_weights, launch, tiny_overrides, together, train, trainer_command, weights
 from support import read_metrics
 
 STEPS = 56
@@ -56,7 +56,8 @@ def test_a_run_shrinks_to_one_rank_then_grows_to_three_on_the_same_global_batche
         return result.output
 
     def killed_at(step: int, nproc: int | None) -> str:
-        return killed(run(trainer_command(overrides, nproc=nproc), env={"TRAINER_FAULT_SIGKILL": f"0:{step}"}), nproc)
+        fault = {"TRAINER_FAULT_SIGKILL": f"0:{step}"}
+        return killed(launch(trainer_command(overrides, nproc=nproc), env=fault), nproc)
 
     # The uninterrupted run and the first leg at once: independent launches.
     first, uninterrupted = together(

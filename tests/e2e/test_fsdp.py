@@ -17,6 +17,7 @@ from conftest import (
     REPO,
     compare_weights,
     kill_then_resume,
+    launch,
     run,
     sharded_checkpoint,
     tiny_overrides,
@@ -141,8 +142,8 @@ def test_a_damaged_shard_is_skipped_and_evaluate_reads_a_sharded_checkpoint(tiny
     assert not compare_weights(uninterrupted, out, STEPS).differing
 
     checkpoint = uninterrupted / "checkpoints" / f"step-{STEPS}"
-    evaluated = run(trainer_command([*tiny_overrides(tiny_model, reviews, uninterrupted, **options),
-                                     f"checkpoint={checkpoint}"], nproc=2, command="evaluate"))
+    evaluated = launch(trainer_command([*tiny_overrides(tiny_model, reviews, uninterrupted, **options),
+                                        f"checkpoint={checkpoint}"], nproc=2, command="evaluate"))
     assert evaluated.returncode == 0, evaluated.output[-3000:]
     assert json.loads((checkpoint / "eval-test.json").read_text())["accuracy"] == \
         read_summary(uninterrupted)["final_eval"]["accuracy"]
@@ -154,8 +155,8 @@ def test_a_rank_that_fails_or_freezes_inside_a_sharded_step_ends_every_rank(tiny
     all-gather, whose watchdog names the step and the silent rank before dist.timeout_s."""
     options = {**FSDP, "train.batch_size": 8, "train.max_steps": 100000, "checkpoint.every": 0,
                "train.eval_every": 0}
-    raised = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path / "raised", **options), nproc=2),
-                 env={"TRAINER_FAULT_RAISE": "1:3"}, timeout=180)
+    raised = launch(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path / "raised", **options), nproc=2),
+                    env={"TRAINER_FAULT_RAISE": "1:3"}, timeout=180)
     assert raised.returncode != 0
     assert "InjectedFault: TRAINER_FAULT_RAISE: injected at step 3" in raised.output, raised.output[-4000:]
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import (
     compare_weights,
     kill_then_resume,
-    run,
+    launch,
     tiny_overrides,
     train,
     train_together,
@@ -83,7 +83,7 @@ def test_lora_is_exact_at_any_world_size_and_final_holds_the_merged_model(tiny_m
 
     # Killed at step 13 on 2 ranks, resumed from step 10 on 1: the same trajectory.
     elastic_overrides = tiny_overrides(tiny_model, reviews, elastic, **LORA, **{"train.batch_size": 8})
-    killed = run(trainer_command(elastic_overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
+    killed = launch(trainer_command(elastic_overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
     assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
     resumed = train(elastic_overrides, nproc=None)
     assert f"resumed from {elastic / 'checkpoints' / 'step-10'}" in resumed.output
@@ -99,8 +99,8 @@ def test_lora_is_exact_at_any_world_size_and_final_holds_the_merged_model(tiny_m
     # `evaluate` of a LoRA checkpoint: the base, the adapters from the checkpoint, and the
     # validation the run reported for it.
     checkpoint = ranks / "checkpoints" / f"step-{STEPS}"
-    evaluated = run(trainer_command([*tiny_overrides(tiny_model, reviews, ranks, **LORA), f"checkpoint={checkpoint}"],
-                                    nproc=2, command="evaluate"))
+    evaluated = launch(trainer_command([*tiny_overrides(tiny_model, reviews, ranks, **LORA),
+                                        f"checkpoint={checkpoint}"], nproc=2, command="evaluate"))
     assert evaluated.returncode == 0, evaluated.output[-3000:]
     report = json.loads((checkpoint / "eval-test.json").read_text())
     assert report["accuracy"] == read_summary(ranks)["final_eval"]["accuracy"]

@@ -15,7 +15,7 @@ from conftest import (
     LABEL_NAMES,
     compare_weights,
     kill_then_resume,
-    run,
+    launch,
     tiny_overrides,
     train,
     trainer_command,
@@ -143,8 +143,8 @@ def test_evaluate_under_torchrun_equals_scikit_learn_on_one_process(selected, ti
 
     rows = [json.loads(line) for line in (reviews / "test.jsonl").read_text().splitlines()]
     assert len(rows) % 2 == 1  # 2 ranks get unequal shards
-    result = run(trainer_command([*selection_overrides(tiny_model, labeled_reviews, selected), "split=test"],
-                                 nproc=2, command="evaluate"))
+    result = launch(trainer_command([*selection_overrides(tiny_model, labeled_reviews, selected), "split=test"],
+                                    nproc=2, command="evaluate"))
     assert result.returncode == 0, result.output[-3000:]
     report = json.loads((selected / "final" / "eval-test.json").read_text())
     # what the training run reported for the test split is what final/ scores on it
@@ -179,7 +179,7 @@ def test_predict_under_torchrun_gives_each_row_once_in_input_order(selected, tin
     output = tmp_path / "out" / "predictions.jsonl"
     settings = [*selection_overrides(tiny_model, labeled_reviews, selected),
                 "checkpoint=final", f"input={source}", f"output={output}"]
-    result = run(trainer_command(settings, nproc=2, command="predict"))
+    result = launch(trainer_command(settings, nproc=2, command="predict"))
     assert result.returncode == 0, result.output[-3000:]
 
     predictions = [json.loads(line) for line in output.read_text().splitlines()]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import BASE_ENV, run, tiny_overrides, train, trainer_command
+from conftest import BASE_ENV, launch, run, tiny_overrides, train, trainer_command
 from fake_hub import FakeHub
 from support import kill_tree, wait_for
 from users import UID, as_user
@@ -42,8 +42,8 @@ def failed_at(output: str, pattern: str) -> float:
     pytest.param(2, "*:3", id="every-rank"),
 ])
 def test_an_exception_mid_run_ends_every_process_in_seconds(tiny_model, reviews, tmp_path, nproc, fault):
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **WORKERS), nproc),
-                 env={"TRAINER_FAULT_RAISE": fault}, timeout=180)
+    result = launch(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **WORKERS), nproc),
+                    env={"TRAINER_FAULT_RAISE": fault}, timeout=180)
     exited = time.time()
     assert result.returncode != 0
     assert "InjectedFault: TRAINER_FAULT_RAISE: injected at step 3" in result.output, result.output[-4000:]

@@ -10,16 +10,7 @@ from pathlib import Path
 
 import pytest
 import wandb_log
-from conftest import (
-    compare_weights,
-    kill_then_resume,
-    locally,
-    run,
-    tiny_overrides,
-    train,
-    trainer_command,
-    weights,
-)
+from conftest import compare_weights, kill_then_resume, launch, locally, tiny_overrides, train, trainer_command, weights
 from support import read_metrics, read_summary
 
 STEPS = 40
@@ -70,7 +61,7 @@ def test_dropout_is_on_while_training(uninterrupted, dropout_model, tiny_model, 
 def test_sigkill_then_resume_is_bitwise_exact(uninterrupted, dropout_model, reviews, tmp_path, kill, resumed_from,
                                               async_save):
     overrides = tiny_overrides(dropout_model, reviews, tmp_path, **OPTIONS, **{"checkpoint.async_save": async_save})
-    killed = run(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": kill})
+    killed = launch(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": kill})
     assert killed.returncode != 0 and "SIGKILL" in killed.output
     assert not (tmp_path / "summary.json").exists()
     resume_point = json.loads((tmp_path / "checkpoints" / f"step-{resumed_from}" / "state.json").read_text())
@@ -106,8 +97,8 @@ def test_activation_checkpointing_changes_no_bit_and_a_resume_may_turn_it_off(un
     dropout masks: a run with it, SIGKILLed at step 23 and resumed without it (a FREE key),
     ends bitwise equal to the uninterrupted run that never used it."""
     overrides = tiny_overrides(dropout_model, reviews, tmp_path, **OPTIONS)
-    killed = run(trainer_command([*overrides, "model.gradient_checkpointing=true"], nproc=2),
-                 env={"TRAINER_FAULT_SIGKILL": "1:23"})
+    killed = launch(trainer_command([*overrides, "model.gradient_checkpointing=true"], nproc=2),
+                    env={"TRAINER_FAULT_SIGKILL": "1:23"})
     assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
     assert "attention eager, activation checkpointing; trains" in killed.output
     resumed = train(overrides)

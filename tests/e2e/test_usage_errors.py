@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import yaml
-from conftest import assert_usage_error, previous_run, run, snapshot, tiny_overrides, trainer_command
+from conftest import assert_usage_error, launch, previous_run, snapshot, tiny_overrides, trainer_command
 from support import read_summary
 
 from trainer.exit_codes import Exit
@@ -134,7 +134,7 @@ def test_a_global_batch_the_world_size_cannot_split_is_refused_before_the_rendez
 
 
 def test_cpu_on_purpose_trains_where_gpus_are_granted(tiny_model, reviews, tmp_path):
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{
+    result = launch(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{
         "train.device": "cpu", "dist.backend": "gloo", "train.max_steps": 2}), nproc=None),
         env={"SLURM_GPUS_ON_NODE": "1", "CUDA_VISIBLE_DEVICES": "0"})
     assert result.returncode == 0, result.output[-3000:]
@@ -146,7 +146,7 @@ def test_dp_refuses_several_ranks(tiny_model, reviews, tmp_path):
     as soon as one has exited, maybe before it printed: the line is there once or twice. The
     launch exits 2, as one process would: a launcher must not retry it (docs/restarts.md)."""
     out = tmp_path / "run"
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, out, **{"train.strategy": "dp"}), nproc=2))
+    result = launch(trainer_command(tiny_overrides(tiny_model, reviews, out, **{"train.strategy": "dp"}), nproc=2))
     assert result.returncode == Exit.USAGE, result.output[-3000:]
     assert result.output.count("error: train.strategy: dp (nn.DataParallel) runs in one process") in (1, 2), \
         result.output[-3000:]
@@ -217,7 +217,7 @@ def test_positions_are_checked_before_any_weight_loads(usage_run, tiny_model, re
 
 def test_strategy_dp_single_process_trains(tiny_model, reviews, tmp_path):
     """dp runs in one process (nn.DataParallel on 2+ GPUs; the bare model on CPU)."""
-    result = run(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{"train.strategy": "dp",
-                                                                                 "train.max_steps": 3}), nproc=None))
+    result = launch(trainer_command(tiny_overrides(tiny_model, reviews, tmp_path, **{"train.strategy": "dp",
+                                                                                    "train.max_steps": 3}), nproc=None))
     assert result.returncode == 0, result.output[-3000:]
     assert read_summary(tmp_path)["world_size"] == 1
