@@ -7,7 +7,8 @@ arguments, environment and working directory, runs the module's __main__ as `pyt
 and exits with its status; what it writes to stdout and stderr is the run's output. So each run
 is still a process of its own, in a session of its own, with its own exit status, and nothing
 it does reaches the next run; only the interpreter's start and the imports are shared. The
-server only imports (it computes nothing, so no thread pool exists to be forked).
+server only imports: it computes nothing, so it has no thread pool to fork (its one other
+thread is jemalloc's, from pyarrow, whose fork handlers keep a child's allocator sound).
 
 conftest.launch runs here the usage errors, the one process that 2 ranks must equal, and
 torchrun itself (trainer.torchrun: the launcher's own code, forked). torchrun starts its
@@ -21,6 +22,7 @@ one run at a time: runs at once (conftest.together) take a server each.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import json
@@ -30,6 +32,7 @@ import select
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -39,9 +42,10 @@ from support import killpg
 
 PRELOAD = ["torch", "datasets", "transformers", "transformers.modeling_utils", "transformers.models.bert.modeling_bert",
            "trainer.config", "trainer.distributed", "trainer.build", "trainer.loop", "trainer.predict",
-           "trainer.evaluation", "torch.distributed.run", "trainer.torchrun"]
-"""What `python -m trainer` and torchrun import (each child runs its module's __main__
-afresh), and the tiny test models' modeling code."""
+           "trainer.evaluation", "trainer.exit_codes", "torch.distributed.run"]
+"""What `python -m trainer` and `python -m trainer.torchrun` import, and the tiny test models'
+modeling code. Not the modules run as __main__ (trainer.__main__, trainer.torchrun): each child
+runs its own afresh, and runpy warns about a module it finds imported already."""
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
@@ -58,7 +62,8 @@ def serve() -> None:
     # What a run leaves behind when it exits (a rank's loader worker; torchrun's workers each
     # have a session of their own) is reparented to this server, not to init: the run has
     # ended when the last of them has, as conftest.run waits for the last holder of its pipe.
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()  # nothing buffered may be written twice, by the child too
@@ -97,6 +102,10 @@ def _child(request: dict) -> None:
                 print(e.code, file=sys.stderr)
         except BaseException:  # noqa: BLE001 (any failure is the run's output, as python -m would print it)
             traceback.print_exc()
+        # What the interpreter does before it exits, which os._exit skips: wait for non-daemon
+        # threads (a checkpoint writer), then run the atexit hooks (wandb's teardown).
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -123,12 +132,14 @@ class Server:
                    "output": str(output)}
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
-        # The first reply waits for the server's imports, once: the cost every run would pay.
-        pid = self._reply(600)["pid"]
-        timed_out = False
+        pid, timed_out = None, False
         try:
+            # The first reply waits for the server's imports, once: the cost every run would pay.
+            pid = self._reply(600)["pid"]
             reply = self._reply(timeout)
         except TimeoutError:
+            if pid is None:
+                raise
             timed_out = True
             self._kill_run(pid)
             reply = self._reply(60)
@@ -139,14 +150,23 @@ class Server:
         output.unlink()
         return reply["returncode"], text, timed_out
 
-    def _kill_run(self, pid: int) -> None:
+    def _kill_run(self, pid: int | None) -> None:
         """SIGKILL the run and everything it started: the server's only children are the run's
-        process and what it left (torchrun's workers are in sessions of their own)."""
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for process in psutil.Process(self.proc.pid).children(recursive=True):
+        process and what it left (torchrun's workers are in sessions of their own). Again
+        until none is left, since one may start another while the first are killed."""
+        for _ in range(10):
+            try:
+                processes = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                break
+            if not processes:
+                break
+            for process in processes:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
-        killpg(pid)
+            psutil.wait_procs(processes, timeout=5)
+        if pid is not None:
+            killpg(pid)
 
     def _reply(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
