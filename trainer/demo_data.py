@@ -78,12 +78,9 @@ def generate(out_dir: str | Path, num_train: int = 4000, num_test: int = 1000, s
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     for split, count in (("train", num_train), ("test", num_test)):
-        rows = []
-        for i in range(count):
-            label = i % 5  # balanced classes
-            rows.append(json.dumps({"text": review(rng, label), "label": label}))
+        rows = [{"text": review(rng, i % 5), "label": i % 5} for i in range(count)]  # balanced classes
         rng.shuffle(rows)
-        (out / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
+        _write_jsonl(out / f"{split}.jsonl", rows)
     return out
 
 
