@@ -62,6 +62,11 @@ def setup_logging(dist_env) -> None:
         format=f"%(asctime)s [rank {dist_env.rank}] %(levelname)s %(name)s: %(message)s",
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we fork DataLoader workers
+    # ... from a rank that runs no other Python thread then (data.micro_batches); tqdm would
+    # start a monitor thread with the first progress bar of each of its classes.
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
     if not dist_env.is_local_rank_zero:
         # By environment, read when they are imported: importing them here (~1.2 s) would
         # hold these ranks back from the rendezvous while rank 0 waits for them there.

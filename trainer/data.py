@@ -533,11 +533,11 @@ def pins_memory(cfg: DictConfig, device: torch.device) -> bool:
 def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -> DataLoader:
     """Eval batches are padded in the rank's own process; data.num_workers is the train
     loader's. The samples are tokenized already, so a worker would save little, and each
-    worker is a fork of a rank that runs threads (gloo's, the watchdog's, wandb's on rank 0):
+    worker would be a fork of a rank that runs threads (the watchdog's, wandb's on rank 0):
     a lock one of them holds at that moment stays held in the child forever, and a child
     that needs it hangs its rank outside any collective, where no timeout ends the wait.
-    One fork per rank is left, the train loader's at the first step, where a worker pays:
-    it pads the next batches while the rank computes."""
+    One fork per rank is left, the train loader's, before those threads start
+    (micro_batches), where a worker pays: it pads the next batches while the rank computes."""
     return DataLoader(
         ds.remove_columns("length"), batch_size=cfg.train.eval_batch_size,
         sampler=EvalShardSampler(_int_column(ds, "length"), dist_env),
@@ -637,12 +637,24 @@ def micro_batches(data: Data, grad_accum: int, start_step: int) -> Iterator[tupl
 
     Mid-epoch resume needs no saved iterator: the sampler's order is a function of
     (seed, epoch), so the global position follows from the step alone.
+
+    The train loader's workers are forked here, now, not at the first batch: call this
+    before the rank starts a thread (the watchdog's, wandb's). A lock that another Python
+    thread holds at the fork stays held in the worker forever, and a worker that needs it
+    hangs its rank in the first step, where only the long init timeout would end the wait.
+    The workers persist: this is the rank's one fork.
     """
     epoch, step_in_epoch = divmod(start_step, data.steps_per_epoch)
+    data.train_sampler.set_position(epoch, step_in_epoch * data.train_sampler.global_batch)
+    return _steps(data, grad_accum, epoch, step_in_epoch, iter(data.train_loader))
+
+
+def _steps(data: Data, grad_accum: int, epoch: int, step_in_epoch: int,
+           batches: Iterator[dict]) -> Iterator[tuple[int, list[dict]]]:
     sampler = data.train_sampler
     while True:
-        sampler.set_position(epoch, step_in_epoch * sampler.global_batch)
-        batches = iter(data.train_loader)
         for _ in range(step_in_epoch, data.steps_per_epoch):
             yield epoch, [next(batches) for _ in range(grad_accum)]
         epoch, step_in_epoch = epoch + 1, 0
+        sampler.set_position(epoch, 0)
+        batches = iter(data.train_loader)

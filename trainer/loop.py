@@ -80,9 +80,9 @@ class Trainer:
 
     def train(self) -> dict:
         start_step = self.restore()
+        steps = data.micro_batches(self.data, self.batch.grad_accum, start_step)  # forks: before any thread
         self.tracker = tracking.Tracker(self.cfg, self.dist_env, self.state.run_id, start_step)
         self._log_plan()
-        steps = data.micro_batches(self.data, self.batch.grad_accum, start_step)
         self.meter.begin(start_step)
         self.watchdog.start()
         step = start_step

@@ -9,6 +9,7 @@ tests/system/test_multinode_faults.py's frozen node.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import shutil
@@ -51,18 +52,40 @@ def test_an_exception_mid_run_ends_every_process_in_seconds(tiny_model, reviews,
     assert exited - failed_at(result.output, "step 3 failed: InjectedFault") < 30, result.output[-4000:]
 
 
-def test_loader_workers_hold_none_of_their_ranks_sockets(tiny_model, reviews, tmp_path):
-    """A loader worker is forked with a copy of its rank's sockets (gloo's connections to the
+FORK_PROBE = """
+import json, os, threading
+def _record():  # in the parent, as os.fork() begins
+    with open(os.environ["FORK_PROBE_FILE"], "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "threads": [t.name for t in threading.enumerate()]}) + "\\n")
+os.register_at_fork(before=_record)
+"""
+"""A sitecustomize that records, at each os.fork(), the Python threads the forking process runs."""
+
+
+def test_loader_workers_are_forked_from_a_lone_thread_and_hold_none_of_their_ranks_sockets(
+        tiny_model, reviews, tmp_path):
+    """A loader worker is a fork of its rank. A lock another Python thread holds at that
+    instant (wandb's, the watchdog's, tqdm's monitor's) stays held in the worker forever, and
+    a worker that needs it hangs its rank at the first step, where the timeout is the long
+    init one. So each rank forks its worker before it starts any thread of its own: a
+    sitecustomize records the threads at every fork.
+
+    And the worker is forked with a copy of its rank's sockets (gloo's connections to the
     other ranks, the store's). Holding them, it would keep a SIGKILLed rank's connections
     open until it noticed its parent gone (5 s, or never while stuck in a batch), and the
     peers would fail only then. Both ranks freeze as step 4's save begins, after two evals:
     each has one worker, the train loader's (evals fork none: data._eval_loader), which
-    holds no inet socket, while the ranks hold several."""
-    overrides = tiny_overrides(tiny_model, reviews, tmp_path, **WORKERS, **{"checkpoint.every": 2,
-                                                                           "train.eval_every": 2})
+    holds no inet socket, while the ranks hold several. wandb runs on rank 0, offline, as
+    by default."""
+    probe, forks = tmp_path / "probe", tmp_path / "forks.jsonl"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(FORK_PROBE)
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path / "run", **WORKERS, **{
+        "checkpoint.every": 2, "train.eval_every": 2, "wandb.mode": "offline"})
     torchrun = subprocess.Popen(trainer_command(overrides, nproc=2), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={**BASE_ENV, "TRAINER_FAULT_SIGSTOP": "*:save:4"})
+                                env={**BASE_ENV, "TRAINER_FAULT_SIGSTOP": "*:save:4", "PYTHONPATH": str(probe),
+                                     "FORK_PROBE_FILE": str(forks)})
     try:
         def frozen_ranks() -> list[psutil.Process] | None:
             ranks = psutil.Process(torchrun.pid).children()
@@ -72,9 +95,13 @@ def test_loader_workers_hold_none_of_their_ranks_sockets(tiny_model, reviews, tm
         ranks = wait_for(frozen_ranks, 180, "both ranks frozen at step 4's save", {"torchrun": torchrun})
         for rank in ranks:
             assert rank.net_connections("inet"), rank  # what the check looks for is there
-            workers = rank.children()
-            assert len(workers) == 1, (rank, workers)
+            workers = [child for child in rank.children() if child.name() == "pt_data_worker"]  # not wandb-core
+            assert len(workers) == 1, (rank, rank.children())
             assert workers[0].net_connections("inet") == [], (rank, workers[0])
+        records = [json.loads(line) for line in forks.read_text().splitlines()]
+        for rank in ranks:
+            threads = [record["threads"] for record in records if record["pid"] == rank.pid]
+            assert threads == [["MainThread"]], (rank, records)
     finally:
         kill_tree(torchrun)
 
