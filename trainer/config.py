@@ -355,6 +355,11 @@ class FaultConfig:
     """A start of the job after this many attempts that all resumed from the same checkpoint
     and failed exits with code 77 (no progress: launchers stop retrying) instead of failing
     the same way again. Attempts stopped by a preemption don't count; 0 never stops."""
+    fingerprint_every: int = key(100, FREE, at_least(0))
+    """Every this many steps, and before each checkpoint is written, the ranks compare a digest
+    of their weights and optimizer state, which exact DDP keeps bitwise equal: a rank that
+    drifted (silent data corruption) ends the job with code 76, its node named. 0: never.
+    Off under FSDP."""
 
 
 @dataclass

@@ -515,6 +515,10 @@ def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
         "collate_fn": collate(cfg, tokenizer, device),
         "num_workers": workers, "pin_memory": pins_memory(cfg, device),
         "persistent_workers": workers > 0,
+        # Forked, whatever the platform's default (forkserver from Python 3.14): the worker
+        # shares the rank's tokenized dataset instead of a pickled copy (micro_batches says
+        # when the fork is safe).
+        "multiprocessing_context": "fork" if workers > 0 else None,
         "worker_init_fn": functools.partial(_init_worker, tuple(cfg.fault.preempt_signals)),
         # Each new iterator draws its workers' base seed from this generator. Without one it
         # draws from torch's global RNG, which dropout uses too: a resumed run, which starts
@@ -533,15 +537,15 @@ def pins_memory(cfg: DictConfig, device: torch.device) -> bool:
 def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -> DataLoader:
     """Eval batches are padded in the rank's own process; data.num_workers is the train
     loader's. The samples are tokenized already, so a worker would save little, and each
-    worker would be a fork of a rank that runs threads (the watchdog's, wandb's on rank 0):
-    a lock one of them holds at that moment stays held in the child forever, and a child
+    worker would be a fork of a rank that runs Python threads (the watchdog's, wandb's on
+    rank 0): a lock one of them holds at that moment stays held in the child forever, and a child
     that needs it hangs its rank outside any collective, where no timeout ends the wait.
     One fork per rank is left, the train loader's, before those threads start
     (micro_batches), where a worker pays: it pads the next batches while the rank computes."""
     return DataLoader(
         ds.remove_columns("length"), batch_size=cfg.train.eval_batch_size,
         sampler=EvalShardSampler(_int_column(ds, "length"), dist_env),
-        **loader_options | {"num_workers": 0, "persistent_workers": False},
+        **loader_options | {"num_workers": 0, "persistent_workers": False, "multiprocessing_context": None},
     )
 
 
@@ -642,7 +646,9 @@ def micro_batches(data: Data, grad_accum: int, start_step: int) -> Iterator[tupl
     before the rank starts a thread (the watchdog's, wandb's). A lock that another Python
     thread holds at the fork stays held in the worker forever, and a worker that needs it
     hangs its rank in the first step, where only the long init timeout would end the wait.
-    The workers persist: this is the rank's one fork.
+    The C++ threads of gloo (NCCL on GPUs) and of torch's pools do run then: the worker uses
+    none of them (it pads batches, and DataLoader runs its workers' torch on one thread). The
+    workers persist: this is the rank's one fork.
     """
     epoch, step_in_epoch = divmod(start_step, data.steps_per_epoch)
     data.train_sampler.set_position(epoch, step_in_epoch * data.train_sampler.global_batch)

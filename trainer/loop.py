@@ -18,7 +18,7 @@ from trainer.distributed import DistEnv
 from trainer.errors import describe
 from trainer.exit_codes import Exit
 from trainer.export import export_final
-from trainer.faults import inject, preemption, watchdog
+from trainer.faults import inject, preemption, replicas, watchdog
 from trainer.faults.attempts import Attempt
 from trainer.policy import Policy, Selection
 from trainer.startup import StartupClock
@@ -74,12 +74,15 @@ class Trainer:
         inject.configure(dist_env)
         self.preemption = preemption.Preemption(cfg.fault.preempt_signals, dist_env)
         self.watchdog = watchdog.Watchdog(cfg, dist_env, self.output_dir)
+        self.replicas = replicas.Replicas(self.model, self.train_step.optimizer, dist_env, cfg.fault.fingerprint_every,
+                                          replicated=dist_env.world_size > 1 and not self.built.strategy.sharded)
         startup.mark("setup")
 
     # --- the run ----------------------------------------------------------------------
 
     def train(self) -> dict:
         start_step = self.restore()
+        self.replicas.check_start()
         steps = data.micro_batches(self.data, self.batch.grad_accum, start_step)  # forks: before any thread
         self.tracker = tracking.Tracker(self.cfg, self.dist_env, self.state.run_id, start_step)
         self._log_plan()
@@ -93,6 +96,7 @@ class Trainer:
             self.meter.phase("data")
             epoch, batches = next(steps)
             self.train_step(batches, step, self.meter)
+            inject.point("weights", step, model=self.model)
             self.state.step, self.state.epoch = step, epoch
             self.watchdog.step_done()
             if step == start_step + 1:
@@ -119,17 +123,27 @@ class Trainer:
                 with watch("eval", step):
                     self._validate(step)
             saved = self.policy.save(step)
+            self._compare_replicas(step, saving=saved)
             if saved:
                 with watch("save", step):
                     self.save()
             with watch("preemption", step):
                 preempted_by = self.preemption.agreed()
             if preempted_by is not None and self.policy.stop_for_preemption(step, preempted_by):
+                if not saved:
+                    self._compare_replicas(step, saving=True)
                 with watch("save", step):
                     if not saved:
                         self.save()
                     self.checkpointer.finish()  # on disk, or every rank fails with why
                 raise preemption.Preempted(step, preempted_by)
+
+    def _compare_replicas(self, step: int, saving: bool) -> None:
+        """Every fault.fingerprint_every steps, and before a checkpoint is written from them:
+        a replica that drifted must not become the checkpoint every rank resumes from."""
+        if self.replicas.due(step, saving):
+            with self.watchdog.phase("replicas", step):
+                self.replicas.check(step)
 
     def _end_of_run(self, start_step: int, last: int) -> dict:
         """The last step (max_steps, or where early stopping stopped) is saved already;

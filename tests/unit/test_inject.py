@@ -14,7 +14,7 @@ from trainer.distributed import DistEnv
 from trainer.faults import inject
 
 RANK_1 = DistEnv(rank=1, world_size=2, master_addr="localhost", master_port=29500)
-POINTS = ["step", "gradients", "checkpoint-files-written", "phase:step", "phase:eval", "phase:save"]
+POINTS = ["step", "gradients", "weights", "checkpoint-files-written", "phase:step", "phase:eval", "phase:save"]
 
 
 @pytest.fixture(autouse=True)

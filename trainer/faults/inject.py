@@ -8,6 +8,7 @@ when the Trainer is built; with no TRAINER_FAULT_* variable set, a point is a di
     TRAINER_FAULT_SIGKILL=RANK:STEP         "step": a train step begins                    SIGKILL
     TRAINER_FAULT_RAISE=RANK:STEP           "step"                                         InjectedFault
     TRAINER_FAULT_OVERFLOW=RANK:STEP        "gradients": all-reduced, not yet unscaled     an inf in them
+    TRAINER_FAULT_CORRUPT=RANK:STEP         "weights": the optimizer has stepped            a flipped bit
     TRAINER_FAULT_SIGSTOP=RANK:PHASE:STEP   "phase:PHASE": the watchdog starts watching    SIGSTOP
                                             PHASE (a key of watchdog.PHASES)
     TRAINER_FAULT_SIGKILL_IN_SAVE=STEP      "checkpoint-files-written": rank 0's files     SIGKILL
@@ -26,6 +27,7 @@ import signal
 from collections.abc import Callable, Mapping
 
 from trainer.distributed import DistEnv
+from trainer.faults import replicas
 
 _armed: dict[tuple[str, int], list[Callable[..., None]]] = {}
 """(point, step): the faults to run there, in the order the table above lists them."""
@@ -63,6 +65,12 @@ def _overflow(step: int, model, **_) -> None:
     [p for p in model.parameters() if p.grad is not None][-1].grad.view(-1)[0] = float("inf")
 
 
+def _corrupt(step: int, model, **_) -> None:
+    # Silent data corruption: the lowest bit of one weight of this replica flips, as a bad
+    # GPU or memory would flip it; nothing fails, and the model barely changes.
+    replicas.bits(next(model.parameters()).data)[:1] ^= 1
+
+
 def configure(dist_env: DistEnv, environ: Mapping[str, str] = os.environ) -> None:
     """Arm the faults the TRAINER_FAULT_* variables give this rank in this attempt, and
     disarm all others."""
@@ -77,6 +85,8 @@ def configure(dist_env: DistEnv, environ: Mapping[str, str] = os.environ) -> Non
         arm("step", args[0], _raise)
     if args := _for_this_rank(environ, "TRAINER_FAULT_OVERFLOW", dist_env):
         arm("gradients", args[0], _overflow)
+    if args := _for_this_rank(environ, "TRAINER_FAULT_CORRUPT", dist_env):
+        arm("weights", args[0], _corrupt)
     if args := _for_this_rank(environ, "TRAINER_FAULT_SIGSTOP", dist_env):
         arm(f"phase:{args[0]}", args[1], _sigstop)
     if spec := environ.get("TRAINER_FAULT_SIGKILL_IN_SAVE"):

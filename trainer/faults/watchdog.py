@@ -35,6 +35,7 @@ from trainer.distributed import DistEnv
 from trainer.errors import describe
 from trainer.exit_codes import Exit
 from trainer.faults import inject
+from trainer.faults.replicas import ReplicasDiverged
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ PHASES = {
     "log": "log",
     "eval": "eval",
     "save": "checkpoint save",
+    "replicas": "replica comparison",
     "preemption": "preemption agreement",
     "final-eval": "final eval",
     "load-best": "best checkpoint load",
@@ -252,11 +254,14 @@ the OS or the network stack here, an InfiniBand port among them). Not ncclRemote
 
 def verdict(error: BaseException, silent_hosts: set[str]) -> tuple[Exit, list[str]]:
     """What a failed step means for the scheduler (trainer/exit_codes.py), and the hosts to
-    suspect: peers that stopped responding point at their nodes; a CUDA error other than an
-    out-of-memory, or NCCL's system error, at this node. Anything else, a peer that crashed
-    and closed its connections among them, is a crash."""
+    suspect: peers that stopped responding point at their nodes; replicas that diverged, at
+    the odd ranks' nodes; a CUDA error other than an out-of-memory, or NCCL's system error, at
+    this node. Anything else, a peer that crashed and closed its connections among them, is a
+    crash."""
     if silent_hosts:
         return Exit.NODE_FAULT, sorted(silent_hosts)
+    if isinstance(error, ReplicasDiverged):
+        return Exit.NODE_FAULT, error.hosts
     message = str(error)
     if not isinstance(error, torch.cuda.OutOfMemoryError) and any(fault in message for fault in LOCAL_FAULTS):
         return Exit.NODE_FAULT, [socket.gethostname()]
