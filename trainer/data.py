@@ -538,9 +538,9 @@ def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -
     """Eval batches are padded in the rank's own process; data.num_workers is the train
     loader's. The samples are tokenized already, so a worker would save little, and each
     worker would be a fork of a rank that runs Python threads (the watchdog's, wandb's on
-    rank 0): a lock one of them holds at that moment stays held in the child forever, and a child
-    that needs it hangs its rank outside any collective, where no timeout ends the wait.
-    One fork per rank is left, the train loader's, before those threads start
+    rank 0): a lock one of them holds at that moment stays held in the child forever, and a
+    child that needs it hangs its rank outside any collective, where no timeout ends the
+    wait. One fork per rank is left, the train loader's, before those threads start
     (micro_batches), where a worker pays: it pads the next batches while the rank computes."""
     return DataLoader(
         ds.remove_columns("length"), batch_size=cfg.train.eval_batch_size,

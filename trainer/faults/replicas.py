@@ -20,7 +20,6 @@ and this check is off (docs/faults.md).
 
 from __future__ import annotations
 
-import logging
 import socket
 from collections import Counter
 from dataclasses import dataclass
@@ -31,8 +30,6 @@ from torch import nn
 from trainer import distributed
 from trainer.distributed import DistEnv
 from trainer.errors import LaunchError
-
-log = logging.getLogger(__name__)
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """The integer type a tensor's bits are read as, by element size."""
@@ -57,14 +54,21 @@ def replicated_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
 def digest(tensors: list[torch.Tensor]) -> list[int]:
     """Per tensor: the sum of its elements' bits read as integers.
 
-    Exact and cheap: one read of each tensor, on its device, and one copy of a number per
-    tensor to the host. Any change to one element (a flipped bit among them) changes its
-    tensor's sum; it is not a cryptographic hash, and a permutation of the elements goes
-    unseen, which no hardware fault makes.
+    Exact and cheap: one read of each tensor, on its device, and one copy to the host per
+    device (AdamW keeps its step counts on the host). Any change to one element (a flipped
+    bit among them) changes its tensor's sum; it is not a cryptographic hash, and a
+    permutation of the elements goes unseen, which no hardware fault makes.
     """
     with torch.no_grad():
         sums = [bits(t.detach().contiguous()).sum(dtype=torch.int64) for t in tensors]
-    return torch.stack([s.cpu() for s in sums]).tolist() if sums else []
+    by_device: dict[torch.device, list[int]] = {}
+    for index, total in enumerate(sums):
+        by_device.setdefault(total.device, []).append(index)
+    values = [0] * len(sums)
+    for indices in by_device.values():
+        for index, value in zip(indices, torch.stack([sums[i] for i in indices]).tolist(), strict=True):
+            values[index] = value
+    return values
 
 
 def odd_ranks(digests: list[list[int]]) -> list[int]:
