@@ -12,6 +12,7 @@ from pathlib import Path
 
 from conftest import BASE_ENV, REPO
 from netns import Network
+from support import complete_steps  # noqa: F401  (multinode.complete_steps: the tests' name for it)
 
 from trainer.launch import torchrun_argv, trainer_program
 
@@ -33,11 +34,6 @@ def launch(net: Network, logs: Path, overrides: list[str], nproc: int = 1, torch
         procs[host] = net.spawn(host, argv, {**BASE_ENV, **(env or {})}, REPO,
                                 binds=(binds or {}).get(host), log=logs / f"{host}.log")
     return procs
-
-
-def complete_steps(output_dir: Path) -> list[int]:
-    """Steps of the checkpoints with a completion marker, oldest first."""
-    return sorted(int(p.parent.name[5:]) for p in (output_dir / "checkpoints").glob("step-*/COMPLETE"))
 
 
 def frozen(net: Network, host: str) -> int:

@@ -24,6 +24,11 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def complete_steps(output_dir: Path) -> list[int]:
+    """Steps of the checkpoints with a completion marker, oldest first."""
+    return sorted(int(p.parent.name[5:]) for p in (output_dir / "checkpoints").glob("step-*/COMPLETE"))
+
+
 def wait_for(predicate, timeout: float, what, procs: dict[str, subprocess.Popen] | None = None,
              interval: float = 0.2):
     """Poll until `predicate()` returns something truthy, and return it. Fails at `timeout`

@@ -15,15 +15,12 @@ import shutil
 import socket
 
 from conftest import tiny_overrides, together, trainer_command
+from support import complete_steps
 
 from trainer.exit_codes import NODE_FAULTS_ENV, Exit
 
 SETTINGS = {"train.batch_size": 4, "train.max_steps": 30, "checkpoint.every": 4, "fault.fingerprint_every": 5}
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.dropout": 0.0}
-
-
-def complete_steps(output_dir) -> list[int]:
-    return sorted(int(p.parent.name[5:]) for p in (output_dir / "checkpoints").glob("step-*/COMPLETE"))
 
 
 def another_revision(model, folder):

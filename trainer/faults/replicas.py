@@ -104,14 +104,18 @@ class Replicas:
     replicated: bool
     """The ranks hold the same weights: not under FSDP, and more than one rank."""
 
+    @property
+    def on(self) -> bool:
+        return self.replicated and self.every > 0
+
     def due(self, step: int, saving: bool) -> bool:
         """Every `every` steps, and before each checkpoint is written."""
-        return self.replicated and self.every > 0 and (saving or step % self.every == 0)
+        return self.on and (saving or step % self.every == 0)
 
     def check_start(self) -> None:
         """Before the first step: ranks that differ now loaded different files (a node with
         another revision of model.name, say). One line on every rank, exit 2."""
-        if self.replicated and self.every > 0 and (found := self._compare()) is not None:
+        if self.on and (found := self._compare()) is not None:
             which, _ = found
             raise LaunchError(f"the ranks start from different weights: {which}. Every node must load the same "
                               "model.name (the same files, the same revision) and the same checkpoint")
