@@ -1,5 +1,5 @@
 """`python -m trainer {train,check,doctor,evaluate,predict} -c CONFIG [key=value ...]`, plain or
-under torchrun.
+under torchrun; `python -m trainer report RUN_DIR`.
 
     check [gpu_gib=80] [world_size=N] [--no-data]   the resolved config, the data, the memory plan per GPU
     evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
@@ -22,8 +22,9 @@ from trainer.exit_codes import MEANING, Exit
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
-    parser.add_argument("command", choices=list(COMMANDS),
-                        help=" ".join(f"{name}: {run.__doc__}" for name, run in COMMANDS.items()))
+    parser.add_argument("command", choices=[*COMMANDS, "report"],
+                        help=" ".join(f"{name}: {run.__doc__}" for name, run in
+                                      {**COMMANDS, "report": run_report}.items()))
     parser.add_argument("-c", "--config", help="YAML config file (see configs/)")
     parser.add_argument("--no-data", action="store_true",
                         help="check: skip the data (for data that exists only where the job runs)")
@@ -76,6 +77,8 @@ def setup_logging(dist_env) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command == "report":
+        return run_report(args.overrides)
     # Everything a user can get wrong is checked before a process group or a file exists: the
     # config here, before torch is imported (seconds); the rest in each command's preflight.
     try:
@@ -235,6 +238,20 @@ def run_predict(cfg, arguments: dict) -> int:
         return errors.report(e)
     return use_trained_model(cfg, dist_env, device, backend,
                              lambda: predict.run(cfg, dist_env, device, folder, rows, output))
+
+
+def run_report(arguments: list[str]) -> int:
+    """where a run's time went, across its attempts and restarts: goodput (RUN_DIR: its
+    output_dir), printed and written as RUN_DIR/goodput.json and goodput.png."""
+    try:
+        if len(arguments) != 1 or "=" in arguments[0]:
+            raise ConfigError(f"report: expected one RUN_DIR (a run's output_dir), got {' '.join(arguments) or 'none'}")
+        from trainer import report
+
+        report.run(Path(arguments[0]))
+        return 0
+    except TrainerError as e:
+        return errors.report(e)
 
 
 def use_trained_model(cfg, dist_env, device, backend, one_pass: Callable[[], object]) -> int:

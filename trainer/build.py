@@ -23,6 +23,7 @@ from trainer.checkpoint.checkpointer import load_weights
 from trainer.checkpoint.store import read_state
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
+from trainer.faults.numerics import LossGuard
 from trainer.labels import Labels
 from trainer.step import LogitsUnderAutocast, TrainStep
 from trainer.strategies import registry
@@ -116,8 +117,9 @@ def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, labels: Labe
     # up first. A no-op (scale 1, an empty state) for fp32 and bf16.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     task = tasks.of(labels, cfg.data, cfg.train)
-    step = TrainStep(loaded.model, strategy, task, optimizer, scheduler, scaler, cfg.train.max_grad_norm, device,
-                     non_blocking=data.pins_memory(cfg, device))
+    guard = LossGuard(cfg.fault, dist_env, group)
+    step = TrainStep(loaded.model, strategy, task, optimizer, scheduler, scaler, guard, cfg.train.max_grad_norm,
+                     device, non_blocking=data.pins_memory(cfg, device))
     return Built(loaded.model, loaded.tokenizer, loaded.config, amp_dtype, strategy, step, task)
 
 

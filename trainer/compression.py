@@ -46,6 +46,11 @@ class PowerSGD:
                 "p": dict(self.state.p_memory_dict), "q": dict(self.state.q_memory_dict),
                 "rng": [rng[0], torch.from_numpy(rng[1].astype(np.int64)), *rng[2:]]}
 
+    def discard(self) -> None:
+        """After a skipped step, whose gradients were not finite: the error feedback and the
+        warm-start factors carry them, so they start over (from zero, and from the RNG)."""
+        self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict = {}, {}, {}
+
     def load_state_dict(self, saved: dict) -> None:
         """A rank's saved state. Saved at another world size (the checkpoint then hands every
         rank rank 0's), no rank's error feedback is this rank's: it starts from zero, and the

@@ -360,6 +360,18 @@ class FaultConfig:
     of their weights and optimizer state, which exact DDP keeps bitwise equal: a rank that
     drifted (silent data corruption) ends the job with code 76, its node named. 0: never.
     Off under FSDP."""
+    max_bad_steps: int = key(3, FREE, at_least(0))
+    """A step whose loss or gradient norm is not finite on any rank (a NaN, an Inf) is skipped
+    on every rank and tried again with the next batch. After this many failed tries of one step
+    in a row, the run rolls back to its newest checkpoint and goes on with the batches after
+    the bad ones; if that step fails as often again, the run stops with code 77, naming the
+    step and the data position (output_dir/bad-batches.jsonl). 0: no check, and no host sync
+    per step (a non-finite step is then trained on)."""
+    spike_factor: float = key(10.0, FREE, (lambda v: v == 0 or v > 1, "must be 0 (off) or above 1"))
+    """A finite loss above this many times the median of the last 100 steps (after 20) is a
+    spike, logged with its batch's data position. 0: no spike check."""
+    rollback_on_spike: bool = key(False, FREE)
+    """A spike counts as a bad step: skipped, and after fault.max_bad_steps tries, a rollback."""
 
 
 @dataclass
@@ -576,6 +588,8 @@ def _check_cross_field(cfg: DictConfig) -> None:
     for name in cfg.fault.preempt_signals:
         if not isinstance(getattr(signal, name, None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
             raise ConfigError(f"fault.preempt_signals: {name!r} is not a signal that can be caught")
+    if cfg.fault.rollback_on_spike and (cfg.fault.max_bad_steps == 0 or cfg.fault.spike_factor == 0):
+        raise ConfigError("fault.rollback_on_spike: needs fault.max_bad_steps > 0 and fault.spike_factor > 0")
     if cfg.data.text_pair_field == cfg.data.text_field:
         raise ConfigError("data.text_pair_field: must differ from data.text_field")
     if cfg.wandb.mode == "online" and not (os.environ.get("WANDB_API_KEY") or _has_netrc_login()):

@@ -609,22 +609,34 @@ def to_device(batch: dict, device: torch.device, loader: DataLoader) -> dict[str
     return {k: v.to(device, non_blocking=loader.pin_memory) for k, v in batch.items()}
 
 
-def position(data: Data, step: int) -> dict:
-    """The global data position after `step`, for a checkpoint: the epoch, the samples
-    consumed in it and the ledger's digest of them."""
-    epoch, step_in_epoch = divmod(step, data.steps_per_epoch)
-    consumed, ledger = data.train_sampler.ledger(epoch, step_in_epoch * data.train_sampler.global_batch)
+def position(data: Data, batches: int) -> dict:
+    """The global data position after `batches` global batches read, for a checkpoint: the
+    epoch, the samples consumed in it and the ledger's digest of them."""
+    epoch, batch_in_epoch = divmod(batches, data.steps_per_epoch)
+    consumed, ledger = data.train_sampler.ledger(epoch, batch_in_epoch * data.train_sampler.global_batch)
     return {"epoch": epoch, "samples_in_epoch": consumed, "ledger": ledger}
 
 
-def check_position(data: Data, saved: dict | None, step: int) -> None:
+def batch_position(data: Data, batch: int) -> dict:
+    """Where global batch number `batch` (0: the run's first) lies: its epoch, its samples'
+    positions [start, end) in that epoch's order (a function of the seed and the epoch), and
+    the rows they are of the train split as the run reads it (after data.max_train_samples
+    and the validation hold-out)."""
+    epoch, batch_in_epoch = divmod(batch, data.steps_per_epoch)
+    sampler = data.train_sampler
+    start = batch_in_epoch * sampler.global_batch
+    rows = sampler.global_order(epoch)[start:start + sampler.global_batch].tolist()
+    return {"epoch": epoch, "samples_in_epoch": [start, start + sampler.global_batch], "rows": rows}
+
+
+def check_position(data: Data, saved: dict | None, batches: int) -> None:
     """A resume's ledger: before the first step, the sampler (at this run's world size) must
     give the checkpoint's position exactly: the same samples consumed so far in the epoch,
     nothing lost, nothing repeated. Every rank checks alone: the same files, the same answer."""
     if saved is None:
         log.warning("the checkpoint has no data ledger: its data position is not verified")
         return
-    here = position(data, step)
+    here = position(data, batches)
     if here != saved:
         raise CheckpointError(
             f"the data position does not reproduce: the checkpoint consumed "
@@ -636,11 +648,12 @@ def check_position(data: Data, saved: dict | None, step: int) -> None:
              here["samples_in_epoch"], here["ledger"][:12])
 
 
-def micro_batches(data: Data, grad_accum: int, start_step: int) -> Iterator[tuple[int, list[dict]]]:
-    """Endless (epoch, micro-batches of one optimizer step), starting at `start_step`.
+def micro_batches(data: Data, grad_accum: int, start: int) -> Iterator[tuple[int, list[dict]]]:
+    """Endless (epoch, micro-batches of one global batch), from global batch `start` (the
+    steps done, and the batches skipped by trainer/faults/numerics.py).
 
     Mid-epoch resume needs no saved iterator: the sampler's order is a function of
-    (seed, epoch), so the global position follows from the step alone.
+    (seed, epoch), so the global position follows from that count alone.
 
     The train loader's workers are forked here, now, not at the first batch: call this
     before the rank starts a thread (the watchdog's, wandb's). A lock that another Python
@@ -650,7 +663,7 @@ def micro_batches(data: Data, grad_accum: int, start_step: int) -> Iterator[tupl
     none of them (it pads batches, and DataLoader runs its workers' torch on one thread). The
     workers persist: this is the rank's one fork.
     """
-    epoch, step_in_epoch = divmod(start_step, data.steps_per_epoch)
+    epoch, step_in_epoch = divmod(start, data.steps_per_epoch)
     data.train_sampler.set_position(epoch, step_in_epoch * data.train_sampler.global_batch)
     return _steps(data, grad_accum, epoch, step_in_epoch, iter(data.train_loader))
 

@@ -29,8 +29,9 @@ class Exit(IntEnum):
     """A peer stopped responding, or this node's GPU or its network failed: retry, better on
     other nodes (the suspects are written to $TRAINER_NODE_FAULTS)."""
     NO_PROGRESS = 77
-    """The last restarts all resumed from the same checkpoint and failed again: retrying
-    would only burn the allocation. Stop, and look at the logs."""
+    """The last restarts all resumed from the same checkpoint and failed again, or a step's
+    loss stayed non-finite after a rollback: retrying would only burn the allocation. Stop,
+    and look at the logs."""
 
 
 MEANING = {

@@ -8,6 +8,7 @@ itself: created through links, or refused in one line that says whose folder ref
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -47,6 +48,20 @@ def write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     publish(tmp, path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """An append-only log's records, oldest first (none if it does not exist). A line cut
+    short by a kill or a full disk mid-write is the only damage an append can leave: skipped."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 def fresh_folder(folder: Path) -> Path:

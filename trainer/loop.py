@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
 import torch
 from omegaconf import DictConfig
 
-from trainer import build, config, data, distributed, evaluation, flops, lora, metrics, optim, summary, tracking
+from trainer import build, config, data, distributed, evaluation, flops, lora, metrics, optim, report, summary, tracking
 from trainer.checkpoint import resume
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.store import read_state
 from trainer.checkpoint.train_state import TrainState
 from trainer.distributed import DistEnv
 from trainer.errors import describe
 from trainer.exit_codes import Exit
 from trainer.export import export_final
-from trainer.faults import inject, preemption, replicas, watchdog
+from trainer.faults import inject, numerics, preemption, replicas, timeline, watchdog
 from trainer.faults.attempts import Attempt
 from trainer.policy import Policy, Selection
 from trainer.startup import StartupClock
@@ -65,7 +68,8 @@ class Trainer:
         startup.mark("tokenize")
         self.selection = Selection.from_config(cfg)
         """The best checkpoint so far, and early stopping."""
-        self.state = TrainState(self.batch, self.data, self.selection, dist_env, tracking.new_run_id(), self.labels)
+        self.state = TrainState(self.batch, self.data, self.selection, dist_env, tracking.new_run_id(), self.labels,
+                                numerics.BadSteps(cfg.fault.max_bad_steps))
         """Where the run is: step, data position, run id, selection, ..."""
         self.meter = metrics.Meter(dist_env, device, self.batch.global_batch, flops.FlopModel.of(self.model),
                                    self.policy.max_steps)
@@ -74,6 +78,7 @@ class Trainer:
         inject.configure(dist_env)
         self.preemption = preemption.Preemption(cfg.fault.preempt_signals, dist_env)
         self.watchdog = watchdog.Watchdog(cfg, dist_env, self.output_dir)
+        self.timeline = timeline.Timeline(self.output_dir, dist_env)
         self.replicas = replicas.Replicas(self.model, self.train_step.optimizer, dist_env, cfg.fault.fingerprint_every,
                                           replicated=dist_env.world_size > 1 and not self.built.strategy.sharded)
         startup.mark("setup")
@@ -83,7 +88,8 @@ class Trainer:
     def train(self) -> dict:
         start_step = self.restore()
         self.replicas.check_start()
-        steps = data.micro_batches(self.data, self.batch.grad_accum, start_step)  # forks: before any thread
+        # Forks the loader's workers: before any thread starts.
+        steps = data.micro_batches(self.data, self.batch.grad_accum, self.state.batches_read)
         self.tracker = tracking.Tracker(self.cfg, self.dist_env, self.state.run_id, start_step)
         self._log_plan()
         self.meter.begin(start_step)
@@ -91,19 +97,72 @@ class Trainer:
         step = start_step
         while step < self.policy.max_steps and not self.selection.stop:
             step += 1
+            started = time.time()
             self.watchdog.step_started(step)
             inject.point("step", step)
             self.meter.phase("data")
             epoch, batches = next(steps)
-            self.train_step(batches, step, self.meter)
+            outcome = self.train_step(batches, step, self.meter)
+            self.watchdog.step_done()
+            self.timeline.step(step, started, outcome.taken)
+            if outcome.bad or outcome.spike:
+                step = self._bad_step(step, outcome)
+                if not outcome.taken:
+                    continue
             inject.point("weights", step, model=self.model)
             self.state.step, self.state.epoch = step, epoch
-            self.watchdog.step_done()
-            if step == start_step + 1:
-                with self.watchdog.phase("first-step", step):
+            if self.first_step_end_unix is None:
+                with self._phase("first-step", step):
                     self._first_step_done()
             self._between_steps(step, epoch)
         return self._end_of_run(start_step, step)
+
+    def _bad_step(self, step: int, outcome: numerics.Outcome) -> int:
+        """A try of `step` that was not finite (skipped on every rank alike) or a spike:
+        logged with its batch's position. Returns the step the run has done: `step` for a
+        spike it trained on, the one before for a skipped try, or a rollback's checkpoint."""
+        batch = self.state.batches_read  # the batch just read (the count before it)
+        where = data.batch_position(self.data, batch)
+        self._run_tracker.record_bad_batch({"step": step, "why": outcome.bad or "loss spike", "loss": outcome.loss,
+                                            "grad_norm": outcome.grad_norm, "batch": batch, **where})
+        described = (f"batch {batch} (epoch {where['epoch']}, samples {where['samples_in_epoch'][0]}-"
+                     f"{where['samples_in_epoch'][1] - 1} of its order)")
+        roll_back = self.state.bad_steps.observe(step, outcome, described)
+        if outcome.taken:
+            return step
+        self.state.skipped_batches += 1
+        return self._roll_back(step) if roll_back else step - 1
+
+    def _roll_back(self, failing: int) -> int:
+        """Load the newest checkpoint, and go on from it with the batches after the ones read
+        so far. Returns its step. The live count of bad steps stays: it decides the stop."""
+        with self._phase("rollback", failing):
+            self.checkpointer.finish()  # a write in flight may be the newest checkpoint
+            path = resume.choose("auto", self.checkpointer.store, self.dist_env)
+            if path is None:
+                raise numerics.NonFiniteTraining(
+                    f"step {failing} failed {self.cfg.fault.max_bad_steps} tries in a row, and there is no checkpoint "
+                    "to roll back to: see bad-batches.jsonl in output_dir; lower train.lr or raise warmup, or save "
+                    "earlier (checkpoint.every)")
+            read, bad_steps = self.state.batches_read, self.state.bad_steps.state_dict()
+            self.checkpointer.load(path, self.states, read_state(path), self.cfg.seed)
+        self.state.bad_steps.load_state_dict(bad_steps)
+        self.state.skipped_batches = read - self.state.step
+        log.warning("rolled back from step %d to %s: going on with the batches after the bad ones (from batch %d)",
+                    failing, path, read)
+        self._run_tracker.forget_after(self.state.step)
+        self.timeline.rollback(failing, self.state.step)
+        self._run_tracker.log({"fault/rollbacks": self.state.bad_steps.rollbacks,
+                               "fault/rolled_back_from": failing}, self.state.step)
+        return self.state.step
+
+    @contextmanager
+    def _phase(self, name: str, step: int) -> Iterator[None]:
+        """A phase between steps (a key of watchdog.PHASES): watched, since each enters
+        collectives and a rank stuck in one is reported like a stuck step; and timed on the
+        timeline (trainer/faults/timeline.py)."""
+        with self.watchdog.phase(name, step), self.timeline.phase(name, step):
+            yield
 
     @property
     def _run_tracker(self) -> tracking.Tracker:
@@ -112,9 +171,8 @@ class Trainer:
         return self.tracker
 
     def _between_steps(self, step: int, epoch: int) -> None:
-        """Log, evaluate, save and stop as the policy says. Each phase enters collectives,
-        so each is watched: a rank stuck in one is reported like a stuck step."""
-        watch = self.watchdog.phase
+        """Log, evaluate, save and stop as the policy says, each in a phase (`_phase`)."""
+        watch = self._phase
         if self.policy.log(step):
             with watch("log", step):
                 self._log(step, epoch)
@@ -142,13 +200,13 @@ class Trainer:
         """Every fault.fingerprint_every steps, and before a checkpoint is written from them:
         a replica that drifted must not become the checkpoint every rank resumes from."""
         if self.replicas.due(step, saving):
-            with self.watchdog.phase("replicas", step):
+            with self._phase("replicas", step):
                 self.replicas.check(step)
 
     def _end_of_run(self, start_step: int, last: int) -> dict:
         """The last step (max_steps, or where early stopping stopped) is saved already;
         evaluate it, select the best, report the test split, export final/."""
-        watch = self.watchdog.phase
+        watch = self._phase
         totals = self.meter.run_totals()
         with watch("save", last):
             self.checkpointer.finish()  # the last checkpoint is on disk before anything reports done
@@ -211,7 +269,8 @@ class Trainer:
         if self.watchdog.nccl_dump is not None:  # torch writes its dump into this folder blindly
             Path(self.watchdog.nccl_dump).parent.mkdir(parents=True, exist_ok=True)
         # Recorded only now: a start refused for a mistake (exit 2) writes nothing.
-        self.attempt.begin(plan.step)
+        self.attempt.begin(plan.step, self.startup.launched)
+        self.timeline.begin(fresh=self.cfg.checkpoint.resume == "never")
         return plan.step
 
     @property
@@ -220,6 +279,7 @@ class Trainer:
         return self.built.states(self.state)
 
     def save(self) -> None:
+        numerics.check_weights(self.model, self.dist_env)  # a checkpoint is never of weights that are not finite
         started = time.perf_counter()
         self.checkpointer.save(self.state.step, self.states, config.to_yaml(self.cfg), keep_also=self.selection.step)
         # What training paused for (every rank waits for rank 0's snapshot or write);
@@ -241,6 +301,7 @@ class Trainer:
         self.checkpointer.close()
         self.data.close()
         self.watchdog.close()
+        self.timeline.close()
         self.preemption.close(clean_exit=exit_code == 0)
         self.attempt.end(exit_code)
         if self.tracker is not None:
@@ -298,6 +359,9 @@ class Trainer:
                  "first_step_end_unix": self.first_step_end_unix, "startup_s": self.startup.phases(),
                  "checkpoint_write_s": self.checkpointer.write_seconds,
                  "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),
+                 "bad_steps": self.state.bad_steps.summary(),
+                 # Rank 0 reads the files (trainer/report.py); the summary is rank 0's to write.
+                 "goodput": report.account(self.output_dir, ending=Exit.DONE) if self.dist_env.is_rank_zero else None,
                  "wandb_run_id": self.state.run_id,
                  "hosts": sorted(set(distributed.all_gather(self.dist_env, _hostname())))})
         self._run_tracker.summary(made)

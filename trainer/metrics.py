@@ -66,6 +66,8 @@ class _Window:
     sum_sq_len: int = 0
     paused_s: float = 0.0
     grad_norm: torch.Tensor | None = None
+    skipped: int = 0
+    """Step tries skipped for a loss or gradient that was not finite (trainer/faults/numerics.py)."""
 
 
 class Meter(StepObserver):
@@ -112,16 +114,18 @@ class Meter(StepObserver):
         self._window.tokens += int(lengths.sum())
         self._window.sum_sq_len += int(lengths.square().sum())
 
-    def loss(self, loss: torch.Tensor) -> None:
-        self._window.loss_sum += loss.detach()
-
-    def step_done(self, grad_norm: torch.Tensor | None) -> None:
+    def step_done(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         self.timer.start(None)
+        self._window.loss_sum += loss
         self._window.steps += 1
         self._window.grad_norm = grad_norm
         self.trained_samples += self.global_batch
         if self._progress is not None:
             self._progress.update(1)
+
+    def step_skipped(self) -> None:
+        self.timer.start(None)
+        self._window.skipped += 1
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -155,6 +159,8 @@ class Meter(StepObserver):
         }
         if window.grad_norm is not None:
             metrics["grad_norm"] = window.grad_norm.item()
+        if window.skipped:
+            metrics["skipped_steps"] = window.skipped
         if self.device.type == "cuda":  # how full the GPU is: the batch size's headroom
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics

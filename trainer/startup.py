@@ -23,6 +23,13 @@ class StartupClock:
         else:
             self.marks = [("launch", started)]
 
+    @property
+    def launched(self) -> float | None:
+        """When this attempt was launched (Unix time): the launch, or in workers that torchrun
+        restarted (its agent started long before), their own start."""
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        return self.marks[1 if restarted and len(self.marks) > 1 else 0][1]
+
     def mark(self, phase: str) -> float:
         """End `phase` now; returns now as Unix time."""
         now = time.time()

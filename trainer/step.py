@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from trainer.faults import inject
+from trainer.faults.numerics import LossGuard, Outcome
 
 if TYPE_CHECKING:
     from trainer.strategies.base import Strategy
@@ -53,23 +54,25 @@ class StepObserver:
         """The step enters phase `name` (None: it is over), now or at an earlier `at`
         (time.perf_counter's clock)."""
 
-    def loss(self, loss: torch.Tensor) -> None:
-        """A micro-batch's share of the step's loss."""
+    def step_done(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        """The optimizer step is taken: this rank's loss of it, and `grad_norm` before
+        clipping, if computed."""
 
-    def step_done(self, grad_norm: torch.Tensor | None) -> None:
-        """The optimizer step is taken; `grad_norm` before clipping, if clipped."""
+    def step_skipped(self) -> None:
+        """The step was not taken (trainer/faults/numerics.py): nothing of it counts."""
 
 
 class TrainStep:
     """One optimizer step over grad_accum micro-batches; the result equals one big batch.
-    Holds the optimizer, the LR schedule and the fp16 loss scaler it steps."""
+    Holds the optimizer, the LR schedule and the fp16 loss scaler it steps, and the guard that
+    skips a step whose loss or gradients are not finite."""
 
     def __init__(self, model: nn.Module, strategy: Strategy, task: Task, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler,
-                 max_grad_norm: float, device: torch.device, non_blocking: bool):
+                 guard: LossGuard, max_grad_norm: float, device: torch.device, non_blocking: bool):
         assert strategy.module is not None, "the strategy has parallelized the model"
         self.model, self.strategy, self.module, self.task = model, strategy, strategy.module, task
-        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.optimizer, self.scheduler, self.scaler, self.guard = optimizer, scheduler, scaler, guard
         self.max_grad_norm, self.device, self.non_blocking = max_grad_norm, device, non_blocking
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -81,10 +84,12 @@ class TrainStep:
         labels = inputs.pop("labels")
         return self.task.sample_losses(self.module(**inputs), labels).mean()
 
-    def __call__(self, batches: list[dict], step: int, observer: StepObserver) -> None:
-        """Optimizer step number `step` over `batches`, this rank's micro-batches of it."""
+    def __call__(self, batches: list[dict], step: int, observer: StepObserver) -> Outcome:
+        """Optimizer step number `step` over `batches`, this rank's micro-batches of it; taken
+        or skipped on every rank alike."""
         grad_accum = len(batches)
         clock = self.strategy.comm_clock
+        step_loss = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             observer.micro_batch(batch["attention_mask"])
             # From page-locked memory (data.pin_memory, on GPU) the copies need not block the host.
@@ -93,11 +98,13 @@ class TrainStep:
             with self.strategy.sync_gradients(now=is_last):
                 observer.phase("forward")
                 loss = self.loss(batch) / grad_accum
+                if i == 0:
+                    inject.point("loss", step, loss=loss)
                 observer.phase("backward")
                 self.scaler.scale(loss).backward()
             if is_last and clock is not None:
                 observer.phase("comm", at=clock.take())  # from the last bucket on
-            observer.loss(loss)
+            step_loss += loss.detach()
         observer.phase("optimizer")
         self.strategy.gradients_ready()
         inject.point("gradients", step, model=self.model)
@@ -105,10 +112,21 @@ class TrainStep:
         grad_norm = None
         if self.max_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        # With fp16, a step whose gradients overflowed is skipped and the scale halved; every
-        # rank skips the same steps, because the all-reduced gradients are the same everywhere.
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
+        elif self.guard.enabled:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        # With fp16, a step whose gradients overflowed is skipped by the scaler and the scale
+        # halved; every rank skips the same steps, because the all-reduced gradients are the
+        # same everywhere. A loss that is not finite, in any precision, the guard skips.
+        outcome = self.guard.judge(step_loss, grad_norm, scaler_skips_overflow=self.scaler.is_enabled())
+        if outcome.taken:
+            self.scaler.step(self.optimizer)
+        self.scaler.update()  # also after a skipped step: it ends the step's unscale_
+        if outcome.taken:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        observer.step_done(grad_norm)
+        if outcome.taken:
+            observer.step_done(step_loss, grad_norm)
+        else:
+            self.strategy.discard_gradients()
+            observer.step_skipped()
+        return outcome

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -54,7 +55,7 @@ class Tracker:
 
     def _truncate_metrics(self, resume_step: int) -> None:
         """On resume, forget lines logged after the checkpoint: those steps are redone."""
-        if not self.metrics_path.exists():
+        if not self.enabled or not self.metrics_path.exists():
             return
         kept = [
             line for line in self.metrics_path.read_text().splitlines()
@@ -85,6 +86,17 @@ class Tracker:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self._to_wandb(lambda run: run.log(metrics, step=step))
+
+    def forget_after(self, step: int) -> None:
+        """A rollback to `step`: the steps after it are redone, as on a resume."""
+        self._truncate_metrics(step)
+
+    def record_bad_batch(self, record: dict) -> None:
+        """A line of bad-batches.jsonl: a step that was skipped or spiked, and its batch."""
+        if self.enabled:  # JSON has no NaN: a number that is not finite is written as text, "nan"
+            record = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+            with (self.output_dir / "bad-batches.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def summary(self, summary: dict) -> None:
         if not self.enabled:

@@ -128,14 +128,11 @@ def test_every_part_of_the_training_step_runs_inside_a_phase(run_config):
         def phase(self, name, at=None):
             calls.append(f"phase:{name}")
 
-        def loss(self, loss):
-            calls.append("loss")
-
-        def step_done(self, grad_norm):
+        def step_done(self, loss, grad_norm):
             calls.append("step_done")
 
     ids = torch.randint(5, 100, (4, 16))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(4, dtype=torch.long)}
     built.step([batch, batch], 1, Recorder())
-    per_micro_batch = ["micro_batch", "phase:forward", "phase:backward", "loss"]
+    per_micro_batch = ["micro_batch", "phase:forward", "phase:backward"]
     assert calls == [*per_micro_batch, *per_micro_batch, "phase:optimizer", "step_done"]

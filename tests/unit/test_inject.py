@@ -137,3 +137,16 @@ def test_configure_again_disarms(signals):
 def test_a_malformed_spec_fails_at_startup(variable, spec):
     with pytest.raises(ValueError):
         inject.configure(RANK_1, {variable: spec})
+
+
+def test_nan_losses_at_several_steps_each_for_its_first_tries():
+    inject.configure(RANK_1, {"TRAINER_FAULT_NAN": "1:3,1:7:2,0:5"})
+    poisoned = []
+    for step in (3, 3, 5, 7, 7, 7):
+        weight = torch.ones(2, requires_grad=True)
+        loss = (weight * 2).sum()
+        inject.point("loss", step, loss=loss)
+        loss.backward()
+        poisoned.append((step, bool(loss.isnan()), bool(weight.grad.isnan().all())))
+    assert poisoned == [(3, True, True), (3, False, False), (5, False, False), (7, True, True), (7, True, True),
+                        (7, False, False)]

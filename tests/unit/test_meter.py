@@ -42,8 +42,7 @@ def step(meter: Meter, clock: FakeClock, lengths: list[int], loss: float = 1.0,
     for name, seconds in (phases or {"forward": 1.0}).items():
         meter.phase(name)
         clock.advance(seconds)
-    meter.loss(torch.tensor(loss))
-    meter.step_done(None)
+    meter.step_done(torch.tensor(loss), None)
 
 
 def test_phase_durations_add_up_per_step(clock):

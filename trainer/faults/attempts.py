@@ -19,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-from trainer import distributed
+from trainer import distributed, files
 from trainer.distributed import DistEnv
 from trainer.errors import NoProgress
 from trainer.exit_codes import Exit
@@ -41,18 +41,10 @@ def stalled(history: list[dict], step: int) -> int:
 
 
 def read(output_dir: Path) -> list[dict]:
-    """The attempts, oldest first: each start's record, with its end's merged in."""
-    path = output_dir / FILE
-    if not path.exists():
-        return []
+    """The attempts, oldest first: each start's record, with its end's merged in. A line cut
+    short (files.read_jsonl) leaves an attempt without its end: it then counts as failed."""
     history: list[dict] = []
-    for line in path.read_text().splitlines():
-        # A line cut short by a kill or a full disk mid-write is the only damage an append can
-        # leave: skipped, as the end it would have recorded (the attempt then counts as failed).
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for record in files.read_jsonl(output_dir / FILE):
         if "resumed_from" in record:
             history.append(record)
         elif history:
@@ -74,12 +66,14 @@ def check(output_dir: Path, step: int, max_stalled: int, fresh: bool) -> None:
             "lists them. Relaunch after a fix: an attempt that gets past this step counts afresh")
 
 
-def begin(output_dir: Path, step: int, fresh: bool) -> None:
+def begin(output_dir: Path, step: int, fresh: bool, launched: float | None = None) -> None:
     """Rank 0, once the attempt has restored its state from checkpoint `step` and starts
-    training: record it. `fresh` forgets the attempts of the runs before."""
+    training: record it, and when it was `launched` (its launcher's start, Unix time).
+    `fresh` forgets the attempts of the runs before."""
     if fresh:
         (output_dir / FILE).unlink(missing_ok=True)
-    _append(output_dir, {"resumed_from": step, "started": time.time(), "host": socket.gethostname()})
+    _append(output_dir, {"resumed_from": step, "launched": launched, "started": time.time(),
+                         "host": socket.gethostname()})
 
 
 def end(output_dir: Path, exit_code: int) -> None:
@@ -113,10 +107,11 @@ class Attempt:
         distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir / FILE}",
                                    lambda: check(self.output_dir, step, self.max_stalled, self.fresh))
 
-    def begin(self, step: int) -> None:
-        """Collective: training starts from checkpoint `step` (0: from scratch)."""
+    def begin(self, step: int, launched: float | None) -> None:
+        """Collective: training starts from checkpoint `step` (0: from scratch); the job was
+        `launched` then (Unix time)."""
         distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir / FILE}",
-                                   lambda: begin(self.output_dir, step, self.fresh))
+                                   lambda: begin(self.output_dir, step, self.fresh, launched))
         self.begun = True
 
     def end(self, exit_code: int) -> None:

@@ -7,6 +7,10 @@ when the Trainer is built; with no TRAINER_FAULT_* variable set, a point is a di
     variable                                point (where in the run)                      fault
     TRAINER_FAULT_SIGKILL=RANK:STEP         "step": a train step begins                    SIGKILL
     TRAINER_FAULT_RAISE=RANK:STEP           "step"                                         InjectedFault
+    TRAINER_FAULT_SIGTERM=RANK:STEP         "step"                                         SIGTERM (a preemption)
+    TRAINER_FAULT_NAN=RANK:STEP[:TRIES],... "loss": the first micro-batch's loss, before   a NaN loss and
+                                            backward, in STEP's first TRIES tries          NaN gradients
+                                            (default 1); several, comma-separated
     TRAINER_FAULT_OVERFLOW=RANK:STEP        "gradients": all-reduced, not yet unscaled     an inf in them
     TRAINER_FAULT_CORRUPT=RANK:STEP         "weights": the optimizer has stepped            a flipped bit
     TRAINER_FAULT_SIGSTOP=RANK:PHASE:STEP   "phase:PHASE": the watchdog starts watching    SIGSTOP
@@ -49,6 +53,10 @@ def _sigkill(step: int, **_) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _sigterm(step: int, **_) -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption notice reaches a rank
+
+
 def _sigstop(step: int, **_) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)  # as a node that stops answering
 
@@ -63,6 +71,20 @@ def _overflow(step: int, model, **_) -> None:
     # embedding's may live in a buffer that outlives the step (parallel.SparseEmbeddingGrad
     # clears only the rows a step wrote).
     [p for p in model.parameters() if p.grad is not None][-1].grad.view(-1)[0] = float("inf")
+
+
+def _nan(tries: int) -> Callable[..., None]:
+    """A NaN loss, whose gradients are NaN too, as a real one's are, in the first `tries`
+    tries of its step (a skipped step is tried again, with the next batch)."""
+    left = [tries]
+
+    def poison(step: int, loss, **_) -> None:
+        if left[0] > 0:
+            left[0] -= 1
+            loss.data.fill_(float("nan"))
+            loss.register_hook(lambda grad: grad * float("nan"))
+
+    return poison
 
 
 def _corrupt(step: int, model, **_) -> None:
@@ -83,6 +105,11 @@ def configure(dist_env: DistEnv, environ: Mapping[str, str] = os.environ) -> Non
         arm("step", args[0], _sigkill)
     if args := _for_this_rank(environ, "TRAINER_FAULT_RAISE", dist_env):
         arm("step", args[0], _raise)
+    if args := _for_this_rank(environ, "TRAINER_FAULT_SIGTERM", dist_env):
+        arm("step", args[0], _sigterm)
+    for nan in filter(None, environ.get("TRAINER_FAULT_NAN", "").split(",")):
+        if args := _for_this_rank({"TRAINER_FAULT_NAN": nan}, "TRAINER_FAULT_NAN", dist_env):
+            arm("loss", args[0], _nan(int(args[1]) if len(args) > 1 else 1))
     if args := _for_this_rank(environ, "TRAINER_FAULT_OVERFLOW", dist_env):
         arm("gradients", args[0], _overflow)
     if args := _for_this_rank(environ, "TRAINER_FAULT_CORRUPT", dist_env):

@@ -102,6 +102,7 @@ PHASES = {
     "save": "checkpoint save",
     "replicas": "replica comparison",
     "preemption": "preemption agreement",
+    "rollback": "rollback to the newest checkpoint",
     "final-eval": "final eval",
     "load-best": "best checkpoint load",
     "test-eval": "test eval",

@@ -280,7 +280,10 @@ class PhaseClock(StepObserver):
         if name != "comm":
             self.marks.append((name, self._now()))
 
-    def step_done(self, grad_norm: torch.Tensor | None) -> None:
+    def step_done(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        self.marks.append((None, self._now()))
+
+    def step_skipped(self) -> None:
         self.marks.append((None, self._now()))
 
     def seconds(self) -> dict[str, float]:

@@ -53,10 +53,12 @@ def time_save(cfg: DictConfig, dist_env: DistEnv, built: Built, run_data: Data, 
     removed after."""
     from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.checkpoint.train_state import TrainState
+    from trainer.faults.numerics import BadSteps
     from trainer.policy import Selection
 
     batch = BatchPlan.of(cfg.train, dist_env.world_size)
-    train_state = TrainState(batch, run_data, Selection.from_config(cfg), dist_env, "doctor", run_data.labels)
+    train_state = TrainState(batch, run_data, Selection.from_config(cfg), dist_env, "doctor", run_data.labels,
+                             BadSteps(cfg.fault.max_bad_steps))
     checkpointer = Checkpointer(str(folder), keep=1, dist_env=dist_env,
                                 checkpoint_format=built.strategy.checkpoint_format)
     started = time.perf_counter()

@@ -101,6 +101,10 @@ class Strategy:
     def gradients_ready(self) -> None:
         """After the last backward, before clipping and the optimizer."""
 
+    def discard_gradients(self) -> None:
+        """A step was skipped (trainer/faults/numerics.py): nothing of its gradients, which may
+        be NaN, may reach a later step through state the strategy keeps across steps."""
+
     def states(self) -> dict[str, Stateful]:
         """What a checkpoint keeps of the strategy itself, by name."""
         return {}

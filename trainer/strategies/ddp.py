@@ -62,6 +62,11 @@ class SparseEmbeddingGrad:
         self.dense.index_copy_(0, rows, grad.values())
         self.weight.grad, self.written_rows = self.dense, rows
 
+    def discard(self) -> None:
+        """Clipping by a NaN norm made every row NaN, not just the rows written."""
+        self.dense.zero_()
+        self.written_rows = self.written_rows[:0]
+
 
 # torch 2.13 renamed DDP's broadcast_buffers (now deprecated, with a warning) to
 # forward_sync_buffers; images built on an earlier torch know only the old name.
@@ -167,6 +172,12 @@ class DDP(Strategy):
     def gradients_ready(self) -> None:
         if self.sparse_embedding is not None:  # dense again, for clipping and the fused AdamW
             self.sparse_embedding.densify()
+
+    def discard_gradients(self) -> None:
+        if self.sparse_embedding is not None:
+            self.sparse_embedding.discard()
+        if self.powersgd is not None:
+            self.powersgd.discard()
 
     def states(self) -> dict[str, Stateful]:
         return {} if self.powersgd is None else {"comm_hook": self.powersgd}  # each rank's own

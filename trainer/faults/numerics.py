@@ -1,0 +1,194 @@
+"""Steps that go wrong without failing: a loss or gradient that is not finite, and loss spikes.
+
+A NaN or an Inf in bf16 or fp32 (which have no loss scaler) would reach AdamW unchecked:
+clip_grad_norm_ returns the NaN norm, the weights become NaN, and every later step and
+checkpoint carries them, while the run ends "done". So every step ends in a check:
+
+- `LossGuard`, inside the step (trainer/step.py): one all-reduce of the step's loss and
+  gradient norm, then one host sync, so that every rank takes the same decision. A step whose
+  loss or gradient norm is not finite on any rank is skipped on every rank: no optimizer
+  update, no LR schedule step, and the batch is not trained on. Under fp16 the loss scaler
+  keeps its own rule for gradients that overflow (a step skipped, the scale halved); a loss
+  that is not finite is a bad step there too.
+- `BadSteps`, in the loop (trainer/loop.py): the same step is tried again with the next
+  batch. After fault.max_bad_steps failed tries of one step in a row, the run rolls back to
+  its newest checkpoint and goes on with the batches after the bad ones (as OPT, BLOOM and OLMo
+  got past their divergences by hand). If that step fails as often again, the run stops
+  (exit 77: a restart would only read the same data again), naming the step and the data
+  position of its batches. A finite loss far above the recent median (fault.spike_factor) is
+  logged with its batch's position; fault.rollback_on_spike treats it as a bad step.
+
+Every bad step and spike is also a line of output_dir/bad-batches.jsonl: the step, why, and
+the batch's data position (epoch, its samples in the epoch's order, the train split's rows).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from trainer.distributed import DistEnv
+from trainer.errors import NoProgress
+
+log = logging.getLogger(__name__)
+
+SPIKE_WINDOW = 100
+"""The recent losses a spike is measured against: the last this many steps taken..."""
+SPIKE_MIN_STEPS = 20
+"""...once there are at least this many."""
+
+
+class Outcome(NamedTuple):
+    """What the step's check found, the same on every rank."""
+
+    taken: bool
+    """Whether the optimizer stepped."""
+    loss: float | None
+    """The step's loss, the mean over ranks (None: the check is off)."""
+    grad_norm: float | None
+    """The gradient norm before clipping (None: not computed)."""
+    bad: str | None = None
+    """Why the step is bad: "non-finite loss", "non-finite gradient norm", "loss spike"."""
+    spike: float | None = None
+    """The loss over the recent median, when it is a spike."""
+
+
+class LossGuard:
+    """The step's check: one all-reduce of (loss, gradient norm) over `group`, one host sync."""
+
+    def __init__(self, fault_cfg: DictConfig, dist_env: DistEnv, group: dist.ProcessGroup | None = None):
+        self.dist_env, self.group = dist_env, group
+        self.spike_factor = fault_cfg.spike_factor
+        self.rollback_on_spike = fault_cfg.rollback_on_spike
+        self.check_finite = fault_cfg.max_bad_steps > 0
+        self.enabled = self.check_finite or self.spike_factor > 0
+        self.recent: deque[float] = deque(maxlen=SPIKE_WINDOW)
+
+    @property
+    def needs_grad_norm(self) -> bool:
+        return self.enabled
+
+    def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, scaler_skips_overflow: bool) -> Outcome:
+        """Collective over the group: `loss` is this rank's share of the step's loss (a 0-dim
+        tensor), `grad_norm` the norm of the synchronized gradients (the same on every rank)."""
+        if not self.enabled:
+            return Outcome(True, None, None)
+        norm = _full(grad_norm) if grad_norm is not None else torch.zeros((), device=loss.device)
+        values = torch.stack([loss.detach().float(), norm.detach().float().to(loss.device)])
+        ranks = 1
+        if self.dist_env.is_distributed:
+            dist.all_reduce(values, group=self.group)
+            ranks = dist.get_world_size(self.group)
+        loss_sum, norm_sum = values.tolist()  # the host sync: every rank decides on the same numbers
+        mean_loss, mean_norm = loss_sum / ranks, None if grad_norm is None else norm_sum / ranks
+        why = "non-finite loss" if not math.isfinite(mean_loss) else \
+            "non-finite gradient norm" if mean_norm is not None and not math.isfinite(mean_norm) \
+            and not scaler_skips_overflow else None
+        if why is not None:  # with fault.max_bad_steps=0 trained on, as before the check
+            return Outcome(False, mean_loss, mean_norm, why) if self.check_finite else \
+                Outcome(True, mean_loss, mean_norm)
+        spike = self._spike(mean_loss)
+        if spike is not None and self.rollback_on_spike:
+            return Outcome(False, mean_loss, mean_norm, "loss spike", spike)
+        self.recent.append(mean_loss)
+        return Outcome(True, mean_loss, mean_norm, None, spike)
+
+    def _spike(self, loss: float) -> float | None:
+        if self.spike_factor <= 0 or len(self.recent) < SPIKE_MIN_STEPS:
+            return None
+        median = statistics.median(self.recent)
+        return loss / median if median > 0 and loss > self.spike_factor * median else None
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """FSDP's clip_grad_norm_ returns a DTensor: the norm of every shard together."""
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else norm
+
+
+class NonFiniteTraining(NoProgress):
+    """A step stayed bad after a rollback: exit 77, since a restart reads the same batches."""
+
+
+class NonFiniteWeights(RuntimeError):
+    """The weights are not finite before a save: they must not become a checkpoint. A crash
+    (retryable): the launcher restarts from the last checkpoint, which holds finite weights."""
+
+
+class BadSteps:
+    """The loop's account of bad steps: skip, roll back or stop; the counts in metrics and
+    the summary. Saved with the train state (a rollback keeps the live counts)."""
+
+    def __init__(self, max_bad_steps: int):
+        self.max_bad_steps = max_bad_steps
+        self.skipped = 0
+        """Step tries skipped in the whole run."""
+        self.spikes = 0
+        self.rollbacks = 0
+        self.streak = (0, 0)
+        """(step, failed tries of it in a row)."""
+        self.rolled_back_for: list[int] = []
+        """The steps whose failures rolled the run back."""
+
+    def observe(self, step: int, outcome: Outcome, where: str) -> bool:
+        """Account for `outcome` of a try of `step` on the batch at `where`. Returns whether
+        to roll back; raises NonFiniteTraining when the step fails again after a rollback."""
+        numbers = f"loss {outcome.loss:.6g}" + ("" if outcome.grad_norm is None else
+                                                 f", gradient norm {outcome.grad_norm:.6g}")
+        if outcome.taken:  # a spike, logged
+            self.spikes += 1
+            log.warning("step %d: loss spike, %.1fx the recent median (%s) on %s", step, outcome.spike, numbers,
+                        where)
+            return False
+        self.skipped += 1
+        tries = self.streak[1] + 1 if self.streak[0] == step else 1
+        self.streak = (step, tries)
+        log.warning("step %d: %s (%s) on %s: skipped on every rank, %d of %d tries in a row", step, outcome.bad,
+                    numbers, where, tries, self.max_bad_steps)
+        if self.max_bad_steps == 0 or tries < self.max_bad_steps:  # 0: only spikes are checked, never skipped
+            return False
+        if step in self.rolled_back_for:
+            raise NonFiniteTraining(
+                f"step {step} failed {tries} tries in a row again after a rollback ({outcome.bad}, the last on "
+                f"{where}): the model, not one batch, is the problem; look at bad-batches.jsonl in output_dir, "
+                "lower train.lr or raise warmup, and resume from a checkpoint")
+        self.rolled_back_for.append(step)
+        self.rollbacks += 1
+        self.streak = (0, 0)
+        return True
+
+    def summary(self) -> dict[str, int]:
+        return {"skipped_steps": self.skipped, "rollbacks": self.rollbacks, "loss_spikes": self.spikes}
+
+    def state_dict(self) -> dict:
+        return {**self.summary(), "rolled_back_for": list(self.rolled_back_for)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped, self.rollbacks = state.get("skipped_steps", 0), state.get("rollbacks", 0)
+        self.spikes, self.rolled_back_for = state.get("loss_spikes", 0), list(state.get("rolled_back_for", []))
+        self.streak = (0, 0)
+
+
+def check_weights(model: torch.nn.Module, dist_env: DistEnv) -> None:
+    """Collective: raises NonFiniteWeights on every rank if any rank holds a weight that is
+    not finite (its own shard, under FSDP)."""
+    bad = next((name for name, p in model.named_parameters() if not torch.isfinite(_local(p)).all()), None)
+    flag = torch.tensor([0.0 if bad is None else 1.0])
+    if dist_env.is_distributed:
+        flag = flag.to(next(model.parameters()).device)
+        dist.all_reduce(flag)
+    if flag.item():
+        raise NonFiniteWeights(f"the weights are not finite ({bad or 'on another rank'}): not saved; the newest "
+                               "checkpoint holds finite weights")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    local = getattr(p, "to_local", None)
+    return local() if local is not None else p

@@ -1,0 +1,196 @@
+"""`python -m trainer report RUN_DIR`: where a run's time went, across every attempt and restart.
+
+attempts.jsonl says when each attempt was launched, which checkpoint it resumed from and how
+it ended (trainer/faults/attempts.py); timeline.jsonl has each step try and each phase between
+steps (trainer/faults/timeline.py). Added up, over the wall time from the first launch to the
+last end:
+
+- productive: steps whose work the final model keeps;
+- start-up: launch to the attempt's first step (imports, rendezvous, loading, tokenizing);
+- redone: steps a failure threw away (done after the checkpoint the next attempt resumed from,
+  or undone by a rollback), and step tries skipped as not finite;
+- checkpoints, evaluation: the pauses for them;
+- waiting: between one attempt's end and the next one's launch (the scheduler's requeue);
+- other: the rest (logging, the replica comparison, the export at the end, an attempt's
+  last seconds after its last record).
+
+goodput = productive / wall. The numbers go to RUN_DIR/goodput.json (and to summary.json as a
+run ends), and a picture of the attempts to RUN_DIR/goodput.png.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trainer import files
+from trainer.errors import ConfigError
+from trainer.exit_codes import MEANING, Exit
+from trainer.faults import attempts, timeline
+
+EVALUATION = ("eval", "final-eval", "test-eval", "load-best")
+CHECKPOINT = ("save",)
+REDONE = ("rollback",)
+CATEGORIES = ("productive", "startup", "redone", "checkpoints", "evaluation", "waiting", "other")
+
+
+@dataclass
+class Attempt:
+    """One attempt's account: Unix times for `launched` and `ended`, seconds by category."""
+
+    resumed_from: int
+    launched: float
+    ended: float
+    ended_how: str
+    """exit_codes.MEANING's words for its exit, "killed" when it left none (SIGKILL, the OOM
+    killer, a lost node), or "running"."""
+    exit: int | None
+    first_step_s: float | None
+    """Launch to the end of its first step."""
+    trained: int
+    """Steps it trained (tries skipped as not finite aside)."""
+    redone: list[int]
+    """Its steps that a later attempt, or a rollback, did again."""
+    skipped_tries: int
+    seconds: dict[str, float]
+
+
+def account(run_dir: Path, now: float | None = None, ending: int | None = None) -> dict:
+    """The goodput of the run in `run_dir`, across its attempts. `now`: where the last attempt
+    ends if it is still running (default: the time now); `ending`: its exit code, if it is
+    ending now (the run's summary is written as it ends)."""
+    history = attempts.read(run_dir)
+    if not history:
+        raise ConfigError(f"report: {run_dir}: no {attempts.FILE}: not the output_dir of a run that trained")
+    if ending is not None and "exit" not in history[-1]:
+        history[-1] = {**history[-1], "exit": ending, "ended": time.time() if now is None else now}
+    records: list[list[dict]] = [[] for _ in history]
+    for record in timeline.read(run_dir):  # an attempt's records follow its start
+        records[max((i for i, a in enumerate(history) if a["started"] <= record["t1"]), default=0)].append(record)
+    accounts = [_account(attempt, own, None if i + 1 == len(history) else history[i + 1]["resumed_from"],
+                         time.time() if now is None else now)
+                for i, (attempt, own) in enumerate(zip(history, records, strict=True))]
+    for before, after in itertools.pairwise(accounts):
+        after.seconds["waiting"] = max(0.0, after.launched - before.ended)
+    wall = accounts[-1].ended - accounts[0].launched
+    totals = {name: sum(a.seconds[name] for a in accounts) for name in CATEGORIES}
+    return {"wall_s": wall, "goodput": totals["productive"] / wall if wall > 0 else None, "seconds": totals,
+            "steps_kept": sum(a.trained - len(a.redone) for a in accounts),
+            "steps_redone": sum(len(a.redone) for a in accounts),
+            "restarts": len(accounts) - 1, "attempts": [asdict(a) for a in accounts]}
+
+
+def _account(attempt: dict, own: list[dict], resumed_next: int | None, now: float) -> Attempt:
+    tries = [r for r in own if "t0" in r and "phase" not in r]
+    taken = [r for r in tries if r.get("taken", True)]
+    rollbacks = [r for r in own if "rollback" in r]
+    exit_code = attempt.get("exit")
+    running = exit_code is None and resumed_next is None and "ended" not in attempt
+    launched = attempt.get("launched") or attempt["started"]
+    ended = attempt.get("ended") or (now if running else max((r["t1"] for r in own), default=attempt["started"]))
+
+    def redone(r: dict) -> bool:
+        """Undone by a rollback later in this attempt, or after the checkpoint the next resumed from."""
+        return any(rb["t1"] > r["t1"] and r["step"] > rb["rollback"] for rb in rollbacks) or \
+            (resumed_next is not None and r["step"] > resumed_next)
+
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    for r in tries:
+        seconds["productive" if r in taken and not redone(r) else "redone"] += r["t1"] - r["t0"]
+    for r in own:
+        if "phase" in r:
+            seconds[_kind(r["phase"])] += r["t1"] - r["t0"]
+    seconds["startup"] = (tries[0]["t0"] if tries else ended) - launched
+    seconds["other"] += max(0.0, ended - launched - sum(seconds.values()))
+    how = "running" if running else "killed" if exit_code is None else \
+        MEANING[Exit(exit_code)] if exit_code in {code.value for code in Exit} else f"exit {exit_code}"
+    return Attempt(resumed_from=attempt["resumed_from"], launched=launched, ended=ended, ended_how=how,
+                   exit=exit_code, first_step_s=tries[0]["t1"] - launched if tries else None, trained=len(taken),
+                   redone=[r["step"] for r in taken if redone(r)], skipped_tries=len(tries) - len(taken),
+                   seconds=seconds)
+
+
+def _kind(phase: str) -> str:
+    """The category of a phase's time."""
+    return "checkpoints" if phase in CHECKPOINT else "evaluation" if phase in EVALUATION else \
+        "redone" if phase in REDONE else "other"
+
+
+def describe(report: dict) -> str:
+    """The report as a person reads it."""
+    seconds, wall = report["seconds"], report["wall_s"]
+    goodput = "unknown" if report["goodput"] is None else f"{100 * report['goodput']:.1f}%"
+    lines = [(f"wall {_duration(wall)} over {len(report['attempts'])} attempts ({report['restarts']} restarts), "
+              f"goodput {goodput}: {report['steps_kept']} steps kept, {report['steps_redone']} redone"),
+             "  " + ", ".join(f"{name} {_duration(seconds[name])} ({100 * seconds[name] / wall:.1f}%)"
+                              for name in CATEGORIES if wall > 0),
+             f"  {'attempt':<8}{'launched':>10}{'resumed':>9}{'to step 1':>11}{'trained':>9}{'redone':>8}  ended"]
+    start = report["attempts"][0]["launched"]
+    for number, a in enumerate(report["attempts"], 1):
+        first = "-" if a["first_step_s"] is None else _duration(a["first_step_s"])
+        lines.append(f"  {number:<8}{'+' + _duration(a['launched'] - start):>10}{a['resumed_from']:>9}{first:>11}"
+                     f"{a['trained']:>9}{len(a['redone']):>8}  {a['ended_how']}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(int(minutes), 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:04.1f}s" if minutes else f"{secs:.1f}s"
+
+
+COLORS = {"startup": "#9e9e9e", "productive": "#2e7d32", "redone": "#c62828", "checkpoints": "#1565c0",
+          "evaluation": "#ef6c00", "other": "#d7ccc8"}
+
+
+def draw(run_dir: Path, report: dict, path: Path) -> None:
+    """The attempts as rows on one time axis, each coloured by what its time went to, each
+    failure marked: the picture of `report`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a cluster node
+    import matplotlib.pyplot as plt
+
+    records = timeline.read(run_dir)
+    start = report["attempts"][0]["launched"]
+    fig, ax = plt.subplots(figsize=(10, 1 + 0.5 * len(report["attempts"])))
+    for row, a in enumerate(report["attempts"]):
+        y = len(report["attempts"]) - row
+        spans = [("startup", a["launched"], a["launched"] + a["seconds"]["startup"])]
+        for r in records:
+            if a["launched"] <= r["t0"] <= a["ended"]:
+                if "phase" in r:
+                    kind = _kind(r["phase"])
+                else:
+                    kind = "redone" if r["step"] in a["redone"] or not r.get("taken", True) else "productive"
+                spans.append((kind, r["t0"], r["t1"]))
+        for kind, t0, t1 in spans:
+            ax.broken_barh([(t0 - start, max(t1 - t0, 1e-3))], (y - 0.3, 0.6), color=COLORS[kind])
+        if a["ended_how"] not in ("done", "running"):
+            ax.plot(a["ended"] - start, y, marker="x", color="black", markersize=10)
+            ax.annotate(a["ended_how"], (a["ended"] - start, y + 0.35), fontsize=8)
+    ax.set_yticks(range(1, len(report["attempts"]) + 1),
+                  [f"attempt {len(report['attempts']) - i}" for i in range(len(report["attempts"]))])
+    ax.set_xlabel("seconds since the first launch")
+    goodput = report["goodput"]
+    ax.set_title(f"{run_dir.name}: goodput {'unknown' if goodput is None else f'{100 * goodput:.1f}%'}")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c, label=k) for k, c in COLORS.items()],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=len(COLORS), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(run_dir: Path) -> dict:
+    """The report of `run_dir`: printed, and written as goodput.json and goodput.png in it."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"report: {run_dir}: no such folder (give a run's output_dir)")
+    report = account(run_dir)
+    files.write_text(run_dir / "goodput.json", json.dumps(report, indent=2) + "\n")
+    draw(run_dir, report, run_dir / "goodput.png")
+    print(describe(report))
+    print(f"  {run_dir / 'goodput.json'}, {run_dir / 'goodput.png'}")
+    return report
