@@ -3,14 +3,20 @@
 Enough of the Hub's HTTP API for `from_pretrained` (`HF_ENDPOINT=http://127.0.0.1:PORT`): a
 file's metadata (HEAD, with the commit and ETag headers huggingface_hub reads), its bytes
 (GET), a 404 with the Hub's error code for files a repository does not have, and the model
-info endpoint. It listens on 127.0.0.1 only and serves until closed.
+info endpoint. A repository has revisions (branches, each with its commit), and may be gated:
+without its token, a 401 as the Hub answers. And what huggingface_hub's create_repo,
+create_branch and create_commit send, with every file "regular" (inline in the commit, no LFS
+or Xet storage): repositories created and committed to in `uploads`, with the write token. It
+listens on 127.0.0.1 only and serves until closed.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
+import shutil
 import threading
 import time
 from collections import Counter
@@ -18,13 +24,30 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+"""main's commit; another branch's is commit(branch)."""
+
+
+def commit(branch: str) -> str:
+    return COMMIT if branch == "main" else hashlib.sha1(branch.encode()).hexdigest()
 
 
 class FakeHub:
-    def __init__(self, repos: dict[str, Path], delay_s: float = 0.0):
-        self.repos = repos  # "org/name" -> folder
+    def __init__(self, repos: dict[str, Path | dict[str, Path]], delay_s: float = 0.0,
+                 tokens: dict[str, str] | None = None, uploads: Path | None = None, write_token: str | None = None):
+        # "org/name" -> folder (main), or branch -> folder
+        self.revisions = {repo: {"main": f} if isinstance(f, Path) else f for repo, f in repos.items()}
+        self.tokens = tokens or {}
+        """"org/name" -> the token a gated repository wants."""
+        self.authorizations: set[str] = set()
+        """Every Authorization header received."""
+        self.uploads, self.write_token = uploads, write_token
+        """Where created repositories keep their branches' files; the token writes need."""
+        self.created: dict[str, str | None] = {}
+        """Repositories created: "org/name" -> their visibility."""
+        self.commits: list[tuple[str, str, str]] = []
+        """(repository, branch, summary) of each commit."""
         self.delay_s = delay_s  # before each file's bytes: a hub over a real network is slow
-        self.downloads: Counter[str] = Counter()  # "org/name/file" -> GETs of its bytes
+        self.downloads: Counter[str] = Counter()  # "org/name/file" (main) or "org/name@branch/file" -> GETs
         self.requests: list[tuple[str, float, float]] = []
         """(client session, start, end) of every file request: huggingface_hub names its
         process's session in the User-Agent."""
@@ -41,10 +64,20 @@ class FakeHub:
         self.server.shutdown()
         self.server.server_close()
 
-    def _file(self, repo: str, name: str) -> Path | None:
-        folder = self.repos.get(repo)
+    def _branch(self, repo: str, revision: str) -> str | None:
+        """The branch a revision (a branch's name, or its commit) names."""
+        return next((b for b in self.revisions.get(repo, {}) if revision in (b, commit(b))), None)
+
+    def _file(self, repo: str, branch: str | None, name: str) -> Path | None:
+        folder = self.revisions.get(repo, {}).get(branch) if branch else None
         path = folder / name if folder is not None else None
         return path if path is not None and path.is_file() else None
+
+    def _refused(self, repo: str, authorization: str | None) -> bool:
+        if authorization:
+            with self._lock:
+                self.authorizations.add(authorization)
+        return repo in self.tokens and authorization != f"Bearer {self.tokens[repo]}"
 
     def _handler(self):
         hub = self
@@ -74,27 +107,84 @@ class FakeHub:
                 match = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", self.path.split("?")[0])
                 if not match:
                     return self._send_json({"error": "not found"}, 404)
-                repo, _, name = match.groups()
-                path = hub._file(repo, name)
+                repo, revision, name = match.groups()
+                if hub._refused(repo, self.headers.get("Authorization")):
+                    return self._gated(repo)
+                branch = hub._branch(repo, revision)
+                path = hub._file(repo, branch, name)
                 if path is None:
                     self.send_response(404)
-                    self.send_header("X-Error-Code", "EntryNotFound" if repo in hub.repos else "RepoNotFound")
+                    self.send_header("X-Error-Code", "EntryNotFound" if repo in hub.revisions else "RepoNotFound")
                     self.send_header("X-Error-Message", f"{name} not found")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
                 data = path.read_bytes()
                 self.send_response(200)
-                self.send_header("X-Repo-Commit", COMMIT)
+                self.send_header("X-Repo-Commit", commit(branch or "main"))
                 self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
                 self.send_header("Content-Length", str(len(data)))
                 self.send_header("Content-Type", "application/octet-stream")
                 self.end_headers()
                 if with_body:
                     with hub._lock:
-                        hub.downloads[f"{repo}/{name}"] += 1
+                        hub.downloads[f"{repo}/{name}" if branch == "main" else f"{repo}@{branch}/{name}"] += 1
                     time.sleep(hub.delay_s)
                     self.wfile.write(data)
+
+            def _gated(self, repo: str) -> None:
+                self.send_response(401)
+                self.send_header("X-Error-Code", "GatedRepo")
+                self.send_header("X-Error-Message", f"Access to model {repo} is restricted.")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                path = self.path.split("?")[0]
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if path == "/api/validate-yaml":
+                    return self._send_json({"warnings": [], "errors": []})
+                authorization = self.headers.get("Authorization")
+                if authorization:
+                    with hub._lock:
+                        hub.authorizations.add(authorization)
+                if hub.uploads is None or authorization != f"Bearer {hub.write_token}":
+                    return self._send_json({"error": "Invalid credentials in Authorization header"}, 401)
+                if path == "/api/repos/create":
+                    request = json.loads(body)
+                    repo = f"{request['organization']}/{request['name']}"
+                    if repo in hub.revisions:
+                        return self._send_json({"error": "You already created this model repo"}, 409)
+                    (hub.uploads / repo / "main").mkdir(parents=True)
+                    hub.revisions[repo] = {"main": hub.uploads / repo / "main"}
+                    hub.created[repo] = request.get("visibility")
+                    return self._send_json({"url": f"{hub.endpoint}/{repo}"})
+                match = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(preupload|commit|branch)/([^/]+)", path)
+                if not match or match.group(1) not in hub.revisions:
+                    return self._send_json({"error": "Repository not found"}, 404)
+                repo, action, revision = match.groups()
+                branches = hub.revisions[repo]
+                if action == "branch":
+                    if revision in branches:
+                        return self._send_json({"error": "Reference already exists"}, 409)
+                    branches[revision] = hub.uploads / repo / revision
+                    shutil.copytree(branches["main"], branches[revision])
+                    return self._send_json({})
+                if revision not in branches:
+                    return self._send_json({"error": f"Invalid rev id: {revision}"}, 404)
+                if action == "preupload":
+                    return self._send_json({"files": [
+                        {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                        for f in json.loads(body)["files"]]})
+                header, *operations = (json.loads(line) for line in body.splitlines() if line.strip())
+                for operation in operations:  # "file": base64 content, as "regular" files are sent
+                    target = branches[revision] / operation["value"]["path"]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(base64.b64decode(operation["value"]["content"]))
+                with hub._lock:
+                    hub.commits.append((repo, revision, header["value"]["summary"]))
+                oid = hashlib.sha1(f"{repo}@{revision}#{len(hub.commits)}".encode()).hexdigest()
+                return self._send_json({"commitUrl": f"{hub.endpoint}/{repo}/commit/{oid}", "commitOid": oid})
 
             def do_HEAD(self) -> None:
                 self._resolve(with_body=False)
@@ -103,11 +193,14 @@ class FakeHub:
                 match = re.fullmatch(r"/api/models/([^/]+/[^/]+)(/revision/[^/]+)?", self.path.split("?")[0])
                 if match:
                     repo = match.group(1)
-                    if repo not in hub.repos:
+                    branch = hub._branch(repo, (match.group(2) or "/revision/main").rsplit("/", 1)[1])
+                    if repo not in hub.revisions or branch is None:
                         return self._send_json({"error": "Repository not found"}, 404)
-                    root = hub.repos[repo]
+                    if hub._refused(repo, self.headers.get("Authorization")):
+                        return self._gated(repo)
+                    root = hub.revisions[repo][branch]
                     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-                    return self._send_json({"id": repo, "modelId": repo, "sha": COMMIT,
+                    return self._send_json({"id": repo, "modelId": repo, "sha": commit(branch),
                                             "siblings": [{"rfilename": f} for f in files]})
                 self._resolve(with_body=True)
 

@@ -24,6 +24,13 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def model_card(folder: Path):
+    """huggingface_hub's reading of the model card in `folder` (final/, final/adapter/)."""
+    from huggingface_hub import ModelCard
+
+    return ModelCard.load(Path(folder) / "README.md")
+
+
 def complete_steps(output_dir: Path) -> list[int]:
     """Steps of the checkpoints with a completion marker, oldest first."""
     return sorted(int(p.parent.name[5:]) for p in (output_dir / "checkpoints").glob("step-*/COMPLETE"))

@@ -1,5 +1,6 @@
 """`python -m trainer {train,check,doctor,evaluate,predict} -c CONFIG [key=value ...]`, plain or
-under torchrun; `python -m trainer report RUN_DIR`.
+under torchrun; `python -m trainer report RUN_DIR`; `python -m trainer push RUN_DIR --repo-id
+ORG/NAME [--private] [--revision BRANCH] [--adapter]`.
 
     check [gpu_gib=80] [world_size=N] [--no-data]   the resolved config, the data, the memory plan per GPU
     evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
@@ -22,12 +23,16 @@ from trainer.exit_codes import MEANING, Exit
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
-    parser.add_argument("command", choices=[*COMMANDS, "report"],
+    parser.add_argument("command", choices=[*COMMANDS, *RUN_DIR_COMMANDS],
                         help=" ".join(f"{name}: {run.__doc__}" for name, run in
-                                      {**COMMANDS, "report": run_report}.items()))
+                                      {**COMMANDS, **RUN_DIR_COMMANDS}.items()))
     parser.add_argument("-c", "--config", help="YAML config file (see configs/)")
     parser.add_argument("--no-data", action="store_true",
                         help="check: skip the data (for data that exists only where the job runs)")
+    parser.add_argument("--repo-id", help="push: the Hub repository, ORG/NAME")
+    parser.add_argument("--private", action="store_true", help="push: create the repository private")
+    parser.add_argument("--revision", help="push: the branch to commit to (default main)")
+    parser.add_argument("--adapter", action="store_true", help="push: final/adapter/ alone (export_adapter)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-4")
     return parser.parse_intermixed_args(argv)
 
@@ -77,8 +82,13 @@ def setup_logging(dist_env) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.command == "report":
-        return run_report(args.overrides)
+    pushing = {"--repo-id": args.repo_id, "--private": args.private, "--revision": args.revision,
+               "--adapter": args.adapter}
+    if args.command != "push" and any(pushing.values()):
+        flag = next(name for name, value in pushing.items() if value)
+        return errors.report(ConfigError(f"{flag}: a flag of push, not of {args.command}"))
+    if args.command in RUN_DIR_COMMANDS:
+        return RUN_DIR_COMMANDS[args.command](args)
     # Everything a user can get wrong is checked before a process group or a file exists: the
     # config here, before torch is imported (seconds); the rest in each command's preflight.
     try:
@@ -240,15 +250,37 @@ def run_predict(cfg, arguments: dict) -> int:
                              lambda: predict.run(cfg, dist_env, device, folder, rows, output))
 
 
-def run_report(arguments: list[str]) -> int:
+def run_dir(command: str, args: argparse.Namespace) -> Path:
+    """The one RUN_DIR (a run's output_dir) that report and push take."""
+    if len(args.overrides) != 1 or "=" in args.overrides[0]:
+        raise ConfigError(f"{command}: expected one RUN_DIR (a run's output_dir), got "
+                          f"{' '.join(args.overrides) or 'none'}")
+    return Path(args.overrides[0])
+
+
+def run_report(args: argparse.Namespace) -> int:
     """where a run's time went, across its attempts and restarts: goodput (RUN_DIR: its
     output_dir), printed and written as RUN_DIR/goodput.json and goodput.png."""
     try:
-        if len(arguments) != 1 or "=" in arguments[0]:
-            raise ConfigError(f"report: expected one RUN_DIR (a run's output_dir), got {' '.join(arguments) or 'none'}")
+        folder = run_dir("report", args)
         from trainer import report
 
-        report.run(Path(arguments[0]))
+        report.run(folder)
+        return 0
+    except TrainerError as e:
+        return errors.report(e)
+
+
+def run_push(args: argparse.Namespace) -> int:
+    """upload RUN_DIR/final/ (or its adapter alone) to the Hub repository --repo-id, with HF_TOKEN."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        folder = run_dir("push", args)
+        if not args.repo_id or args.repo_id.count("/") != 1:
+            raise ConfigError(f"push: --repo-id: expected ORG/NAME, got {args.repo_id or 'none'}")
+        from trainer import push
+
+        print(push.push(push.folder_of(folder, args.adapter), args.repo_id, args.private, args.revision))
         return 0
     except TrainerError as e:
         return errors.report(e)
@@ -274,6 +306,9 @@ COMMANDS: dict[str, Callable[..., int]] = {
 }
 """Each command: (the resolved config, its arguments) -> exit code. Its function imports what
 it needs, so a config mistake is reported before torch is imported."""
+
+RUN_DIR_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"report": run_report, "push": run_push}
+"""The commands on a run's output_dir, which take no config."""
 
 
 if __name__ == "__main__":

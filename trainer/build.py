@@ -9,6 +9,7 @@ differs is an argument (a process group of one, the meta device, a trained folde
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from trainer.labels import Labels
 from trainer.step import LogitsUnderAutocast, TrainStep
 from trainer.strategies import registry
 from trainer.tasks import registry as tasks
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -61,8 +64,10 @@ def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: to
     eval mode: final/ (its own architecture, tokenizer and label names, the adapters merged),
     or a checkpoint step-N, whose weights go into model.name's architecture."""
     model_cfg, merged = cfg.model, trained is not None and model.is_model_folder(trained)
-    if merged:
-        model_cfg = DictConfig({**cfg.model, "name": str(trained), "pretrained": True})
+    if merged:  # final/: a folder of its own, whatever revision of model.name it was trained from
+        model_cfg = DictConfig({**cfg.model, "name": str(trained), "pretrained": True, "revision": None})
+    if model_cfg.trust_remote_code and dist_env.is_rank_zero:
+        log.warning("model.trust_remote_code: %s runs the modeling code its repository ships", model_cfg.name)
     # One download per node: local rank 0 fetches a hub model into the HF cache (shared by
     # the node's ranks, or by every node on a PVC), the others then read it from there.
     first = distributed.local_rank_zero_first(dist_env) if model.from_hub(model_cfg) and not on_meta else nullcontext()
@@ -73,8 +78,8 @@ def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: to
         # Before the weights: for an 8B model a mistake costs seconds, not minutes.
         model.check_max_length(model_cfg, cfg.data.max_length, config, tokenizer)
         dtype = lora.frozen_dtype(cfg.model, amp_dtype)
-        bare = model.meta_model(config, dtype) if on_meta else model.load_model(model_cfg, config, cfg.seed, device,
-                                                                                  dtype)
+        bare = model.meta_model(config, dtype, model_cfg.trust_remote_code) if on_meta else \
+            model.load_model(model_cfg, config, cfg.seed, device, dtype)
     built = bare if merged else lora.apply(bare, cfg.model)  # final/ has the adapters merged in already
     if trained is not None:
         if not merged:  # a checkpoint of a LoRA run holds the adapters

@@ -114,7 +114,16 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name: str = key(MISSING, FIXED, NOT_EMPTY)
-    """Hub id or local directory of a transformers model (config, weights, tokenizer)."""
+    """Hub id or local directory of a transformers model (config, weights, tokenizer). A
+    gated or private Hub model reads its token from HF_TOKEN (or `huggingface-cli login`),
+    as huggingface_hub does; the token is never written anywhere by the run."""
+    revision: str | None = key(None, FIXED)
+    """The Hub revision of model.name to load: a branch, a tag or a commit; null: main. Pin
+    a commit for a run that can be repeated: summary.json records the commit loaded
+    (`model.commit`) either way. Only for a Hub id."""
+    trust_remote_code: bool = key(False, FIXED)
+    """Run the modeling code that model.name's repository ships (an architecture transformers
+    does not have): Python from the Hub, run on every node. false refuses such a model."""
     pretrained: bool = key(True, FIXED)
     """False: build the architecture from its config with random weights (benchmarks, tests)."""
     attn_implementation: str = key("auto", FREE)
@@ -427,6 +436,20 @@ class WandbConfig:
 
 
 @dataclass
+class HubConfig:
+    push_at_end: bool = key(False, FREE)
+    """Upload final/ to the Hub (hub.repo_id) once the run has written it: rank 0, with
+    HF_TOKEN. A failed upload is one error line and loses nothing: the run still ends done,
+    and `python -m trainer push OUTPUT_DIR --repo-id ...` uploads it later."""
+    repo_id: str | None = key(None, FREE)
+    """The model repository, ORG/NAME (created if missing)."""
+    private: bool = key(False, FREE)
+    """A repository this run creates is private."""
+    revision: str | None = key(None, FREE)
+    """The branch to commit to (created from main if missing); null: main."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     """What is fine-tuned."""
@@ -446,6 +469,8 @@ class Config:
     """Preemption signals and the stall watchdog."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Experiment tracking on rank 0."""
+    hub: HubConfig = field(default_factory=HubConfig)
+    """Uploading final/ to the Hugging Face Hub."""
     seed: int = key(42, FIXED)
     """Seeds the new classification head, the data order and dropout: same seed, same run."""
     output_dir: str = key(MISSING, FREE, NOT_EMPTY)
@@ -590,6 +615,10 @@ def _check_cross_field(cfg: DictConfig) -> None:
             raise ConfigError(f"fault.preempt_signals: {name!r} is not a signal that can be caught")
     if cfg.fault.rollback_on_spike and (cfg.fault.max_bad_steps == 0 or cfg.fault.spike_factor == 0):
         raise ConfigError("fault.rollback_on_spike: needs fault.max_bad_steps > 0 and fault.spike_factor > 0")
+    if cfg.hub.push_at_end and not cfg.hub.repo_id:
+        raise ConfigError("hub.push_at_end: needs hub.repo_id (ORG/NAME)")
+    if cfg.hub.repo_id is not None and cfg.hub.repo_id.count("/") != 1:
+        raise ConfigError(f"hub.repo_id: {cfg.hub.repo_id}: expected ORG/NAME")
     if cfg.data.text_pair_field == cfg.data.text_field:
         raise ConfigError("data.text_pair_field: must differ from data.text_field")
     if cfg.wandb.mode == "online" and not (os.environ.get("WANDB_API_KEY") or _has_netrc_login()):
@@ -598,6 +627,9 @@ def _check_cross_field(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if _looks_local(value) and not Path(value).exists():
             raise ConfigError(f"{key}: {value}: no such file or folder")
+    if cfg.model.revision is not None and _looks_local(cfg.model.name):
+        raise ConfigError(f"model.revision: {cfg.model.revision} names a revision on the Hub, but model.name "
+                          f"{cfg.model.name} is a local folder")
 
 
 def _check_labels(cfg: DictConfig) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer import distributed, files, lora
+from trainer import card, distributed, files, lora
 from trainer.distributed import DistEnv
 
 if TYPE_CHECKING:
@@ -21,10 +21,11 @@ if TYPE_CHECKING:
 
 
 def export_final(output_dir: Path, model: PreTrainedModel, tokenizer, strategy: Strategy, dist_env: DistEnv,
-                 adapter: bool) -> Path:
-    """Collective: final/ (and final/adapter/, peft's format, with `adapter`), written by rank
-    0, or under FSDP by every rank's shards first; a failure stops every rank with the reason.
-    The run's last use of the model: merging the adapters changes it in place."""
+                 adapter: bool, facts: card.Facts) -> Path:
+    """Collective: final/ (and final/adapter/, peft's format, with `adapter`), each with its
+    model card (trainer/card.py) of `facts`, written by rank 0, or under FSDP by every rank's
+    shards first; a failure stops every rank with the reason. The run's last use of the model:
+    merging the adapters changes it in place."""
     final, tmp = output_dir / "final", output_dir / ".final.tmp"
     distributed.rank_zero_does(dist_env, f"output_dir: {tmp}", lambda: files.fresh_folder(tmp))
     if adapter:
@@ -36,6 +37,9 @@ def export_final(output_dir: Path, model: PreTrainedModel, tokenizer, strategy: 
 
     def publish() -> None:
         tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(card.render(facts))
+        if adapter:  # over peft's empty template
+            (tmp / "adapter" / "README.md").write_text(card.render(facts, adapter=True))
         files.publish(tmp, final)
 
     distributed.rank_zero_does(dist_env, f"output_dir: {final}", publish)

@@ -12,7 +12,23 @@ from typing import cast
 import torch
 from omegaconf import DictConfig
 
-from trainer import build, config, data, distributed, evaluation, flops, lora, metrics, optim, report, summary, tracking
+from trainer import (
+    build,
+    card,
+    config,
+    data,
+    distributed,
+    evaluation,
+    flops,
+    lora,
+    metrics,
+    model,
+    optim,
+    push,
+    report,
+    summary,
+    tracking,
+)
 from trainer.checkpoint import resume
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.store import read_state
@@ -59,6 +75,8 @@ class Trainer:
         """The model, the strategy that runs it on this rank, and the step."""
         self.model = self.built.model
         """The model that trains, unwrapped: checkpoints, evaluation and the export read it."""
+        self.model_commit = model.hub_commit(cfg.model)
+        """The Hub commit model.name was loaded from (None: a local folder), for summary.json and the card."""
         self.train_step = self.built.step
         """One optimizer step (trainer/step.py), with the optimizer, LR schedule and loss scaler it steps."""
         self.parameter_counts = lora.parameter_counts(self.model)
@@ -225,11 +243,32 @@ class Trainer:
             with watch("test-eval", last):
                 test_eval = self.evaluate(self.data.test_loader, self.data.num_test)
             self._run_tracker.log(_prefixed("test", test_eval), last)
+        facts = card.Facts(self.cfg, self.labels, final_step, final_eval, test_eval,
+                           {"train": self.data.num_train, "validation": self.data.num_eval, "test": self.data.num_test},
+                           self.dist_env.world_size, card.hardware(self.device.type), totals["train_seconds"] or 0.0,
+                           self.model_commit)
         with watch("export", last):
             export_final(self.output_dir, self.model, self.built.tokenizer, self.built.strategy, self.dist_env,
-                         adapter=self.cfg.checkpoint.export_adapter)
+                         adapter=self.cfg.checkpoint.export_adapter, facts=facts)
         with watch("gather", last):
-            return self._summarize(start_step, last, (final_step, final_eval), last_eval, test_eval, totals)
+            made = self._summarize(start_step, last, (final_step, final_eval), last_eval, test_eval, totals)
+        if self.cfg.hub.push_at_end and self.dist_env.is_rank_zero:
+            # Rank 0 alone, after the last collective: an upload may take longer than any timeout.
+            made["hub"] = self._push()
+            self._run_tracker.summary(made)
+        return made
+
+    def _push(self) -> dict:
+        """hub.push_at_end: final/ to hub.repo_id. A failure is one error line and summary.json's
+        `hub.error`; final/ stays, and `python -m trainer push` uploads it later."""
+        hub = self.cfg.hub
+        try:
+            url = push.push(self.output_dir / "final", hub.repo_id, hub.private, hub.revision)
+        except push.PushError as e:
+            log.error("%s; final/ is kept: upload it with python -m trainer push %s --repo-id %s", e, self.output_dir,
+                      hub.repo_id)
+            return {"repo_id": hub.repo_id, "commit_url": None, "error": str(e)}
+        return {"repo_id": hub.repo_id, "commit_url": url, "error": None}
 
     def evaluate(self, loader, num_samples: int) -> dict[str, float]:
         """Exact global metrics of the model as it is now, the same on every rank."""
@@ -355,7 +394,9 @@ class Trainer:
             start_step=start_step, last=last, max_steps=self.policy.max_steps,
             steps_per_epoch=self.data.steps_per_epoch, world_size=self.dist_env.world_size,
             global_batch=self.batch.global_batch,
-            run={"labels": self.labels.state_dict(), **self.parameter_counts, "precision": self.precisions, **totals,
+            run={"model": {"name": self.cfg.model.name, "revision": self.cfg.model.revision,
+                           "commit": self.model_commit},
+                 "labels": self.labels.state_dict(), **self.parameter_counts, "precision": self.precisions, **totals,
                  "first_step_end_unix": self.first_step_end_unix, "startup_s": self.startup.phases(),
                  "checkpoint_write_s": self.checkpointer.write_seconds,
                  "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),

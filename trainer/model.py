@@ -21,8 +21,37 @@ if TYPE_CHECKING:  # transformers is imported where a model is loaded: it is slo
     from transformers import PretrainedConfig, PreTrainedModel
 
 
-def _load_error(name: str, e: Exception) -> ConfigError:
+def _load_error(model_cfg: DictConfig, e: Exception) -> ConfigError:
+    """A model that would not load, in the words of the key to change. transformers wraps the
+    Hub's answers in OSError and ValueError: their text tells them apart."""
+    name, text = model_cfg.name, str(e)
+    if "trust_remote_code" in text:  # its refusal of a repository's own code
+        return ConfigError(f"model.trust_remote_code: model.name {name} ships its own modeling code: set "
+                           "model.trust_remote_code=true to run it (Python from the Hub, run on every node), or use a "
+                           "model transformers has")
+    if "gated repo" in text or "401" in text:
+        return ConfigError(f"model.name: {name}: the Hub refused access (a gated or private model): set HF_TOKEN to "
+                           "a token that has been granted access to it")
+    if model_cfg.revision is not None and "is not a valid git identifier" in text:
+        return ConfigError(f"model.revision: {model_cfg.revision} is not a branch, tag or commit of {name}")
     return ConfigError(f"model.name: {name}: {describe(e)}")
+
+
+def hub_options(model_cfg: DictConfig) -> dict:
+    """What every from_pretrained of model.name takes beside it: the revision (None: main)
+    and whether its own code may run. The token is huggingface_hub's to read (HF_TOKEN)."""
+    return {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
+
+
+def hub_commit(model_cfg: DictConfig) -> str | None:
+    """The Hub commit model.name was loaded from, after it was: the snapshot of the HF cache
+    that its revision (None: main) points to. None for a local folder."""
+    if not from_hub(model_cfg):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    path = try_to_load_from_cache(model_cfg.name, "config.json", revision=model_cfg.revision)
+    return Path(path).parent.name if isinstance(path, str) else None
 
 
 def from_hub(model_cfg: DictConfig) -> bool:
@@ -36,9 +65,9 @@ def load_tokenizer(model_cfg: DictConfig):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_cfg.name)
+        tokenizer = AutoTokenizer.from_pretrained(model_cfg.name, **hub_options(model_cfg))
     except (OSError, ValueError) as e:
-        raise _load_error(model_cfg.name, e) from None
+        raise _load_error(model_cfg, e) from None
     if tokenizer.pad_token is None:
         # Decoder-only tokenizers (GPT-2, Llama) ship without one; batches need it, and so does
         # the classifier, to find each row's last real token. eos is the usual stand-in: pads
@@ -79,9 +108,9 @@ def load_config(model_cfg: DictConfig, labels: Labels, device_type: str,
         config = AutoConfig.from_pretrained(
             model_cfg.name, id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)},
             problem_type=task_class(labels.problem_type).hf_problem_type, **pad,
-            attn_implementation=attention_for(model_cfg, device_type))
+            attn_implementation=attention_for(model_cfg, device_type), **hub_options(model_cfg))
     except (OSError, ValueError) as e:
-        raise _load_error(model_cfg.name, e) from None
+        raise _load_error(model_cfg, e) from None
     config.trainer_labels = labels.state_dict()  # not a key transformers knows: from_pretrained would drop it
     return config
 
@@ -112,26 +141,27 @@ def load_model(model_cfg: DictConfig, config: PretrainedConfig, seed: int, devic
     torch.manual_seed(seed)
     try:
         if not model_cfg.pretrained:
-            return AutoModelForSequenceClassification.from_config(config, dtype=dtype).to(device)
+            return AutoModelForSequenceClassification.from_config(
+                config, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code).to(device)
         # A classifier fine-tuned before with another label count gets a new head (the
         # load report names it), rather than an error.
         # On a GPU, straight to it from the memory-mapped file: no copy in host memory per
         # rank (a node's 8 ranks would otherwise each hold the model there at once).
         placement = {"device_map": {"": device}} if device.type == "cuda" else {}
         return AutoModelForSequenceClassification.from_pretrained(
-            model_cfg.name, config=config, ignore_mismatched_sizes=True, dtype=dtype, **placement
-        ).to(device)
+            model_cfg.name, config=config, ignore_mismatched_sizes=True, dtype=dtype, **placement,
+            **hub_options(model_cfg)).to(device)
     except (OSError, ValueError) as e:
-        raise _load_error(model_cfg.name, e) from None
+        raise _load_error(model_cfg, e) from None
 
 
-def meta_model(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+def meta_model(config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool = False) -> PreTrainedModel:
     """The classifier of `config` on the meta device: every tensor's shape and dtype, no
     storage. Seconds, and no memory, for an 8B model."""
     from transformers import AutoModelForSequenceClassification
 
     with torch.device("meta"):
-        return AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        return AutoModelForSequenceClassification.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
 def is_model_folder(folder: Path) -> bool:

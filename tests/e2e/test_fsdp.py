@@ -27,7 +27,7 @@ from conftest import (
     trainer_command,
     weights,
 )
-from support import kill_tree, read_summary, wait_for
+from support import kill_tree, model_card, read_summary, wait_for
 
 from trainer.launch import torchrun_argv
 
@@ -67,6 +67,13 @@ def test_fsdp_matches_one_process_and_ddp_with_and_without_accumulation(tiny_mod
     final = AutoModelForSequenceClassification.from_pretrained(tmp_path / "fsdp" / "final").state_dict()
     last = weights(tmp_path / "fsdp", STEPS)
     assert not compare_weights(last, {name: final[name] for name in last}).differing
+    # Each final/ has its model card, from the one export path: final/'s own validation results.
+    for name, ranks in (("single", 1), ("fsdp", 2), ("ddp", 2)):
+        card = model_card(tmp_path / name / "final")
+        final_eval = read_summary(tmp_path / name)["final_eval"]
+        assert {r.metric_type: r.metric_value for r in card.data.eval_results} == \
+            {k: v for k, v in final_eval.items() if k != "loss"}, name
+        assert f"{ranks} rank(s) on CPU" in card.text and card.data.library_name == "transformers"
 
 
 def test_fsdp_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_path):

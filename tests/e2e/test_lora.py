@@ -22,7 +22,7 @@ from conftest import (
     trainer_command,
     weights,
 )
-from support import read_summary
+from support import model_card, read_summary
 
 STEPS = 24
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.dropout": 0.0, "train.global_batch": 16,
@@ -95,6 +95,9 @@ def test_lora_is_exact_at_any_world_size_and_final_holds_the_merged_model(tiny_m
     adapted = adapter_logits(tiny_model, ranks / "final" / "adapter")
     assert float((merged - adapted).abs().max()) <= 1e-5
     assert not (single / "final" / "adapter").exists()  # only with checkpoint.export_adapter
+    # Each has its model card: the merged model's for transformers, the adapter's for peft.
+    assert (model_card(ranks / "final").data.library_name, model_card(ranks / "final" / "adapter").data.library_name) \
+        == ("transformers", "peft")
 
     # `evaluate` of a LoRA checkpoint: the base, the adapters from the checkpoint, and the
     # validation the run reported for it.
