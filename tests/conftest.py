@@ -301,11 +301,13 @@ def single_process_weights(tiny_model, reviews, tmp_path_factory):
 
 
 def tiny_overrides(model: Path, data: Path, output_dir: Path, **extra) -> list[str]:
-    """A short fp32 run of the tiny model: fast, and exact enough to compare weights."""
+    """A short fp32 run of the tiny model: fast, and exact enough to compare weights. wandb and
+    the curves are off, as tests that need them say."""
     settings = {
         "model.name": model, "data.path": data, "data.num_labels": 5, "data.max_length": 64,
         "data.num_workers": 0, "train.precision": "fp32", "train.lr": 1e-3, "train.warmup_ratio": 0.1,
         "train.log_every": 2, "train.eval_batch_size": 32, "train.max_steps": 4, "wandb.mode": "disabled",
+        "tracking.curves": False,  # a second of matplotlib per run: tests/e2e/test_report.py draws them
         "output_dir": output_dir, **extra,
     }
     return [f"{key}={value}" for key, value in settings.items()]

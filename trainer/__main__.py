@@ -1,6 +1,6 @@
 """`python -m trainer {train,check,doctor,evaluate,predict} -c CONFIG [key=value ...]`, plain or
-under torchrun; `python -m trainer report RUN_DIR`; `python -m trainer push RUN_DIR --repo-id
-ORG/NAME [--private] [--revision BRANCH] [--adapter]`.
+under torchrun; `python -m trainer {report,plot} RUN_DIR`; `python -m trainer push RUN_DIR
+--repo-id ORG/NAME [--private] [--revision BRANCH] [--adapter]`.
 
     check [gpu_gib=80] [world_size=N] [--no-data]   the resolved config, the data, the memory plan per GPU
     evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
@@ -271,6 +271,19 @@ def run_report(args: argparse.Namespace) -> int:
         return errors.report(e)
 
 
+def run_plot(args: argparse.Namespace) -> int:
+    """draw RUN_DIR/curves.png from its metrics.jsonl: loss, learning rate, throughput and
+    validation by step, its restarts marked."""
+    try:
+        folder = run_dir("plot", args)
+        from trainer import curves
+
+        print(curves.draw(folder))
+        return 0
+    except TrainerError as e:
+        return errors.report(e)
+
+
 def run_push(args: argparse.Namespace) -> int:
     """upload RUN_DIR/final/ (or its adapter alone) to the Hub repository --repo-id, with HF_TOKEN."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -307,7 +320,8 @@ COMMANDS: dict[str, Callable[..., int]] = {
 """Each command: (the resolved config, its arguments) -> exit code. Its function imports what
 it needs, so a config mistake is reported before torch is imported."""
 
-RUN_DIR_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"report": run_report, "push": run_push}
+RUN_DIR_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"report": run_report, "plot": run_plot,
+                                                                    "push": run_push}
 """The commands on a run's output_dir, which take no config."""
 
 

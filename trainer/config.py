@@ -436,6 +436,17 @@ class WandbConfig:
 
 
 @dataclass
+class TrackingConfig:
+    curves: bool = key(True, FREE)
+    """Draw output_dir/curves.png (loss, learning rate, throughput and validation metrics by
+    step, from metrics.jsonl, restarts marked) as the run ends; final/ and its card carry it.
+    `python -m trainer plot OUTPUT_DIR` draws it at any time."""
+    tensorboard: bool = key(False, FREE)
+    """Also write TensorBoard event files (output_dir/tensorboard, rank 0): the keys of
+    metrics.jsonl, each at its step; a resumed run's steps redone replace the ones before."""
+
+
+@dataclass
 class HubConfig:
     push_at_end: bool = key(False, FREE)
     """Upload final/ to the Hub (hub.repo_id) once the run has written it: rank 0, with
@@ -469,6 +480,8 @@ class Config:
     """Preemption signals and the stall watchdog."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Experiment tracking on rank 0."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """What rank 0 writes beside metrics.jsonl and wandb: curves, TensorBoard."""
     hub: HubConfig = field(default_factory=HubConfig)
     """Uploading final/ to the Hugging Face Hub."""
     seed: int = key(42, FIXED)

@@ -8,10 +8,11 @@ into whole safetensors files). It is written into a temporary folder and publish
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer import card, distributed, files, lora
+from trainer import card, curves, distributed, files, lora
 from trainer.distributed import DistEnv
 
 if TYPE_CHECKING:
@@ -37,7 +38,9 @@ def export_final(output_dir: Path, model: PreTrainedModel, tokenizer, strategy: 
 
     def publish() -> None:
         tokenizer.save_pretrained(tmp)
-        (tmp / "README.md").write_text(card.render(facts))
+        if (output_dir / curves.FILE).is_file():  # tracking.curves: the card shows it
+            shutil.copyfile(output_dir / curves.FILE, tmp / curves.FILE)
+        (tmp / "README.md").write_text(card.render(facts, curves=(tmp / curves.FILE).is_file()))
         if adapter:  # over peft's empty template
             (tmp / "adapter" / "README.md").write_text(card.render(facts, adapter=True))
         files.publish(tmp, final)

@@ -16,6 +16,7 @@ from trainer import (
     build,
     card,
     config,
+    curves,
     data,
     distributed,
     evaluation,
@@ -248,6 +249,8 @@ class Trainer:
                            self.dist_env.world_size, card.hardware(self.device.type), totals["train_seconds"] or 0.0,
                            self.model_commit)
         with watch("export", last):
+            if self.cfg.tracking.curves and self.dist_env.is_rank_zero:
+                self._draw_curves()
             export_final(self.output_dir, self.model, self.built.tokenizer, self.built.strategy, self.dist_env,
                          adapter=self.cfg.checkpoint.export_adapter, facts=facts)
         with watch("gather", last):
@@ -257,6 +260,14 @@ class Trainer:
             made["hub"] = self._push()
             self._run_tracker.summary(made)
         return made
+
+    def _draw_curves(self) -> None:
+        """tracking.curves: output_dir/curves.png, which final/ and its card then carry. A
+        picture that fails costs a warning, never the run."""
+        try:
+            curves.draw(self.output_dir)
+        except Exception as e:  # noqa: BLE001 (matplotlib's failures are many; the run is done)
+            log.warning("tracking.curves: no %s: %s", curves.FILE, describe(e))
 
     def _push(self) -> dict:
         """hub.push_at_end: final/ to hub.repo_id. A failure is one error line and summary.json's

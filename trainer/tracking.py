@@ -2,6 +2,8 @@
 
 - `output_dir/config.yaml`: the resolved config, written as a fresh run starts.
 - `output_dir/metrics.jsonl`: one JSON object per log step, the same numbers sent to wandb.
+- `output_dir/tensorboard/`: the same again as TensorBoard events (tracking.tensorboard).
+- `output_dir/bad-batches.jsonl`: each step try skipped as not finite, and each loss spike.
 - `output_dir/summary.json`: the final figures of the run (trainer/summary.py).
 
 Values arriving here are already global (all-reduced by the loop): this module never sees
@@ -44,11 +46,14 @@ class Tracker:
         self.output_dir = Path(cfg.output_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self._wandb_run = None
+        self._tensorboard = None
+        self.tensorboard = cfg.tracking.tensorboard
 
         def start() -> None:
             self._truncate_metrics(resume_step)
             if cfg.wandb.mode != "disabled":
                 self._wandb_run = self._start_wandb(cfg, run_id)
+            self._start_tensorboard(resume_step)
 
         # Rank 0's disk or wandb failing stops every rank now, not at the next collective.
         distributed.rank_zero_does(dist_env, f"wandb ({cfg.wandb.mode}) in {self.output_dir}", start)
@@ -62,6 +67,19 @@ class Tracker:
             if line.strip() and json.loads(line).get("step", 0) <= resume_step
         ]
         files.write_text(self.metrics_path, "".join(line + "\n" for line in kept))
+
+    def _start_tensorboard(self, resume_step: int) -> None:
+        """tracking.tensorboard: event files in output_dir/tensorboard. From a resume (or a
+        rollback) at step N, TensorBoard drops what was logged after N: the steps redone
+        replace them, and each curve stays one line."""
+        if not self.tensorboard:
+            return
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"),
+                                          purge_step=resume_step + 1 if resume_step else None)
 
     def _start_wandb(self, cfg: DictConfig, run_id: str):
         import wandb  # imported on rank 0 only: it is slow to import and starts a service
@@ -85,11 +103,17 @@ class Tracker:
         record = {"step": step, **metrics}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(key, value, step)
         self._to_wandb(lambda run: run.log(metrics, step=step))
 
     def forget_after(self, step: int) -> None:
         """A rollback to `step`: the steps after it are redone, as on a resume."""
         self._truncate_metrics(step)
+        if self.enabled:
+            self._start_tensorboard(step)
 
     def record_bad_batch(self, record: dict) -> None:
         """A line of bad-batches.jsonl: a step that was skipped or spiked, and its batch."""
@@ -107,6 +131,9 @@ class Tracker:
     def close(self, exit_code: int = 0) -> None:
         self._to_wandb(lambda run: run.finish(exit_code=exit_code))
         self._wandb_run = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
     def _to_wandb(self, send) -> None:
         """Send to wandb; if its service is gone, warn once and go on without it.

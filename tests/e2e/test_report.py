@@ -1,7 +1,9 @@
-"""`python -m trainer report RUN_DIR`: a run SIGKILLed twice and preempted once, then finished
-(4 attempts of one process each, checkpoint every 4 steps). The report's redone work is
-exactly the steps between each kill and the checkpoint the next attempt resumed from, each
-attempt's end is named, and every second of the wall time is in one category."""
+"""A run SIGKILLed twice and preempted once, then finished (4 attempts of one process each,
+checkpoint every 4 steps), as `python -m trainer report` and `plot` and TensorBoard see it.
+The report's redone work is exactly the steps between each kill and the checkpoint the next
+attempt resumed from, each attempt's end is named, and every second of the wall time is in one
+category. The curves (curves.png, the TensorBoard scalars) are one line across the restarts,
+which the picture marks."""
 
 from __future__ import annotations
 
@@ -9,16 +11,19 @@ import json
 
 import pytest
 from conftest import launch, run_preloaded, tiny_overrides, trainer_command
-from support import read_summary
+from support import model_card, read_metrics, read_summary
 
-SETTINGS = {"train.batch_size": 16, "train.max_steps": 24, "checkpoint.every": 4}
+from trainer import curves
+
+SETTINGS = {"train.batch_size": 16, "train.max_steps": 24, "checkpoint.every": 4, "train.eval_every": 6,
+            "tracking.curves": True, "tracking.tensorboard": True}
 ATTEMPTS = [  # the faults of each launch, and its exit: killed as step 11 begins, then 15, preempted at 18
     ({"TRAINER_FAULT_SIGKILL": "0:11"}, -9), ({"TRAINER_FAULT_SIGKILL": "0:15"}, -9),
     ({"TRAINER_FAULT_SIGTERM": "0:18"}, 75), ({}, 0)]
 
 
-def test_the_report_counts_the_work_each_kill_threw_away_and_names_each_restarts_cause(tiny_model, reviews,
-                                                                                       tmp_path):
+def test_the_report_counts_the_work_each_kill_threw_away_and_the_curves_run_on_across_restarts(
+        tiny_model, reviews, tmp_path):
     out = tmp_path / "run"
     command = trainer_command(tiny_overrides(tiny_model, reviews, out, **SETTINGS), None)
     for faults, code in ATTEMPTS:
@@ -48,6 +53,25 @@ def test_the_report_counts_the_work_each_kill_threw_away_and_names_each_restarts
     assert [(a["resumed_from"], a["ended_how"], a["redone"]) for a in summary["attempts"]] == \
         [(a["resumed_from"], a["ended_how"], a["redone"]) for a in attempts]
     assert (summary["steps_kept"], summary["steps_redone"]) == (24, 4)
+
+    # The curves: one line from step 2 to 24 (metrics.jsonl forgot the redone steps' lines),
+    # the restarts at the checkpoints they went on from; in the PNG, final/ and its card.
+    drawn = curves.series(out)
+    assert drawn.train["loss"][0] == list(range(2, 25, 2)) and drawn.restarts == [8, 12, 18]
+    assert drawn.validation["accuracy"][0] == [6, 12, 18, 24]
+    plotted = run_preloaded("trainer", ["plot", str(out)])
+    assert plotted.returncode == 0 and plotted.output.strip().endswith(str(out / "curves.png"))
+    for png in (out / "curves.png", out / "final" / "curves.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "](curves.png)" in model_card(out / "final").text
+    # TensorBoard's own reader: every step once, after its purge of the steps redone.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    logged = [(m["step"], m["loss"]) for m in read_metrics(out) if "loss" in m]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(step, pytest.approx(loss, rel=1e-6))
+                                                                     for step, loss in logged]
 
 
 def test_report_of_a_folder_that_never_trained_is_one_line(tmp_path, usage_run):
