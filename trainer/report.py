@@ -45,8 +45,8 @@ class Attempt:
     launched: float
     ended: float
     ended_how: str
-    """exit_codes.MEANING's words for its exit, "killed" when it left none (SIGKILL, the OOM
-    killer, a lost node), or "running"."""
+    """exit_codes.MEANING's words for its exit, "killed" when it left none and was restarted
+    (SIGKILL, the OOM killer, a lost node), or, for the last attempt, "no exit recorded: ..."."""
     exit: int | None
     first_step_s: float | None
     """Launch to the end of its first step."""
@@ -58,20 +58,23 @@ class Attempt:
     seconds: dict[str, float]
 
 
-def account(run_dir: Path, now: float | None = None, ending: int | None = None) -> dict:
-    """The goodput of the run in `run_dir`, across its attempts. `now`: where the last attempt
-    ends if it is still running (default: the time now); `ending`: its exit code, if it is
-    ending now (the run's summary is written as it ends)."""
+def account(run_dir: Path, ending: int | None = None) -> dict:
+    """The goodput of the run in `run_dir`, across its attempts. `ending`: the exit code of
+    the last attempt, which ends now (the run's summary is written as it ends). Without it, a
+    last attempt that recorded no exit ends at its last record (it may be running still)."""
     history = attempts.read(run_dir)
     if not history:
         raise ConfigError(f"report: {run_dir}: no {attempts.FILE}: not the output_dir of a run that trained")
+    now = None
     if ending is not None and "exit" not in history[-1]:
-        history[-1] = {**history[-1], "exit": ending, "ended": time.time() if now is None else now}
+        now = time.time()
+        history[-1] = {**history[-1], "exit": ending, "ended": now}
     records: list[list[dict]] = [[] for _ in history]
     for record in timeline.read(run_dir):  # an attempt's records follow its start
         records[max((i for i, a in enumerate(history) if a["started"] <= record["t1"]), default=0)].append(record)
-    accounts = [_account(attempt, own, None if i + 1 == len(history) else history[i + 1]["resumed_from"],
-                         time.time() if now is None else now)
+    last = len(history) - 1
+    accounts = [_account(attempt, own, None if i == last else history[i + 1]["resumed_from"],
+                         now if i == last else None)
                 for i, (attempt, own) in enumerate(zip(history, records, strict=True))]
     for before, after in itertools.pairwise(accounts):
         after.seconds["waiting"] = max(0.0, after.launched - before.ended)
@@ -83,14 +86,13 @@ def account(run_dir: Path, now: float | None = None, ending: int | None = None) 
             "restarts": len(accounts) - 1, "attempts": [asdict(a) for a in accounts]}
 
 
-def _account(attempt: dict, own: list[dict], resumed_next: int | None, now: float) -> Attempt:
+def _account(attempt: dict, own: list[dict], resumed_next: int | None, now: float | None) -> Attempt:
+    """One attempt's account from its records; `now`: its end, when it is ending now."""
     tries = [r for r in own if "t0" in r and "phase" not in r]
-    taken = [r for r in tries if r.get("taken", True)]
     rollbacks = [r for r in own if "rollback" in r]
     exit_code = attempt.get("exit")
-    running = exit_code is None and resumed_next is None and "ended" not in attempt
     launched = attempt.get("launched") or attempt["started"]
-    ended = attempt.get("ended") or (now if running else max((r["t1"] for r in own), default=attempt["started"]))
+    ended = attempt.get("ended") or now or max((r["t1"] for r in own), default=attempt["started"])
 
     def redone(r: dict) -> bool:
         """Undone by a rollback later in this attempt, or after the checkpoint the next resumed from."""
@@ -98,19 +100,26 @@ def _account(attempt: dict, own: list[dict], resumed_next: int | None, now: floa
             (resumed_next is not None and r["step"] > resumed_next)
 
     seconds = dict.fromkeys(CATEGORIES, 0.0)
+    trained, redone_steps = 0, []
     for r in tries:
-        seconds["productive" if r in taken and not redone(r) else "redone"] += r["t1"] - r["t0"]
+        kept = r.get("taken", True) and not redone(r)
+        seconds["productive" if kept else "redone"] += r["t1"] - r["t0"]
+        if r.get("taken", True):
+            trained += 1
+            if not kept:
+                redone_steps.append(r["step"])
     for r in own:
         if "phase" in r:
             seconds[_kind(r["phase"])] += r["t1"] - r["t0"]
     seconds["startup"] = (tries[0]["t0"] if tries else ended) - launched
     seconds["other"] += max(0.0, ended - launched - sum(seconds.values()))
-    how = "running" if running else "killed" if exit_code is None else \
-        MEANING[Exit(exit_code)] if exit_code in {code.value for code in Exit} else f"exit {exit_code}"
+    if exit_code is not None:
+        how = MEANING[Exit(exit_code)] if exit_code in {code.value for code in Exit} else f"exit {exit_code}"
+    else:  # a kill leaves no exit; so does an attempt still running, the last one
+        how = "killed" if resumed_next is not None else "no exit recorded: running, or killed"
     return Attempt(resumed_from=attempt["resumed_from"], launched=launched, ended=ended, ended_how=how,
-                   exit=exit_code, first_step_s=tries[0]["t1"] - launched if tries else None, trained=len(taken),
-                   redone=[r["step"] for r in taken if redone(r)], skipped_tries=len(tries) - len(taken),
-                   seconds=seconds)
+                   exit=exit_code, first_step_s=tries[0]["t1"] - launched if tries else None, trained=trained,
+                   redone=redone_steps, skipped_tries=len(tries) - trained, seconds=seconds)
 
 
 def _kind(phase: str) -> str:
@@ -169,7 +178,7 @@ def draw(run_dir: Path, report: dict, path: Path) -> None:
                 spans.append((kind, r["t0"], r["t1"]))
         for kind, t0, t1 in spans:
             ax.broken_barh([(t0 - start, max(t1 - t0, 1e-3))], (y - 0.3, 0.6), color=COLORS[kind])
-        if a["ended_how"] not in ("done", "running"):
+        if a["exit"] not in (Exit.DONE, None) or a["ended_how"] == "killed":
             ax.plot(a["ended"] - start, y, marker="x", color="black", markersize=10)
             ax.annotate(a["ended_how"], (a["ended"] - start, y + 0.35), fontsize=8)
     ax.set_yticks(range(1, len(report["attempts"]) + 1),

@@ -16,12 +16,16 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from trainer import config, distributed, files
 from trainer.distributed import DistEnv
 from trainer.errors import describe
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ class Tracker:
         self.output_dir = Path(cfg.output_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self._wandb_run = None
-        self._tensorboard = None
+        self._tensorboard: SummaryWriter | None = None
         self.tensorboard = cfg.tracking.tensorboard
 
         def start() -> None:
