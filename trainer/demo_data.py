@@ -1,8 +1,9 @@
 """Small, deterministic, learnable review datasets: the offline demo's, and one of each shape
 users bring (README, "Your own data"; docs/tasks.md).
 
-`python -m trainer.demo_data OUT_DIR` writes OUT_DIR/train.jsonl and OUT_DIR/test.jsonl
-with {"text", "label"} rows, label 0..4 for 1..5 stars. The folder loads through
+`python -m trainer.demo_data [OUT_DIR]` writes OUT_DIR/train.jsonl and OUT_DIR/test.jsonl
+(OUT_DIR: data/reviews, where configs/demo.yaml reads them) with {"text", "label"} rows, label
+0..4 for 1..5 stars. The folder loads through
 `datasets.load_dataset(OUT_DIR)` exactly like a hub dataset's data files.
 
 `--shape` writes one file of another shape instead, with no validation split, as most of
@@ -142,13 +143,14 @@ SHAPES = {"sentiment": sentiment, "complaints": complaints, "score": score}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir")
+    parser.add_argument("out_dir", nargs="?", help="default: data/reviews, or data/SHAPE for --shape")
     parser.add_argument("--shape", choices=["reviews", *SHAPES], default="reviews",
                         help="reviews: the demo's train.jsonl and test.jsonl; the others: one file")
     parser.add_argument("--train", type=int, default=4000, help="rows (train rows, for reviews)")
     parser.add_argument("--test", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    args.out_dir = args.out_dir or f"data/{args.shape}"
     if args.shape == "reviews":
         print(generate(args.out_dir, args.train, args.test, args.seed))
     else:

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import yaml
-from conftest import assert_usage_error, launch, previous_run, snapshot, tiny_overrides, trainer_command
+from conftest import REPO, assert_usage_error, launch, previous_run, snapshot, tiny_overrides, trainer_command
 from support import read_summary
 
 from trainer.exit_codes import Exit
@@ -175,6 +175,9 @@ def test_the_8b_example_fits_an_80_gib_gpu_from_its_config_json_alone(usage_run)
     lora = usage_run(shape, command="check", config="configs/llama8b_lora.yaml")
     assert lora.returncode == 0, lora.output[-3000:]
     assert "7,504,924,672 frozen in bf16" in lora.output
+    # docs/memory.md shows this plan, as printed.
+    documented = re.search(r"\n(# memory plan per rank.*?\n)```", (REPO / "docs" / "memory.md").read_text(), re.S)
+    assert documented and documented.group(1) in lora.output
     assert re.search(r"^#   fits in 80.00 GiB .*the largest micro-batch that fits: \d+ \(train.batch_size 4\)$",
                      lora.output, re.M), lora.output[-2000:]
     full = usage_run([*shape, "model.lora.r=null"], command="check", config="configs/llama8b_lora.yaml")

@@ -120,3 +120,20 @@ def test_files_the_docs_name_exist():
                     if not (REPO / path).exists()]
         missing += [f"{doc.relative_to(REPO)}: {name}" for name in TEST_FILE.findall(text) if name not in tests]
     assert not missing, "files named in the docs that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_demo_data_commands_the_readme_shows_run_as_written(tmp_path, monkeypatch):
+    """The README's `python -m trainer.demo_data` (the demo's, without its folder) and its
+    "Your own data" one, run with their arguments as shown."""
+    import sys
+
+    from trainer import demo_data
+
+    commands = re.findall(r"python -m trainer\.demo_data([^`#\n]*)", (REPO / "README.md").read_text())
+    assert [args.split() for args in commands] == [[], ["data/sentiment", "--shape", "sentiment"]]
+    monkeypatch.chdir(tmp_path)
+    for args in commands:
+        monkeypatch.setattr(sys, "argv", ["python -m trainer.demo_data", *args.split()])
+        demo_data.main()
+    assert (tmp_path / "data" / "reviews" / "train.jsonl").is_file()
+    assert (tmp_path / "data" / "sentiment" / "reviews.csv").is_file()
