@@ -26,8 +26,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from benchmarks.__main__ import random_init_model
-from benchmarks.replica_digest import BATCH, LENGTH, timed
-from trainer.distributed import DistEnv, resolve_precision
+from benchmarks.replica_digest import timed, training_step
+from trainer.distributed import DistEnv
 from trainer.faults.numerics import LossGuard
 
 
@@ -45,24 +45,7 @@ def check_seconds(checks: int) -> float:
 
 
 def step_seconds(model_dir: str, reps: int) -> float:
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=5)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(1000, 2000, (BATCH, LENGTH), generator=generator),
-             "attention_mask": torch.ones(BATCH, LENGTH, dtype=torch.long),
-             "labels": torch.randint(0, 5, (BATCH,), generator=generator)}
-    dtype = resolve_precision("auto", torch.device("cpu"))
-
-    def step() -> None:
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    _, _, step = training_step(model_dir, clip=True)
     step()  # warm-up: allocation, the optimizer's state
     return statistics.median(timed(step) for _ in range(reps))
 

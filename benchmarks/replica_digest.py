@@ -37,7 +37,10 @@ def timed(action) -> float:
     return time.perf_counter() - started
 
 
-def measure(model_dir: str, reps: int) -> dict:
+def training_step(model_dir: str, clip: bool = False):
+    """(model, optimizer, step): `model_dir`'s classifier, AdamW, and one training step on a
+    fixed batch of BATCH x LENGTH tokens, in train.precision's default (bf16 where native),
+    with clipping if `clip` (train.max_grad_norm's default)."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=5)
@@ -46,15 +49,23 @@ def measure(model_dir: str, reps: int) -> dict:
     batch = {"input_ids": torch.randint(1000, 2000, (BATCH, LENGTH), generator=generator),
              "attention_mask": torch.ones(BATCH, LENGTH, dtype=torch.long),
              "labels": torch.randint(0, 5, (BATCH,), generator=generator)}
-
     dtype = resolve_precision("auto", torch.device("cpu"))  # as train.precision's default: bf16 where native
 
     def step() -> None:
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             loss = model(**batch).loss
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    return model, optimizer, step
+
+
+def measure(model_dir: str, reps: int) -> dict:
+    model, optimizer, step = training_step(model_dir)
+    dtype = resolve_precision("auto", torch.device("cpu"))
 
     def fingerprint() -> None:
         digest([t for _, t in replicated_state(model, optimizer)])
@@ -66,7 +77,8 @@ def measure(model_dir: str, reps: int) -> dict:
         digests.append(timed(fingerprint))
     step_s, digest_s = statistics.median(steps), statistics.median(digests)
     return {"parameters": sum(p.numel() for p in model.parameters()),
-            "tensors": len(replicated_state(model, optimizer)), "precision": str(dtype), "step_s": step_s, "digest_s": digest_s, "digest_per_step": digest_s / step_s,
+            "tensors": len(replicated_state(model, optimizer)), "precision": str(dtype), "step_s": step_s,
+            "digest_s": digest_s, "digest_per_step": digest_s / step_s,
             f"share_at_every_{INTERVAL}": digest_s / (INTERVAL * step_s)}
 
 
