@@ -61,9 +61,13 @@ def code_commit() -> str | None:
     return result.stdout.strip() or None if result.returncode == 0 else None
 
 
-def render(facts: Facts, adapter: bool = False, curves: bool = False) -> str:
+CAPTIONS = {"curves.png": "Loss, learning rate, throughput and validation by step",
+            "goodput.png": "Where the run's time went, attempt by attempt"}
+
+
+def render(facts: Facts, adapter: bool = False, pictures: tuple[str, ...] | list[str] = ()) -> str:
     """The card's text: final/'s (the merged model), or with `adapter` final/adapter/'s;
-    `curves`: the folder holds curves.png, which the card shows."""
+    `pictures`: the files of CAPTIONS beside it, which the card shows."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     cfg, labels = facts.cfg, facts.labels
@@ -81,10 +85,10 @@ def render(facts: Facts, adapter: bool = False, curves: bool = False) -> str:
         pipeline_tag=PIPELINE, library_name="peft" if adapter else "transformers",
         tags=["text-classification", labels.problem_type.replace("_", "-"), *(["lora"] if cfg.model.lora.r else [])],
         eval_results=results or None)
-    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{_body(facts, adapter, name, curves)}"))
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{_body(facts, adapter, name, pictures)}"))
 
 
-def _body(facts: Facts, adapter: bool, name: str, curves: bool) -> str:
+def _body(facts: Facts, adapter: bool, name: str, pictures: tuple[str, ...] | list[str]) -> str:
     cfg, labels = facts.cfg, facts.labels
     what = ("LoRA adapters (peft) for" if adapter else "A") + \
         f" {labels.problem_type.replace('_', '-')} text classifier fine-tuned from `{cfg.model.name}`"
@@ -112,8 +116,8 @@ def _body(facts: Facts, adapter: bool, name: str, curves: bool) -> str:
             lines.append(f"| {split} | " + " | ".join(f"{metrics.get(k, float('nan')):.4f}" for k in facts.final_eval)
                          + " |")
     commit = code_commit()
-    lines += ["", "## Training", "", *(["![Loss, learning rate, throughput and validation by step](curves.png)", ""]
-                                       if curves else []),
+    shown = [line for picture in pictures for line in (f"![{CAPTIONS[picture]}]({picture})", "")]
+    lines += ["", "## Training", "", *shown,
               f"{facts.world_size} rank(s) on {facts.hardware}, {facts.train_seconds / 60:.1f} minutes of training "
               f"(evaluation and checkpoints aside), by this project's trainer"
               + (f" at commit `{commit}`" if commit else "") + ". The resolved config:", "",

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer import card, curves, distributed, files, lora
+from trainer import card, curves, distributed, files, lora, report
 from trainer.distributed import DistEnv
 
 if TYPE_CHECKING:
@@ -38,9 +38,10 @@ def export_final(output_dir: Path, model: PreTrainedModel, tokenizer, strategy: 
 
     def publish() -> None:
         tokenizer.save_pretrained(tmp)
-        if (output_dir / curves.FILE).is_file():  # tracking.curves: the card shows it
-            shutil.copyfile(output_dir / curves.FILE, tmp / curves.FILE)
-        (tmp / "README.md").write_text(card.render(facts, curves=(tmp / curves.FILE).is_file()))
+        pictures = [name for name in (curves.FILE, report.PICTURE) if (output_dir / name).is_file()]
+        for name in pictures:  # tracking.curves: the card shows them
+            shutil.copyfile(output_dir / name, tmp / name)
+        (tmp / "README.md").write_text(card.render(facts, pictures=pictures))
         if adapter:  # over peft's empty template
             (tmp / "adapter" / "README.md").write_text(card.render(facts, adapter=True))
         files.publish(tmp, final)

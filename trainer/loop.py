@@ -250,7 +250,7 @@ class Trainer:
                            self.model_commit)
         with watch("export", last):
             if self.cfg.tracking.curves and self.dist_env.is_rank_zero:
-                self._draw_curves()
+                self._draw_pictures()
             export_final(self.output_dir, self.model, self.built.tokenizer, self.built.strategy, self.dist_env,
                          adapter=self.cfg.checkpoint.export_adapter, facts=facts)
         with watch("gather", last):
@@ -261,13 +261,16 @@ class Trainer:
             self._run_tracker.summary(made)
         return made
 
-    def _draw_curves(self) -> None:
-        """tracking.curves: output_dir/curves.png, which final/ and its card then carry. A
-        picture that fails costs a warning, never the run."""
+    def _draw_pictures(self) -> None:
+        """tracking.curves: output_dir/curves.png, and goodput.png (`report`'s timeline of the
+        attempts so far), which final/ and its card then carry. A picture that fails costs a
+        warning, never the run."""
         try:
             curves.draw(self.output_dir)
+            report.draw(self.output_dir, report.account(self.output_dir, ending=Exit.DONE),
+                        self.output_dir / report.PICTURE)
         except Exception as e:  # noqa: BLE001 (matplotlib's failures are many; the run is done)
-            log.warning("tracking.curves: no %s: %s", curves.FILE, describe(e))
+            log.warning("tracking.curves: a picture is missing: %s", describe(e))
 
     def _push(self) -> dict:
         """hub.push_at_end: final/ to hub.repo_id. A failure is one error line and summary.json's

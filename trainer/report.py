@@ -35,6 +35,7 @@ EVALUATION = ("eval", "final-eval", "test-eval", "load-best")
 CHECKPOINT = ("save",)
 REDONE = ("rollback",)
 CATEGORIES = ("productive", "startup", "redone", "checkpoints", "evaluation", "waiting", "other")
+PICTURE = "goodput.png"
 
 
 @dataclass
@@ -199,7 +200,7 @@ def run(run_dir: Path) -> dict:
         raise ConfigError(f"report: {run_dir}: no such folder (give a run's output_dir)")
     report = account(run_dir)
     files.write_text(run_dir / "goodput.json", json.dumps(report, indent=2) + "\n")
-    draw(run_dir, report, run_dir / "goodput.png")
+    draw(run_dir, report, run_dir / PICTURE)
     print(describe(report))
-    print(f"  {run_dir / 'goodput.json'}, {run_dir / 'goodput.png'}")
+    print(f"  {run_dir / 'goodput.json'}, {run_dir / PICTURE}")
     return report

@@ -30,6 +30,7 @@ def test_the_report_counts_the_work_each_kill_threw_away_and_the_curves_run_on_a
         result = launch(command, faults)
         assert result.returncode == code, result.output[-3000:]
 
+    (out / "goodput.png").unlink()  # the run's own, as it ended: report draws it anew
     reported = run_preloaded("trainer", ["report", str(out)])
     assert reported.returncode == 0, reported.output[-3000:]
     report = json.loads((out / "goodput.json").read_text())
@@ -61,9 +62,10 @@ def test_the_report_counts_the_work_each_kill_threw_away_and_the_curves_run_on_a
     assert drawn.validation["accuracy"][0] == [6, 12, 18, 24]
     plotted = run_preloaded("trainer", ["plot", str(out)])
     assert plotted.returncode == 0 and plotted.output.strip().endswith(str(out / "curves.png"))
-    for png in (out / "curves.png", out / "final" / "curves.png"):
+    for png in (out / "curves.png", out / "final" / "curves.png", out / "final" / "goodput.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "](curves.png)" in model_card(out / "final").text
+    card = model_card(out / "final").text
+    assert "](curves.png)" in card and "](goodput.png)" in card  # with the attempts' timeline
     # TensorBoard's own reader: every step once, after its purge of the steps redone.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
