@@ -177,16 +177,21 @@ class BadSteps:
 
 
 def check_weights(model: torch.nn.Module, dist_env: DistEnv) -> None:
-    """Collective: raises NonFiniteWeights on every rank if any rank holds a weight that is
-    not finite (its own shard, under FSDP)."""
-    bad = next((name for name, p in model.named_parameters() if not torch.isfinite(_local(p)).all()), None)
-    flag = torch.tensor([0.0 if bad is None else 1.0])
+    """Collective: raises NonFiniteWeights on every rank if any rank holds a trained weight
+    that is not finite (its own shard, under FSDP). The frozen ones are as loaded. One host
+    sync for all of them."""
+    trained = [(name, _local(p)) for name, p in model.named_parameters() if p.requires_grad]
+    finite = torch.stack([torch.isfinite(p).all() for _, p in trained]) if trained else None
+    flag = torch.zeros(1, device=next(model.parameters()).device)  # the collective's device: NCCL's or gloo's
+    if finite is not None:
+        flag += (~finite).any().float()
     if dist_env.is_distributed:
-        flag = flag.to(next(model.parameters()).device)
         dist.all_reduce(flag)
     if flag.item():
-        raise NonFiniteWeights(f"the weights are not finite ({bad or 'on another rank'}): not saved; the newest "
-                               "checkpoint holds finite weights")
+        bad = [name for (name, _), ok in zip(trained, finite.tolist(), strict=True) if not ok] if finite is not None \
+            else []
+        raise NonFiniteWeights(f"the weights are not finite ({bad[0] if bad else 'on another rank'}): not saved; the "
+                               "newest checkpoint holds finite weights")
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
