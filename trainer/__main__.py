@@ -251,7 +251,7 @@ def run_predict(cfg, arguments: dict) -> int:
 
 
 def run_dir(command: str, args: argparse.Namespace) -> Path:
-    """The one RUN_DIR (a run's output_dir) that report and push take."""
+    """The one RUN_DIR (a run's output_dir) that report, plot and push take."""
     if len(args.overrides) != 1 or "=" in args.overrides[0]:
         raise ConfigError(f"{command}: expected one RUN_DIR (a run's output_dir), got "
                           f"{' '.join(args.overrides) or 'none'}")

@@ -29,7 +29,7 @@ def _load_error(model_cfg: DictConfig, e: Exception) -> ConfigError:
         return ConfigError(f"model.trust_remote_code: model.name {name} ships its own modeling code: set "
                            "model.trust_remote_code=true to run it (Python from the Hub, run on every node), or use a "
                            "model transformers has")
-    if "gated repo" in text or "401" in text:
+    if "gated repo" in text or "401 Client Error" in text:
         return ConfigError(f"model.name: {name}: the Hub refused access (a gated or private model): set HF_TOKEN to "
                            "a token that has been granted access to it")
     if model_cfg.revision is not None and "is not a valid git identifier" in text:
