@@ -267,8 +267,7 @@ class Trainer:
         warning, never the run."""
         try:
             curves.draw(self.output_dir)
-            report.draw(self.output_dir, report.account(self.output_dir, ending=Exit.DONE),
-                        self.output_dir / report.PICTURE)
+            report.draw(self.output_dir, self.output_dir / report.PICTURE, ending=Exit.DONE)
         except Exception as e:  # noqa: BLE001 (matplotlib's failures are many; the run is done)
             log.warning("tracking.curves: a picture is missing: %s", describe(e))
 

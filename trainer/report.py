@@ -59,10 +59,19 @@ class Attempt:
     seconds: dict[str, float]
 
 
+Span = tuple[str, float, float]
+"""(category, start, end): a step try or a phase, as the account counted it."""
+
+
 def account(run_dir: Path, ending: int | None = None) -> dict:
     """The goodput of the run in `run_dir`, across its attempts. `ending`: the exit code of
     the last attempt, which ends now (the run's summary is written as it ends). Without it, a
     last attempt that recorded no exit ends at its last record (it may be running still)."""
+    return _goodput(run_dir, ending)[0]
+
+
+def _goodput(run_dir: Path, ending: int | None) -> tuple[dict, list[list[Span]]]:
+    """`account`'s report, and each attempt's spans, which the picture draws."""
     history = attempts.read(run_dir)
     if not history:
         raise ConfigError(f"report: {run_dir}: no {attempts.FILE}: not the output_dir of a run that trained")
@@ -74,9 +83,9 @@ def account(run_dir: Path, ending: int | None = None) -> dict:
     for record in timeline.read(run_dir):  # an attempt's records follow its start
         records[max((i for i, a in enumerate(history) if a["started"] <= record["t1"]), default=0)].append(record)
     last = len(history) - 1
-    accounts = [_account(attempt, own, None if i == last else history[i + 1]["resumed_from"],
-                         now if i == last else None)
-                for i, (attempt, own) in enumerate(zip(history, records, strict=True))]
+    accounts, spans = zip(*(_account(attempt, own, None if i == last else history[i + 1]["resumed_from"],
+                                      now if i == last else None)
+                            for i, (attempt, own) in enumerate(zip(history, records, strict=True))), strict=True)
     for before, after in itertools.pairwise(accounts):
         after.seconds["waiting"] = max(0.0, after.launched - before.ended)
     wall = accounts[-1].ended - accounts[0].launched
@@ -84,11 +93,13 @@ def account(run_dir: Path, ending: int | None = None) -> dict:
     return {"wall_s": wall, "goodput": totals["productive"] / wall if wall > 0 else None, "seconds": totals,
             "steps_kept": sum(a.trained - len(a.redone) for a in accounts),
             "steps_redone": sum(len(a.redone) for a in accounts),
-            "restarts": len(accounts) - 1, "attempts": [asdict(a) for a in accounts]}
+            "restarts": len(accounts) - 1, "attempts": [asdict(a) for a in accounts]}, list(spans)
 
 
-def _account(attempt: dict, own: list[dict], resumed_next: int | None, now: float | None) -> Attempt:
-    """One attempt's account from its records; `now`: its end, when it is ending now."""
+def _account(attempt: dict, own: list[dict], resumed_next: int | None,
+             now: float | None) -> tuple[Attempt, list[Span]]:
+    """One attempt's account from its records, and its spans; `now`: its end, when it is
+    ending now."""
     tries = [r for r in own if "t0" in r and "phase" not in r]
     rollbacks = [r for r in own if "rollback" in r]
     exit_code = attempt.get("exit")
@@ -101,18 +112,20 @@ def _account(attempt: dict, own: list[dict], resumed_next: int | None, now: floa
             (resumed_next is not None and r["step"] > resumed_next)
 
     seconds = dict.fromkeys(CATEGORIES, 0.0)
+    spans: list[Span] = [("startup", launched, tries[0]["t0"] if tries else ended)]
     trained, redone_steps = 0, []
-    for r in tries:
-        kept = r.get("taken", True) and not redone(r)
-        seconds["productive" if kept else "redone"] += r["t1"] - r["t0"]
-        if r.get("taken", True):
-            trained += 1
-            if not kept:
-                redone_steps.append(r["step"])
     for r in own:
         if "phase" in r:
-            seconds[_kind(r["phase"])] += r["t1"] - r["t0"]
-    seconds["startup"] = (tries[0]["t0"] if tries else ended) - launched
+            spans.append((_kind(r["phase"]), r["t0"], r["t1"]))
+        elif "t0" in r:  # a step try
+            kept = r.get("taken", True) and not redone(r)
+            spans.append(("productive" if kept else "redone", r["t0"], r["t1"]))
+            if r.get("taken", True):
+                trained += 1
+                if not kept:
+                    redone_steps.append(r["step"])
+    for kind, t0, t1 in spans:
+        seconds[kind] += t1 - t0
     seconds["other"] += max(0.0, ended - launched - sum(seconds.values()))
     if exit_code is not None:
         how = MEANING[Exit(exit_code)] if exit_code in {code.value for code in Exit} else f"exit {exit_code}"
@@ -120,7 +133,7 @@ def _account(attempt: dict, own: list[dict], resumed_next: int | None, now: floa
         how = "killed" if resumed_next is not None else "no exit recorded: running, or killed"
     return Attempt(resumed_from=attempt["resumed_from"], launched=launched, ended=ended, ended_how=how,
                    exit=exit_code, first_step_s=tries[0]["t1"] - launched if tries else None, trained=trained,
-                   redone=redone_steps, skipped_tries=len(tries) - trained, seconds=seconds)
+                   redone=redone_steps, skipped_tries=len(tries) - trained, seconds=seconds), spans
 
 
 def _kind(phase: str) -> str:
@@ -156,28 +169,20 @@ COLORS = {"startup": "#9e9e9e", "productive": "#2e7d32", "redone": "#c62828", "c
           "evaluation": "#ef6c00", "other": "#d7ccc8"}
 
 
-def draw(run_dir: Path, report: dict, path: Path) -> None:
-    """The attempts as rows on one time axis, each coloured by what its time went to, each
-    failure marked: the picture of `report`."""
+def draw(run_dir: Path, path: Path, ending: int | None = None) -> dict:
+    """The attempts as rows on one time axis, each span coloured by the category the account
+    counted it in, each failure marked, to `path`; returns the report (`account`'s)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a cluster node
     import matplotlib.pyplot as plt
 
-    records = timeline.read(run_dir)
+    report, spans = _goodput(run_dir, ending)
     start = report["attempts"][0]["launched"]
     fig, ax = plt.subplots(figsize=(10, 1 + 0.5 * len(report["attempts"])))
-    for row, a in enumerate(report["attempts"]):
+    for row, (a, own) in enumerate(zip(report["attempts"], spans, strict=True)):
         y = len(report["attempts"]) - row
-        spans = [("startup", a["launched"], a["launched"] + a["seconds"]["startup"])]
-        for r in records:
-            if a["launched"] <= r["t0"] <= a["ended"]:
-                if "phase" in r:
-                    kind = _kind(r["phase"])
-                else:
-                    kind = "redone" if r["step"] in a["redone"] or not r.get("taken", True) else "productive"
-                spans.append((kind, r["t0"], r["t1"]))
-        for kind, t0, t1 in spans:
+        for kind, t0, t1 in own:
             ax.broken_barh([(t0 - start, max(t1 - t0, 1e-3))], (y - 0.3, 0.6), color=COLORS[kind])
         if a["exit"] not in (Exit.DONE, None) or a["ended_how"] == "killed":
             ax.plot(a["ended"] - start, y, marker="x", color="black", markersize=10)
@@ -192,15 +197,15 @@ def draw(run_dir: Path, report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return report
 
 
 def run(run_dir: Path) -> dict:
     """The report of `run_dir`: printed, and written as goodput.json and goodput.png in it."""
     if not run_dir.is_dir():
         raise ConfigError(f"report: {run_dir}: no such folder (give a run's output_dir)")
-    report = account(run_dir)
+    report = draw(run_dir, run_dir / PICTURE)
     files.write_text(run_dir / "goodput.json", json.dumps(report, indent=2) + "\n")
-    draw(run_dir, report, run_dir / PICTURE)
     print(describe(report))
     print(f"  {run_dir / 'goodput.json'}, {run_dir / PICTURE}")
     return report

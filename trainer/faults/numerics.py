@@ -71,10 +71,6 @@ class LossGuard:
         self.enabled = self.check_finite or self.spike_factor > 0
         self.recent: deque[float] = deque(maxlen=SPIKE_WINDOW)
 
-    @property
-    def needs_grad_norm(self) -> bool:
-        return self.enabled
-
     def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, scaler_skips_overflow: bool) -> Outcome:
         """Collective over the group: `loss` is this rank's share of the step's loss (a 0-dim
         tensor), `grad_norm` the norm of the synchronized gradients (the same on every rank)."""
