@@ -7,7 +7,8 @@ info endpoint. A repository has revisions (branches, each with its commit), and 
 without its token, a 401 as the Hub answers. And what huggingface_hub's create_repo,
 create_branch and create_commit send, with every file "regular" (inline in the commit, no LFS
 or Xet storage): repositories created and committed to in `uploads`, with the write token. It
-listens on 127.0.0.1 only and serves until closed.
+listens on 127.0.0.1 (or `address`) and serves until closed. `python tests/fake_hub.py` serves one
+in a process of its own, for clients in other network namespaces (main()).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def commit(branch: str) -> str:
 
 class FakeHub:
     def __init__(self, repos: dict[str, Path | dict[str, Path]], delay_s: float = 0.0,
-                 tokens: dict[str, str] | None = None, uploads: Path | None = None, write_token: str | None = None):
+                 tokens: dict[str, str] | None = None, uploads: Path | None = None, write_token: str | None = None,
+                 address: tuple[str, int] = ("127.0.0.1", 0)):
         # "org/name" -> folder (main), or branch -> folder
         self.revisions = {repo: {"main": f} if isinstance(f, Path) else f for repo, f in repos.items()}
         self.tokens = tokens or {}
@@ -51,9 +53,11 @@ class FakeHub:
         self.requests: list[tuple[str, float, float]] = []
         """(client session, start, end) of every file request: huggingface_hub names its
         process's session in the User-Agent."""
+        self.clients: set[tuple[str, str | None]] = set()
+        """(client address, Authorization header or None) of every file and model-info request."""
         self._lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer(address, self._handler())
+        self.endpoint = f"http://{address[0]}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> FakeHub:
@@ -94,7 +98,12 @@ class FakeHub:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _seen(self) -> None:
+                with hub._lock:
+                    hub.clients.add((self.client_address[0], self.headers.get("Authorization")))
+
             def _resolve(self, with_body: bool) -> None:
+                self._seen()
                 started = time.monotonic()
                 try:
                     self._serve_file(with_body)
@@ -131,6 +140,15 @@ class FakeHub:
                         hub.downloads[f"{repo}/{name}" if branch == "main" else f"{repo}@{branch}/{name}"] += 1
                     time.sleep(hub.delay_s)
                     self.wfile.write(data)
+
+            def _not_found(self, code: str, message: str) -> None:
+                """A 404 as the Hub sends it: huggingface_hub tells a missing repository from a
+                missing revision by X-Error-Code."""
+                self.send_response(404)
+                self.send_header("X-Error-Code", code)
+                self.send_header("X-Error-Message", message)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def _gated(self, repo: str) -> None:
                 self.send_response(401)
@@ -189,19 +207,41 @@ class FakeHub:
             def do_HEAD(self) -> None:
                 self._resolve(with_body=False)
 
+            def _api_root(self, repo: str, revision: str) -> tuple[Path, str] | None:
+                """The folder and branch of an API request for `repo` at `revision`, or None
+                once the Hub's refusal or not-found is sent."""
+                self._seen()
+                branch = hub._branch(repo, revision)
+                if repo not in hub.revisions or branch is None:
+                    known = repo in hub.revisions
+                    self._not_found("RevisionNotFound" if known else "RepoNotFound",
+                                    "Invalid rev id" if known else "Repository not found")
+                    return None
+                if hub._refused(repo, self.headers.get("Authorization")):
+                    self._gated(repo)
+                    return None
+                return hub.revisions[repo][branch], branch
+
             def do_GET(self) -> None:
-                match = re.fullmatch(r"/api/models/([^/]+/[^/]+)(/revision/[^/]+)?", self.path.split("?")[0])
-                if match:
-                    repo = match.group(1)
-                    branch = hub._branch(repo, (match.group(2) or "/revision/main").rsplit("/", 1)[1])
-                    if repo not in hub.revisions or branch is None:
-                        return self._send_json({"error": "Repository not found"}, 404)
-                    if hub._refused(repo, self.headers.get("Authorization")):
-                        return self._gated(repo)
-                    root = hub.revisions[repo][branch]
-                    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-                    return self._send_json({"id": repo, "modelId": repo, "sha": commit(branch),
-                                            "siblings": [{"rfilename": f} for f in files]})
+                path = self.path.split("?")[0]
+                tree = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)", path)
+                if tree:  # snapshot_download's (`hf download`) listing of a revision's files
+                    found = self._api_root(*tree.groups())
+                    if found:
+                        root = found[0]
+                        self._send_json([{"type": "file", "path": str(p.relative_to(root)), "size": p.stat().st_size,
+                                          "oid": hashlib.sha1(p.read_bytes()).hexdigest()}
+                                         for p in sorted(root.rglob("*")) if p.is_file()])
+                    return
+                info = re.fullmatch(r"/api/models/([^/]+/[^/]+)(/revision/[^/]+)?", path)
+                if info:
+                    found = self._api_root(info.group(1), (info.group(2) or "/revision/main").rsplit("/", 1)[1])
+                    if found:
+                        root, branch = found
+                        files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+                        self._send_json({"id": info.group(1), "modelId": info.group(1), "sha": commit(branch),
+                                         "siblings": [{"rfilename": f} for f in files]})
+                    return
                 self._resolve(with_body=True)
 
         return Handler
@@ -215,3 +255,35 @@ class FakeHub:
             first, last = spans.setdefault(session, [start, end])
             spans[session] = [min(first, start), max(last, end)]
         return sorted(tuple(span) for span in spans.values())
+
+
+def main() -> None:
+    """Serve a hub until SIGTERM, then write what it saw (clients, downloads) as JSON to --report:
+    `python tests/fake_hub.py --listen HOST:PORT --repo ORG/NAME[@BRANCH]=FOLDER ... [--token
+    ORG/NAME=TOKEN] --report FILE`."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--repo", action="append", default=[])
+    parser.add_argument("--token", action="append", default=[])
+    parser.add_argument("--report", type=Path, required=True)
+    args = parser.parse_args()
+    repos: dict[str, dict[str, Path]] = {}
+    for item in args.repo:
+        name, folder = item.split("=", 1)
+        repo, _, branch = name.partition("@")
+        repos.setdefault(repo, {})[branch or "main"] = Path(folder)
+    host, port = args.listen.rsplit(":", 1)
+    hub = FakeHub(repos, tokens=dict(item.split("=", 1) for item in args.token), address=(host, int(port)))
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    with hub:
+        print(f"serving {hub.endpoint}", flush=True)
+        stopped.wait()
+    args.report.write_text(json.dumps({"clients": sorted(hub.clients, key=str), "downloads": hub.downloads}))
+
+
+if __name__ == "__main__":
+    main()

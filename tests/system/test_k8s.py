@@ -45,7 +45,7 @@ from kubeflow import (
     trainjob_pods,
 )
 from netns import Network
-from support import read_summary
+from support import read_summary, wait_for
 from users import UID
 
 from trainer.exit_codes import Exit, for_launcher
@@ -217,8 +217,10 @@ def test_manifests_follow_our_rules():
         claim = objects["PersistentVolumeClaim"]["metadata"]["name"]
         assert mounts["/workspace"]["persistentVolumeClaim"]["claimName"] == claim
         assert mounts["/etc/trainer"]["configMap"]["name"] == objects["ConfigMap"]["metadata"]["name"]
-        (key,) = [e for e in container["env"] if e["name"] == "WANDB_API_KEY"]
-        assert key["valueFrom"]["secretKeyRef"]["optional"] is True and "value" not in key
+        # Secrets by reference, each optional: a pod starts without them (k8s/README.md's names).
+        secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+        assert secrets == {"WANDB_API_KEY": {"name": "wandb", "key": "api-key", "optional": True},
+                           "HF_TOKEN": {"name": "hf-token", "key": "token", "optional": True}}, pod.name
         assert not [e for e in container["env"] if e["name"].startswith("PET_")]
     for each in (job, ELASTIC):
         for replica in each["spec"]["pytorchReplicaSpecs"].values():
@@ -539,12 +541,13 @@ def security_options(pod: Pod) -> list[str]:
     return options
 
 
-def pod_container(pod: Pod, root: Path, claims: dict[str, Path]) -> Container:
+def pod_container(pod: Pod, root: Path, claims: dict[str, Path], configmap: dict | None = None) -> Container:
     """The pod's training container as the kubelet starts it: its command, its env plus what
     the operator injects, its security context, and every volume made real: a ConfigMap's
-    files (read-only), one shared folder per PVC (group-owned by fsGroup, as the kubelet
-    sets it), a memory-backed /dev/shm of the emptyDir's size, a private emptyDir."""
-    configmap = k8s_objects()["ConfigMap"]
+    files (`configmap`, default k8s/configmap.yaml's; read-only), one shared folder per PVC
+    (`claims`: made on first use, group-owned by fsGroup, as the kubelet sets it), a
+    memory-backed /dev/shm of the emptyDir's size, a private emptyDir."""
+    configmap = configmap or k8s_objects()["ConfigMap"]
     configmaps = {configmap["metadata"]["name"]: configmap}
     volumes = {v["name"]: v for v in pod.spec["volumes"]}
     fs_group = pod.spec["securityContext"].get("fsGroup", 0)
@@ -584,23 +587,25 @@ def pod_container(pod: Pod, root: Path, claims: dict[str, Path]) -> Container:
                      pod.dns_names[1:])
 
 
-def run_pods(engine, app_image, pods: list[Pod], tmp: Path) -> tuple[Ended, dict[str, Path]]:
+def run_pods(engine, app_image, pods: list[Pod], tmp: Path, configmap: dict | None = None,
+             claims: dict[str, Path] | None = None) -> tuple[Ended, dict[str, Path]]:
     """Every pod's training container in our image, each on a host named as its Service;
-    returns how they ended and the host folder of each PVC."""
+    returns how they ended and the host folder of each PVC (`claims`: those that exist already)."""
     assert {pod.container["image"] for pod in pods} == {IMAGE}
-    claims: dict[str, Path] = {}
-    containers = [pod_container(pod, tmp / pod.name, claims) for pod in pods]
+    claims = {} if claims is None else claims
+    containers = [pod_container(pod, tmp / pod.name, claims, configmap) for pod in pods]
     with Network({pod.name: pod.dns_names[1:] for pod in pods}) as network:
         return run_containers(engine, app_image.id, containers, timeout=400, network=network), claims
 
 
-def assert_job_completed(run: tuple[Ended, dict[str, Path]], output_dir: str | None = None) -> dict:
+def assert_job_completed(run: tuple[Ended, dict[str, Path]], output_dir: str | None = None,
+                         configmap: dict | None = None) -> dict:
     """Every pod exited 0, and the job's summary (in `output_dir`, default the ConfigMap's)
     says both pods trained every step; returns the summary."""
     ended, claims = run
     assert ended.codes == [0] * len(ended.codes), ended.tail()
-    config = yaml.safe_load(k8s_objects()["ConfigMap"]["data"]["config.yaml"])
-    (workspace,) = claims.values()
+    config = yaml.safe_load((configmap or k8s_objects()["ConfigMap"])["data"]["config.yaml"])
+    workspace = claims[k8s_objects()["PersistentVolumeClaim"]["metadata"]["name"]]
     run_dir = workspace / Path(output_dir or config["output_dir"]).relative_to("/workspace")
     assert (run_dir / "summary.json").stat().st_uid == UID  # the pod's runAsUser wrote it
     summary = read_summary(run_dir)
@@ -637,3 +642,144 @@ def test_trainjob_runs_as_the_runtime_starts_it(engine, app_image, tmp_path):
     pods = trainjob_pods(TRAINJOB, RUNTIME)
     assert pods[0].injected_env["PET_MASTER_ADDR"] == "ddp-trainer-node-0-0.ddp-trainer"
     assert_job_completed(run_pods(engine, app_image, pods, tmp_path))
+
+
+STAGE_JOB = yaml.safe_load((REPO / "k8s/stage-data/job.yaml").read_text())
+USERS_CONFIG = """\
+model:
+  name: acme/tiny-bert  # from the HF cache on the PVC, which the staging Job filled
+  revision: v2
+data:
+  path: /workspace/data/sentiment  # staged by k8s/stage-data/job.yaml
+  text_field: review
+  label_field: sentiment
+  max_length: 64
+  max_eval_samples: 32
+train:
+  batch_size: 8
+  max_steps: 4
+  log_every: 2
+wandb:
+  mode: disabled
+output_dir: /workspace/runs/my-job
+"""
+
+
+def docs_block(starting: str) -> str:
+    """The fenced block of k8s/README.md whose first line is `starting`."""
+    blocks = re.findall(r"```\w*\n(.*?)```", (REPO / "k8s/README.md").read_text(), re.S)
+    (block,) = [b for b in blocks if b.startswith(starting)]
+    return block
+
+
+@pytest.fixture
+def users_overlay(tmp_path) -> Path:
+    """my-job/ as k8s/README.md shows it (its kustomization.yaml, word for word), beside a
+    clone called ddp-finetune, with a config of the user's own."""
+    lab = tmp_path / "lab"
+    (lab / "my-job").mkdir(parents=True)
+    (lab / "ddp-finetune").symlink_to(REPO)
+    (lab / "my-job/kustomization.yaml").write_text(docs_block("# my-job/kustomization.yaml"))
+    (lab / "my-job/config.yaml").write_text(USERS_CONFIG)
+    return lab / "my-job"
+
+
+def test_a_users_overlay_gives_the_pods_their_config_and_applying_it_again_changes_nothing(users_overlay):
+    first, again = kustomize(users_overlay), kustomize(users_overlay)
+    assert first == again
+    objects = by_kind(first)
+    assert set(objects) == {"ConfigMap", "PersistentVolumeClaim", "PyTorchJob", "NetworkPolicy"}
+    configmap = objects["ConfigMap"]
+    assert configmap["data"] == {"config.yaml": USERS_CONFIG}  # the demo's is gone, not merged
+    (volume,) = [v for v in pytorchjob_pods(objects["PyTorchJob"])[0].spec["volumes"] if "configMap" in v]
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"] == "ddp-trainer-config"
+    PYTORCHJOB_SCHEMA.validate(objects["PyTorchJob"])
+
+
+def job_pod(job: dict) -> Pod:
+    """The pod a batch/v1 Job creates for one try: its template, no variables injected."""
+    template = job["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    name = f"{job['metadata']['name']}-try-0"
+    return Pod(name, [name], template["metadata"].get("annotations", {}), template["metadata"]["labels"],
+               template["spec"], container, {})
+
+
+def test_the_staging_job_runs_as_the_trainer_does_and_fails_at_once_on_a_usage_error(tmp_path):
+    """The same pod security (and so the same owner of what it writes), the same claim, and
+    a podFailurePolicy that retries a network failure but not a source that can never work."""
+    pod = job_pod(STAGE_JOB)
+    trainer_pod = pytorchjob_pods(k8s_objects()["PyTorchJob"])[0]
+    assert restricted_violations(pod.spec) == []
+    assert pod.spec["securityContext"] == trainer_pod.spec["securityContext"]
+    assert pod.container["securityContext"] == trainer_pod.container["securityContext"]
+    assert pod.spec["automountServiceAccountToken"] is False and pod.spec["restartPolicy"] == "Never"
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod.spec["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {k8s_objects()["PersistentVolumeClaim"]["metadata"]["name"]}
+    assert pod.container["command"][:6] == ["tini", "--", "python", "-m", "trainer.stage", "--to"]
+    (rule,) = STAGE_JOB["spec"]["podFailurePolicy"]["rules"]
+    assert rule == {"action": "FailJob", "onExitCodes": {"containerName": pod.container["name"], "operator": "In",
+                                                         "values": [int(Exit.USAGE)]}}
+    assert STAGE_JOB["spec"]["backoffLimit"] > 0  # Exit.CRASH (the network) is tried again
+    file = tmp_path / "job.yaml"
+    file.write_text(yaml.safe_dump(STAGE_JOB))
+    result = subprocess.run([BIN / "kubernetes-validate", "--strict", file], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_users_overlay_trains_on_data_and_a_model_a_staging_job_put_on_the_pvc(engine, app_image, users_overlay,
+                                                                                  tiny_model, tmp_path):
+    """The README's path for a user's own job on nodes without internet: stage the data (a URL,
+    and a file on a volume the user has) and the Hub model, then apply the overlay with the
+    offline component. The staging Job's pod and the job's pods run as the kubelet starts
+    them, on one PVC; the Hub (on the web host) is gone before training starts."""
+    from fake_hub import commit
+
+    from trainer import demo_data
+
+    rows = demo_data.sentiment(tmp_path / "generated", rows=240).read_text().splitlines(keepends=True)
+    served, volume = tmp_path / "served", tmp_path / "claims/my-existing-claim"
+    served.mkdir()
+    volume.mkdir(parents=True)
+    (served / "train.csv").write_text("".join(rows[:201]))
+    (volume / "test.csv").write_text("".join(rows[:1] + rows[201:]))
+    # The Job with its sources named, and the volume mounted, as the README says to.
+    job = copy.deepcopy(STAGE_JOB)
+    pod = job_pod(job)
+    pod.container["command"] = [*pod.container["command"][:6], "/workspace/data/sentiment",
+                                "http://web:8080/train.csv", "/source/test.csv", "--model", "acme/tiny-bert",
+                                "--revision", "v2"]
+    pod.container["env"].append({"name": "HF_ENDPOINT", "value": "http://web:8081"})  # the Hub, here
+    pod.container["volumeMounts"].append({"name": "source", "mountPath": "/source", "readOnly": True})
+    pod.spec["volumes"].append({"name": "source", "persistentVolumeClaim": {"claimName": "my-existing-claim",
+                                                                            "readOnly": True}})
+    claims = {"my-existing-claim": volume}
+    staging = pod_container(pod, tmp_path / pod.name, claims)
+    with Network({pod.name: [], "web": []}) as network:
+        network.spawn("web", [sys.executable, "-m", "http.server", "8080", "--directory", str(served)],
+                      os.environ, served)
+        network.spawn("web", [sys.executable, str(REPO / "tests/fake_hub.py"), "--listen", "0.0.0.0:8081",
+                              "--repo", f"acme/tiny-bert@v2={tiny_model}", "--report", str(tmp_path / "hub.json")],
+                      os.environ, tmp_path)
+        listening = lambda: subprocess.run(["ip", "netns", "exec", network.namespaces["web"], "ss", "-ltnH"],  # noqa: E731
+                                           capture_output=True, text=True).stdout
+        wait_for(lambda: ":8080" in listening() and ":8081" in listening(), 30, "the web server and the Hub")
+        staged = run_containers(engine, app_image.id, [staging], timeout=120, network=network)
+    assert staged.codes == [0], staged.tail()
+    assert "staged 2 file(s)" in staged.logs[pod.name]
+    assert f"cached acme/tiny-bert at commit {commit('v2')}" in staged.logs[pod.name]
+    workspace = claims[k8s_objects()["PersistentVolumeClaim"]["metadata"]["name"]]
+    data = workspace / "data/sentiment"
+    assert (data / "train.csv").read_text() == (served / "train.csv").read_text()
+    assert {path.stat().st_uid for path in data.iterdir()} == {UID}
+
+    with (users_overlay / "kustomization.yaml").open("a") as f:  # as k8s/README.md says, for nodes without internet
+        f.write("components: [../ddp-finetune/k8s/kustomize/components/offline]\n")
+    objects = by_kind(kustomize(users_overlay))
+    pods = pytorchjob_pods(objects["PyTorchJob"])
+    assert_job_completed(run_pods(engine, app_image, pods, tmp_path / "job", objects["ConfigMap"], claims),
+                         configmap=objects["ConfigMap"])
+    # Trained on the URL's 200 rows, evaluated on the volume's test.csv (data.max_eval_samples of it).
+    card = (workspace / "runs/my-job/final/README.md").read_text()
+    assert "`/workspace/data/sentiment`: text from `review`, labels from `sentiment`; rows: train 200, validation 32." \
+        in card
