@@ -115,7 +115,7 @@ class LoraConfig:
 class ModelConfig:
     name: str = key(MISSING, FIXED, NOT_EMPTY)
     """Hub id or local directory of a transformers model (config, weights, tokenizer). A
-    gated or private Hub model reads its token from HF_TOKEN (or `huggingface-cli login`),
+    gated or private Hub model reads its token from HF_TOKEN (or `hf auth login`),
     as huggingface_hub does; the token is never written anywhere by the run."""
     revision: str | None = key(None, FIXED)
     """The Hub revision of model.name to load: a branch, a tag or a commit; null: main. Pin

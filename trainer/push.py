@@ -4,7 +4,7 @@ or `hub.push_at_end` as a run ends.
 huggingface_hub's own API does it all: the repository created if missing (`create_repo`), the
 branch (`create_branch`), and one commit of every file of the folder (`create_commit`, which
 uploads large files through the Hub's LFS or Xet storage, as the Hub tells it). The token is
-its to read (HF_TOKEN, or `huggingface-cli login`); nothing here sees it.
+its to read (HF_TOKEN, or `hf auth login`); nothing here sees it.
 """
 
 from __future__ import annotations

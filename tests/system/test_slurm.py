@@ -7,6 +7,7 @@ process per node, which trains on the CPU with gloo because no CUDA driver is be
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -535,3 +536,72 @@ def test_apptainer_gets_a_clean_environment_with_what_the_job_needs(cluster, tmp
             assert argv[len(apptainer):] == ["python", "-m", "trainer", "check", "-c", "configs/demo.yaml",
                                              "world_size=2"], argv
     assert sorted((task["SLURMD_NODENAME"], task["SLURM_NODEID"]) for task in tasks) == [("node1", "0"), ("node2", "1")]
+
+
+HUB_PORT = 18080
+SECRET = "hf_NotARealTokenButSecret456"
+
+
+def users_folder(tmp_path: Path, reviews: Path) -> Path:
+    """A user's own folder, not the repository: their config (a gated Hub model at a pinned
+    revision) with paths relative to it, and their data."""
+    from omegaconf import OmegaConf
+
+    lab = tmp_path / "lab"
+    shutil.copytree(reviews, lab / "data/reviews")
+    overrides = tiny_overrides("acme/tiny-bert", Path("data/reviews"), Path("runs/my-job"),
+                               **{"model.revision": "v2", "train.max_steps": 2, **CPU_ON_PURPOSE})
+    OmegaConf.save(OmegaConf.from_dotlist(overrides), lab / "my.yaml")
+    return lab
+
+
+def test_a_users_own_config_and_hub_token_reach_the_ranks_and_an_offline_cache_serves_them(
+        cluster, tiny_model, reviews, tmp_path):
+    """slurm/README.md's ways to a gated Hub model, from a folder of the user's: nodes that reach
+    the Hub get HF_TOKEN from the submitting shell (`sbatch slurm/ddp.sh -c my.yaml`); nodes that
+    can't read a shared HF_HOME filled once on the login node, with HF_HUB_OFFLINE=1 (here through
+    submit.py, with the Hub gone)."""
+    from fake_hub import commit
+
+    lab = users_folder(tmp_path, reviews)
+    v2 = shutil.copytree(tiny_model, tmp_path / "v2")
+    ctl = cluster.net.addresses["ctl"]
+    endpoint = f"http://{ctl}:{HUB_PORT}"
+    report = tmp_path / "hub.json"
+    hub = cluster.popen([PYTHON, str(REPO / "tests/fake_hub.py"), "--listen", f"0.0.0.0:{HUB_PORT}", "--repo",
+                         f"acme/tiny-bert={tiny_model}", "--repo", f"acme/tiny-bert@v2={v2}", "--token",
+                         f"acme/tiny-bert={SECRET}", "--report", str(report)], env={}, cwd=REPO,
+                        log=tmp_path / "hub.out")
+    wait_for(lambda: "serving" in (tmp_path / "hub.out").read_text(), 30, "the hub", {"hub": hub})
+    hub_env = {"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0", "TRAINER_VENV": str(REPO / ".venv")}
+    try:
+        # Online nodes: the token is exported where the job is submitted, and nowhere else.
+        log = tmp_path / "online.out"
+        job_id = cluster.sbatch([*SBATCH, f"--output={log}", str(REPO / "slurm/ddp.sh"), "-c", "my.yaml"],
+                                env={**JOB_ENV, **hub_env, "HF_TOKEN": SECRET, "HF_HOME": str(lab / "hf")}, cwd=lab)
+        record = finished(cluster, job_id, log, timeout=180)
+        assert record["JobState"] == "COMPLETED", explain(record, cluster)
+        # The login node's one prefetch for offline nodes, into another shared HF_HOME.
+        cluster.client([str(REPO / ".venv/bin/hf"), "download", "acme/tiny-bert", "--revision", "v2", "--quiet"],
+                       env={**hub_env, "HF_TOKEN": SECRET, "HF_HOME": str(lab / "hf-offline")}, cwd=lab)
+    finally:
+        hub.terminate()
+        hub.wait(timeout=30)
+    seen = json.loads(report.read_text())
+    nodes = {cluster.net.addresses[node] for node in NODES}
+    assert {client for client, auth in seen["clients"] if auth == f"Bearer {SECRET}"} >= nodes, seen
+    assert seen["downloads"] and all(name.startswith("acme/tiny-bert@v2/") for name in seen["downloads"]), seen
+    run = lab / "runs/my-job"
+    summary = read_summary(run)
+    assert summary["model"] == {"name": "acme/tiny-bert", "revision": "v2", "commit": commit("v2")}
+    assert summary["world_size"] == 2 and len(summary["hosts"]) == 2
+    written = [path for path in run.rglob("*") if path.is_file()] + [log]
+    assert not [path for path in written if SECRET.encode() in path.read_bytes()]
+
+    # Offline nodes, the Hub gone: the same config through submitit, from the shared cache.
+    offline = {**JOB_ENV, "HF_HOME": str(lab / "hf-offline"), "HF_HUB_OFFLINE": "1"}
+    submitted = cluster.client([PYTHON, str(REPO / "slurm/submit.py"), "-c", "my.yaml", "--nodes", "2",
+                                "--gpus-per-node", "1", "--cpus-per-task", "1", "--time", "10", "--wait",
+                                "output_dir=runs/offline"], env=offline, cwd=lab, timeout=180, check=False)
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    assert read_summary(lab / "runs/offline")["model"] == summary["model"]
