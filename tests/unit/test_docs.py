@@ -137,3 +137,15 @@ def test_the_demo_data_commands_the_readme_shows_run_as_written(tmp_path, monkey
         demo_data.main()
     assert (tmp_path / "data" / "reviews" / "train.jsonl").is_file()
     assert (tmp_path / "data" / "sentiment" / "reviews.csv").is_file()
+
+
+def test_the_readme_lists_the_configs_as_they_are():
+    """Every config in configs/, and every model folder under configs/models/, is named in the
+    README's list of them; and the README names none that is not there."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("`configs/`: ")
+    listing = text[start:text.index("Every\nkey", start)]
+    shipped = {path.name for path in (REPO / "configs").glob("*.yaml")}
+    shipped |= {f"models/{path.name}/" for path in (REPO / "configs/models").iterdir()}
+    named = set(re.findall(r"`((?:models/[\w.-]+/)|[\w.-]+\.yaml)`", listing))
+    assert named == shipped
