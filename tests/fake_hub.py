@@ -122,12 +122,8 @@ class FakeHub:
                 branch = hub._branch(repo, revision)
                 path = hub._file(repo, branch, name)
                 if path is None:
-                    self.send_response(404)
-                    self.send_header("X-Error-Code", "EntryNotFound" if repo in hub.revisions else "RepoNotFound")
-                    self.send_header("X-Error-Message", f"{name} not found")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
+                    return self._not_found("EntryNotFound" if repo in hub.revisions else "RepoNotFound",
+                                           f"{name} not found")
                 data = path.read_bytes()
                 self.send_response(200)
                 self.send_header("X-Repo-Commit", commit(branch or "main"))
@@ -141,21 +137,20 @@ class FakeHub:
                     time.sleep(hub.delay_s)
                     self.wfile.write(data)
 
-            def _not_found(self, code: str, message: str) -> None:
-                """A 404 as the Hub sends it: huggingface_hub tells a missing repository from a
-                missing revision by X-Error-Code."""
-                self.send_response(404)
+            def _error(self, status: int, code: str, message: str) -> None:
+                """An error as the Hub sends it: huggingface_hub tells a missing repository, revision
+                or file, and a gated one, apart by X-Error-Code."""
+                self.send_response(status)
                 self.send_header("X-Error-Code", code)
                 self.send_header("X-Error-Message", message)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
+            def _not_found(self, code: str, message: str) -> None:
+                self._error(404, code, message)
+
             def _gated(self, repo: str) -> None:
-                self.send_response(401)
-                self.send_header("X-Error-Code", "GatedRepo")
-                self.send_header("X-Error-Message", f"Access to model {repo} is restricted.")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                self._error(401, "GatedRepo", f"Access to model {repo} is restricted.")
 
             def do_POST(self) -> None:
                 path = self.path.split("?")[0]

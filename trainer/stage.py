@@ -100,7 +100,13 @@ def stage(sources: list[str], dest: Path) -> list[Path]:
     """DEST's files, staged from `sources` now, or as an earlier staging left them."""
     if dest.exists():
         print(f"{dest}: already staged; delete it to stage again", flush=True)
-        return sorted(f for f in dest.rglob("*") if f.is_file())
+    else:
+        _stage_anew(sources, dest)
+    return sorted(f for f in dest.rglob("*") if f.is_file())
+
+
+def _stage_anew(sources: list[str], dest: Path) -> None:
+    """`sources` into DEST, whole or not at all: built beside it, then published."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.staging")
     shutil.rmtree(tmp, ignore_errors=True)  # what a killed try left
@@ -115,7 +121,6 @@ def stage(sources: list[str], dest: Path) -> list[Path]:
         files.publish(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return sorted(f for f in dest.rglob("*") if f.is_file())
 
 
 MODEL_SKIPPED = ["*.onnx", "onnx/*", "openvino/*", "coreml/*", "*.h5", "*.msgpack", "*.ot", "tf_model*",
