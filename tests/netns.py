@@ -23,11 +23,13 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from support import killpg, wait_all
 
+PY_SPY = str(Path(sys.executable).with_name("py-spy"))  # the venv's, a dev dependency
 SUBNET = "10.99.0"  # the bridge has no address, so this never meets the root namespace's routes
 _created = itertools.count()
 
@@ -152,8 +154,28 @@ class Network(TornDown):
         return listed.stdout.split()
 
     def wait(self, procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-        """Exit codes, or None for a process still running at the deadline."""
-        return wait_all(procs, timeout)
+        """Exit codes, or None for a process still running at the deadline (then every
+        host's stacks are printed: pytest shows them with the failure)."""
+        codes = wait_all(procs, timeout)
+        if None in codes:
+            print(self.stacks())
+        return codes
+
+    def stacks(self) -> str:
+        """Where each Python process on every host is now: py-spy's dump of its threads,
+        Python and native frames. A job that hangs says where, on every rank."""
+        dumps = []
+        for host in self.namespaces:
+            for pid in self.pids(host):
+                with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # gone, or py-spy stuck too
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    if b"python" not in argv[0]:
+                        continue
+                    shown = subprocess.run([PY_SPY, "dump", "--native", "--pid", pid], capture_output=True,
+                                           text=True, timeout=30)
+                    dumps.append(f"--- {host}: {b' '.join(argv).decode(errors='replace')[:200]}\n"
+                                 f"{shown.stdout}{shown.stderr}")
+        return "\n".join(dumps)
 
     def close(self) -> None:
         for proc in self.procs:

@@ -163,8 +163,12 @@ PartitionName=short Nodes={",".join(NODES)} MaxTime={SHORT_MAX_TIME} State=UP Ov
             last.update(self.job(job_id))
             return dict(last) if last.get("JobState") in states else None
 
-        return wait_for(settled, timeout, lambda: f"job {job_id} to end: still {last.get('JobState')}, "
-                                                  f"reason {last.get('Reason')}", interval=0.5)
+        try:
+            return wait_for(settled, timeout, lambda: f"job {job_id} to end: still {last.get('JobState')}, "
+                                                      f"reason {last.get('Reason')}", interval=0.5)
+        except AssertionError:
+            print(self.net.stacks())  # where the job's ranks are stuck, shown with the failure
+            raise
 
     def close(self) -> None:
         # Cancel jobs while the controller lives, then kill whatever is left on every host:
