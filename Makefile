@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install system demo test test-unit lint bench kill-drill clean
+.PHONY: install system demo test test-unit test-cpu-bound test-waiting lint bench kill-drill clean
 
 install: $(VENV)/.installed
 
@@ -27,10 +27,22 @@ demo: install data/reviews/train.jsonl
 	$(BIN)/torchrun --standalone --nproc-per-node=2 -m trainer train -c configs/demo.yaml
 
 # The venv (pip) and the system tools (apt) install side by side: each mostly waits on downloads.
+# Then two pytest sessions run side by side, make failing if either fails (--output-sync prints
+# each one's report whole, when it ends). The system tier mostly waits (on the Slurm scheduler,
+# the image build, containers, rendezvous timeouts: about 1.1 of 2 cores busy when alone), so
+# its session also takes the e2e files in E2E_BESIDE_SYSTEM, which make the two about as long;
+# the other session is the unit tier and the rest of e2e, bound by the CPU.
+E2E_BESIDE_SYSTEM := tests/e2e/test_resume.py tests/e2e/test_task_training.py tests/e2e/test_no_hang.py
 test:
 	$(MAKE) --no-print-directory -j2 install system
 	$(MAKE) --no-print-directory lint
-	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-cpu-bound test-waiting
+
+test-cpu-bound: install
+	$(BIN)/python -m pytest tests/unit tests/e2e $(addprefix --ignore=,$(E2E_BESIDE_SYSTEM))
+
+test-waiting: install system
+	$(BIN)/python -m pytest tests/system $(E2E_BESIDE_SYSTEM)
 
 # ruff (lint and import order) over trainer/, tests/ and docs/, and mypy over trainer/, as
 # configured in pyproject.toml; the pre-commit hooks (.pre-commit-config.yaml) run the same.
