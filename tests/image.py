@@ -214,7 +214,14 @@ def build_app(engine: Engine, log) -> str:
     _run(["buildah", "bud", "--isolation=chroot", "--network=host", "--layers",
           "--build-arg", f"BASE_IMAGE={base}", "-v", f"{wheels}:/wheels:ro",
           "-t", APP_TAG, str(REPO)], log, env=engine.env)
-    engine("image", "prune", "--force")  # the images earlier builds left untagged; the cache is this one's parents
+    # The images earlier builds left untagged (the cache is this one's parents). A working
+    # container a build left behind holds its image (seen after the base was rebuilt for a new
+    # lock): it is ours, as everything in the store is while the lock is held. Only disk is
+    # at stake here, never the image just built.
+    engine("rm", "--all", "--force", tool="buildah", check=False)
+    pruned = engine("image", "prune", "--force", check=False)
+    if pruned.returncode != 0:
+        print(f"# image prune: exit {pruned.returncode}: {pruned.stderr.strip()[-500:]}", file=log, flush=True)
     return engine("image", "inspect", "--format", "{{.Id}}", APP_TAG).stdout.strip()
 
 
