@@ -173,6 +173,9 @@ class Network(TornDown):
                         continue
                     shown = subprocess.run([PY_SPY, "dump", "--native", "--pid", pid], capture_output=True,
                                            text=True, timeout=30)
+                    if shown.returncode != 0:  # native frames it cannot unwind: the Python ones, then
+                        shown = subprocess.run([PY_SPY, "dump", "--pid", pid], capture_output=True, text=True,
+                                               timeout=30)
                     dumps.append(f"--- {host}: {b' '.join(argv).decode(errors='replace')[:200]}\n"
                                  f"{shown.stdout}{shown.stderr}")
         return "\n".join(dumps)
