@@ -169,13 +169,13 @@ class Network(TornDown):
             for pid in self.pids(host):
                 with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # gone, or py-spy stuck too
                     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                    if b"python" not in argv[0]:
-                        continue
-                    shown = subprocess.run([PY_SPY, "dump", "--native", "--pid", pid], capture_output=True,
-                                           text=True, timeout=30)
-                    if shown.returncode != 0:  # native frames it cannot unwind: the Python ones, then
-                        shown = subprocess.run([PY_SPY, "dump", "--pid", pid], capture_output=True, text=True,
-                                               timeout=30)
+                    if not Path(os.fsdecode(argv[0])).name.startswith("python"):
+                        continue  # not an interpreter (wandb-core lives under site-packages)
+                    for native in (["--native"], []):  # where it cannot unwind native frames, the Python ones
+                        shown = subprocess.run([PY_SPY, "dump", *native, "--pid", pid], capture_output=True,
+                                               text=True, timeout=30)
+                        if shown.returncode == 0:
+                            break
                     dumps.append(f"--- {host}: {b' '.join(argv).decode(errors='replace')[:200]}\n"
                                  f"{shown.stdout}{shown.stderr}")
         return "\n".join(dumps)

@@ -201,7 +201,7 @@ def test_sigterm_on_one_node_saves_everywhere_and_resumes_exactly(uninterrupted,
             os.kill(int(pid), signal.SIGSTOP)
         # A worker not yet stopped (not scheduled since: a loaded machine) would take the
         # SIGTERM first, lowest signal first, and stop with none pending.
-        wait_for(lambda: multinode.frozen(net, "node0") + multinode.frozen(net, "node1") == len(workers), 30,
+        wait_for(lambda: sum(multinode.frozen(net, host) for host in TWO_NODES) == len(workers), 30,
                  "the workers to stop", procs)
         node1_ranks = children(net, "node1", procs["node1"].pid)
         assert node1_ranks, net.pids("node1")
