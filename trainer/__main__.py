@@ -67,9 +67,10 @@ def setup_logging(dist_env) -> None:
         level=level, stream=sys.stderr,
         format=f"%(asctime)s [rank {dist_env.rank}] %(levelname)s %(name)s: %(message)s",
     )
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # we fork DataLoader workers
-    # ... from a rank that runs no other Python thread then (data.micro_batches); tqdm would
-    # start a monitor thread with the first progress bar of each of its classes.
+    # Tokenizing a large split forks a pool (`datasets`' num_proc) after the rank's first
+    # tokenizer calls; Rust threads of theirs would be copied mid-work. And tqdm would start a
+    # monitor thread with the first progress bar of each of its classes.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import tqdm
 
     tqdm.tqdm.monitor_interval = 0
@@ -187,9 +188,11 @@ def run_train(cfg, arguments: dict) -> int:
         return errors.report(e)
 
     setup_logging(dist_env)
-    from trainer import distributed
+    from trainer import data, distributed
     from trainer.faults import watchdog
     from trainer.faults.preemption import Preempted
+
+    data.start_worker_server(cfg)  # now: its imports run beside the rank's, not before the first batch
     from trainer.loop import Trainer  # the heavy imports (transformers, datasets) start here
 
     startup.mark("imports")

@@ -8,12 +8,13 @@ Two properties matter and are tested:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
-import stat
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -97,9 +98,9 @@ class Data:
         """End the loader workers now, on every exit path, errors included.
 
         They would otherwise outlive a failed run: at interpreter exit, multiprocessing
-        SIGTERMs its daemonic children and joins them, but these ignore SIGTERM (see
-        _init_worker), and the traceback still holds their iterator, so the join would
-        wait forever.
+        SIGTERMs its daemonic children and joins them, but these block SIGTERM (see
+        start_worker_server), and the traceback still holds their iterator, so the join
+        would wait forever.
         """
         for loader in (self.train_loader, self.eval_loader, self.test_loader):
             stop_workers(loader)
@@ -472,6 +473,7 @@ def build(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device:
         test_ds = None if splits.test is None else _tokenize(splits.test, data_cfg, "test_split", tokenizer,
                                                              splits.labels, dist_env)
     splits.steps_per_epoch(plan, cfg.train)  # checked before the model loads; again for other callers
+    start_worker_server(cfg)  # started already where run_train started it
     loader_options = _loader_options(cfg, tokenizer, device)
     train_sampler = GlobalBatchSampler(
         _int_column(train_ds, "length"), labels_module.ledger_keys(arrow.column(train_ds, "labels")), plan.global_batch,
@@ -515,11 +517,10 @@ def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
         "collate_fn": collate(cfg, tokenizer, device),
         "num_workers": workers, "pin_memory": pins_memory(cfg, device),
         "persistent_workers": workers > 0,
-        # Forked, whatever the platform's default (forkserver from Python 3.14): the worker
-        # shares the rank's tokenized dataset instead of a pickled copy (micro_batches says
-        # when the fork is safe).
-        "multiprocessing_context": "fork" if workers > 0 else None,
-        "worker_init_fn": functools.partial(_init_worker, tuple(cfg.fault.preempt_signals)),
+        # Never a fork of the rank (start_worker_server says why). The worker reads the
+        # tokenized split from the same memory-mapped Arrow files; what it is sent is their paths.
+        "multiprocessing_context": "forkserver" if workers > 0 else None,
+        "worker_init_fn": _init_worker,
         # Each new iterator draws its workers' base seed from this generator. Without one it
         # draws from torch's global RNG, which dropout uses too: a resumed run, which starts
         # its train iterator mid-epoch, and each evaluation would shift every dropout mask
@@ -536,12 +537,8 @@ def pins_memory(cfg: DictConfig, device: torch.device) -> bool:
 
 def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -> DataLoader:
     """Eval batches are padded in the rank's own process; data.num_workers is the train
-    loader's. The samples are tokenized already, so a worker would save little, and each
-    worker would be a fork of a rank that runs Python threads (the watchdog's, wandb's on
-    rank 0): a lock one of them holds at that moment stays held in the child forever, and a
-    child that needs it hangs its rank outside any collective, where no timeout ends the
-    wait. One fork per rank is left, the train loader's, before those threads start
-    (micro_batches), where a worker pays: it pads the next batches while the rank computes."""
+    loader's. The samples are tokenized already, so an eval worker would save little, while
+    a train worker pays: it pads the next batches while the rank computes."""
     return DataLoader(
         ds.remove_columns("length"), batch_size=cfg.train.eval_batch_size,
         sampler=EvalShardSampler(_int_column(ds, "length"), dist_env),
@@ -572,36 +569,63 @@ class Collate:
         return batch
 
 
-def _init_worker(signal_names: tuple[str, ...], worker_id: int) -> None:
-    """DataLoader workers ignore the preemption signals, which launchers send to whole
-    process groups (torchrun) or to every process of a job step (Slurm). A worker killed by
-    one would fail the main process ("DataLoader worker exited unexpectedly") before it
-    saves; ignoring it, the worker still exits with the main process, as it always does.
-    And they let go of the sockets they were forked with."""
-    for name in signal_names:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
-    _release_inherited_sockets()
+WORKER_SERVER_PRELOAD = ["trainer.loader_server", "trainer.data", "datasets", "transformers.data.data_collator"]
+"""The server's set-up (trainer/loader_server.py), then what a worker unpickles its loader
+with: imported once by the server, each worker, its fork, starts with it imported."""
 
 
-def _release_inherited_sockets() -> None:
-    """A forked worker holds a copy of each of its rank's sockets: gloo's connections to the
-    other ranks, the rendezvous store's. When the rank dies (SIGKILL, the OOM killer), its
-    peers would see those connections close only with the last copy, when the orphaned
-    worker notices and exits: 5 s later, or never while it is stuck in a batch. The peers
-    must fail at once instead. Each socket becomes /dev/null here, not closed: its fd number
-    stays valid for whatever object of the parent's still holds it in this process."""
-    if not os.path.isdir("/proc/self/fd"):
+def start_worker_server(cfg: DictConfig) -> None:
+    """Start the server that the train loader's workers are forked from (data.num_workers > 0).
+
+    A worker is never a fork of its rank. By the first step each rank runs threads that Python
+    does not see: gloo's connection loops (NCCL's on GPUs), torch's pools. A lock one of them
+    holds at the fork instant stays held in the child for good, and a worker that needs it
+    never delivers its first batch: its rank waits in the loader, its peers in the first
+    all-reduce, and only the 30-minute init timeout ends it. multiprocessing's forkserver
+    (Python 3.14's default) is a fresh program, exec'd, that only forks: it holds none of the
+    rank's locks, and none of its sockets either, so a SIGKILLed rank's peers see its
+    connections close at once.
+
+    The preemption signals (fault.preempt_signals) stay blocked in the server, in its workers
+    and in multiprocessing's resource tracker: launchers signal whole process groups (torchrun)
+    or every process of a job step (Slurm), and a server that died would take the workers with
+    it, failing the rank ("DataLoader worker exited unexpectedly") before it saves. A signal
+    mask is inherited through fork and exec alike, from the instant the server starts, where a
+    handler would be set only once it has imported; the workers still exit with their rank.
+
+    Idempotent. Call it early (run_train does): the server imports WORKER_SERVER_PRELOAD
+    (~2 s of CPU) while the rank loads its data and model.
+    """
+    if cfg.data.num_workers == 0:
         return
-    devnull = os.open(os.devnull, os.O_RDWR)
-    try:
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
-                    os.dup2(devnull, int(name))
-            except OSError:
-                pass  # the listing's own fd, gone by now
-    finally:
-        os.close(devnull)
+    from multiprocessing import forkserver, resource_tracker
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_SERVER_PRELOAD)
+    preemption = {getattr(signal, name) for name in cfg.fault.preempt_signals}
+    # The tracker first, on its own: starting, it unblocks SIGTERM in this process again.
+    for helper in (resource_tracker, forkserver):
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, preemption)
+        try:  # a signal sent meanwhile still reaches this rank: blocked, not ignored
+            helper.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+
+
+def _init_worker(worker_id: int) -> None:
+    """A worker ends the moment its rank does, SIGKILL and the OOM killer included. torch's own
+    check watches the worker's parent, which is the server, not the rank; and the server
+    outlives its rank while any worker lives (each worker holds a copy of the pipe whose
+    closing tells the server to exit), so the two would wait on each other forever, holding
+    the job's output open. The pipe this worker was started through closes when the rank dies,
+    whatever killed it: a thread waits for that."""
+    rank = multiprocessing.parent_process()
+    assert rank is not None, "a loader worker is a multiprocessing child of its rank"
+    threading.Thread(target=_exit_when_closed, args=(rank.sentinel,), name="exit-with-rank", daemon=True).start()
+
+
+def _exit_when_closed(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(0)  # now, even mid-batch: the batch has no reader left
 
 
 def to_device(batch: dict, device: torch.device, loader: DataLoader) -> dict[str, torch.Tensor]:
@@ -655,13 +679,8 @@ def micro_batches(data: Data, grad_accum: int, start: int) -> Iterator[tuple[int
     Mid-epoch resume needs no saved iterator: the sampler's order is a function of
     (seed, epoch), so the global position follows from that count alone.
 
-    The train loader's workers are forked here, now, not at the first batch: call this
-    before the rank starts a thread (the watchdog's, wandb's). A lock that another Python
-    thread holds at the fork stays held in the worker forever, and a worker that needs it
-    hangs its rank in the first step, where only the long init timeout would end the wait.
-    The C++ threads of gloo (NCCL on GPUs) and of torch's pools do run then: the worker uses
-    none of them (it pads batches, and DataLoader runs its workers' torch on one thread). The
-    workers persist: this is the rank's one fork.
+    The train loader's workers start here (from start_worker_server's server) and persist
+    across epochs.
     """
     epoch, step_in_epoch = divmod(start, data.steps_per_epoch)
     data.train_sampler.set_position(epoch, step_in_epoch * data.train_sampler.global_batch)

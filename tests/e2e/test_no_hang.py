@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -56,27 +57,32 @@ FORK_PROBE = """
 import json, os, threading
 def _record():  # in the parent, as os.fork() begins
     with open(os.environ["FORK_PROBE_FILE"], "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "threads": [t.name for t in threading.enumerate()]}) + "\\n")
+        f.write(json.dumps({"pid": os.getpid(), "threads": [t.name for t in threading.enumerate()],
+                            "tasks": len(os.listdir("/proc/self/task"))}) + "\\n")
 os.register_at_fork(before=_record)
 """
-"""A sitecustomize that records, at each os.fork(), the Python threads the forking process runs."""
+"""A sitecustomize that records, at each os.fork(), the threads the forking process runs."""
 
 
-def test_loader_workers_are_forked_from_a_lone_thread_and_hold_none_of_their_ranks_sockets(
-        tiny_model, reviews, tmp_path):
-    """A loader worker is a fork of its rank. A lock another Python thread holds at that
-    instant (wandb's, the watchdog's, tqdm's monitor's) stays held in the worker forever, and
-    a worker that needs it hangs its rank at the first step, where the timeout is the long
-    init one. So each rank forks its worker before it starts any thread of its own: a
-    sitecustomize records the threads at every fork.
+def blocked_signals(process: psutil.Process) -> int:
+    """The process's blocked-signal mask (SigBlk)."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    return int(re.search(r"^SigBlk:\s*([0-9a-f]+)", status, re.M).group(1), 16)
 
-    And the worker is forked with a copy of its rank's sockets (gloo's connections to the
-    other ranks, the store's). Holding them, it would keep a SIGKILLed rank's connections
-    open until it noticed its parent gone (5 s, or never while stuck in a batch), and the
-    peers would fail only then. Both ranks freeze as step 4's save begins, after two evals:
-    each has one worker, the train loader's (evals fork none: data._eval_loader), which
-    holds no inet socket, while the ranks hold several. wandb runs on rank 0, offline, as
-    by default."""
+
+def test_loader_workers_come_from_a_lone_server_not_a_fork_of_their_rank(tiny_model, reviews, tmp_path):
+    """A fork of a rank copies the locks its other threads hold at that instant (gloo's, torch's
+    pools', wandb's), held for good in the child: a loader worker that needs one never delivers
+    its first batch, and two-node jobs hung at their first step so. So each rank's workers come
+    from multiprocessing's forkserver, a program of its own that runs one thread when it forks:
+    a sitecustomize records the threads at every fork. The rank itself forks nothing (its data
+    is too small for a tokenizing pool).
+
+    The server and its worker hold none of their rank's sockets: a SIGKILLed rank's peers see
+    its connections close at once. And both block SIGTERM, which torchrun sends to the rank's
+    whole process group: a dead server would take the worker with it, failing the rank before
+    it saves. Both ranks freeze as step 4's save begins, after two evals (which start no
+    worker: data._eval_loader); wandb runs on rank 0, offline, as by default."""
     probe, forks = tmp_path / "probe", tmp_path / "forks.jsonl"
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(FORK_PROBE)
@@ -93,15 +99,21 @@ def test_loader_workers_are_forked_from_a_lone_thread_and_hold_none_of_their_ran
             return stopped if len(stopped) == 2 else None
 
         ranks = wait_for(frozen_ranks, 180, "both ranks frozen at step 4's save", {"torchrun": torchrun})
+        records = [json.loads(line) for line in forks.read_text().splitlines()]
+        sigterm = 1 << (signal.SIGTERM - 1)
         for rank in ranks:
             assert rank.net_connections("inet"), rank  # what the check looks for is there
-            workers = [child for child in rank.children() if child.name() == "pt_data_worker"]  # not wandb-core
-            assert len(workers) == 1, (rank, rank.children())
-            assert workers[0].net_connections("inet") == [], (rank, workers[0])
-        records = [json.loads(line) for line in forks.read_text().splitlines()]
-        for rank in ranks:
-            threads = [record["threads"] for record in records if record["pid"] == rank.pid]
-            assert threads == [["MainThread"]], (rank, records)
+            assert not blocked_signals(rank) & sigterm, rank  # the rank itself takes SIGTERM: it saves
+            servers = [child for child in rank.children() if "multiprocessing.forkserver" in " ".join(child.cmdline())]
+            assert len(servers) == 1, (rank, rank.children())
+            workers = servers[0].children()
+            assert [worker.name() for worker in workers] == ["pt_data_worker"], (rank, workers)
+            for process in (servers[0], workers[0]):
+                assert process.net_connections("inet") == [], (rank, process)
+                assert blocked_signals(process) & sigterm, (rank, process)
+            assert [record for record in records if record["pid"] == rank.pid] == [], (rank, records)
+            assert [{key: record[key] for key in ("threads", "tasks")} for record in records
+                    if record["pid"] == servers[0].pid] == [{"threads": ["MainThread"], "tasks": 1}], records
     finally:
         kill_tree(torchrun)
 
