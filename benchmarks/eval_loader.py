@@ -52,7 +52,7 @@ def main() -> None:
                 started = time.perf_counter()
                 evaluation.evaluate(logits_of, loader, built.num_eval, built_run.task, device, dist_env)
                 seconds[name].append(round(time.perf_counter() - started, 3))
-    finally:  # Data.close ends the worker, which ignores SIGTERM: the exit would wait for it
+    finally:  # Data.close ends the worker, which blocks SIGTERM: the exit would wait for it
         dataclasses.replace(built, eval_loader=worker).close()
     ratio = statistics.median(seconds["one_worker"][1:]) / statistics.median(seconds["in_process"][1:])
     result = {"date": time.strftime("%Y-%m-%d"), "eval_samples": built.num_eval, "threads": torch.get_num_threads(),

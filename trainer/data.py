@@ -473,7 +473,7 @@ def build(cfg: DictConfig, dist_env: DistEnv, splits: Splits, tokenizer, device:
         test_ds = None if splits.test is None else _tokenize(splits.test, data_cfg, "test_split", tokenizer,
                                                              splits.labels, dist_env)
     splits.steps_per_epoch(plan, cfg.train)  # checked before the model loads; again for other callers
-    start_worker_server(cfg)  # started already where run_train started it
+    start_worker_server(cfg)  # a no-op after run_train's; benchmarks and tests call build() alone
     loader_options = _loader_options(cfg, tokenizer, device)
     train_sampler = GlobalBatchSampler(
         _int_column(train_ds, "length"), labels_module.ledger_keys(arrow.column(train_ds, "labels")), plan.global_batch,
@@ -518,7 +518,8 @@ def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
         "num_workers": workers, "pin_memory": pins_memory(cfg, device),
         "persistent_workers": workers > 0,
         # Never a fork of the rank (start_worker_server says why). The worker reads the
-        # tokenized split from the same memory-mapped Arrow files; what it is sent is their paths.
+        # tokenized split from the same memory-mapped Arrow cache files: it is sent their paths,
+        # not the rows (an in-memory split, which has no cache file, is sent whole).
         "multiprocessing_context": "forkserver" if workers > 0 else None,
         "worker_init_fn": _init_worker,
         # Each new iterator draws its workers' base seed from this generator. Without one it
@@ -586,12 +587,13 @@ def start_worker_server(cfg: DictConfig) -> None:
     rank's locks, and none of its sockets either, so a SIGKILLed rank's peers see its
     connections close at once.
 
-    The preemption signals (fault.preempt_signals) stay blocked in the server, in its workers
-    and in multiprocessing's resource tracker: launchers signal whole process groups (torchrun)
-    or every process of a job step (Slurm), and a server that died would take the workers with
-    it, failing the rank ("DataLoader worker exited unexpectedly") before it saves. A signal
-    mask is inherited through fork and exec alike, from the instant the server starts, where a
-    handler would be set only once it has imported; the workers still exit with their rank.
+    The preemption signals (fault.preempt_signals) stay blocked in the server and its workers,
+    and in multiprocessing's resource tracker (which ignores SIGTERM itself): launchers signal
+    whole process groups (torchrun) or every process of a job step (Slurm), and a server that
+    died would take the workers with it, failing the rank ("DataLoader worker exited
+    unexpectedly") before it saves. A signal mask is inherited through fork and exec alike,
+    from the instant the server starts, where a handler would be set only once it has
+    imported; the workers still exit with their rank (_init_worker).
 
     Idempotent. Call it early (run_train does): the server imports WORKER_SERVER_PRELOAD
     (~2 s of CPU) while the rank loads its data and model.
@@ -619,7 +621,8 @@ def _init_worker(worker_id: int) -> None:
     the job's output open. The pipe this worker was started through closes when the rank dies,
     whatever killed it: a thread waits for that."""
     rank = multiprocessing.parent_process()
-    assert rank is not None, "a loader worker is a multiprocessing child of its rank"
+    if rank is None:
+        raise RuntimeError("a loader worker is a multiprocessing child of its rank")
     threading.Thread(target=_exit_when_closed, args=(rank.sentinel,), name="exit-with-rank", daemon=True).start()
 
 

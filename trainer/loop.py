@@ -107,7 +107,6 @@ class Trainer:
     def train(self) -> dict:
         start_step = self.restore()
         self.replicas.check_start()
-        # Forks the loader's workers: before any thread starts.
         steps = data.micro_batches(self.data, self.batch.grad_accum, self.state.batches_read)
         self.tracker = tracking.Tracker(self.cfg, self.dist_env, self.state.run_id, start_step)
         self._log_plan()
@@ -350,8 +349,8 @@ class Trainer:
 
     def close(self, exit_code: int) -> None:
         """On every exit path: nothing this rank started may outlive it, or hold its exit."""
+        self.data.close()  # first: a worker left running (it blocks SIGTERM) would hold the exit forever
         self.checkpointer.close()
-        self.data.close()
         self.watchdog.close()
         self.timeline.close()
         self.preemption.close(clean_exit=exit_code == 0)
