@@ -215,9 +215,8 @@ def build_app(engine: Engine, log) -> str:
           "--build-arg", f"BASE_IMAGE={base}", "-v", f"{wheels}:/wheels:ro",
           "-t", APP_TAG, str(REPO)], log, env=engine.env)
     # The images earlier builds left untagged (the cache is this one's parents). A working
-    # container a build left behind holds its image (seen after the base was rebuilt for a new
-    # lock): it is ours, as everything in the store is while the lock is held. Only disk is
-    # at stake here, never the image just built.
+    # container a build left behind holds its image: it is ours, as everything in the store is
+    # while the lock is held. Only disk is at stake here, never the image just built.
     engine("rm", "--all", "--force", tool="buildah", check=False)
     pruned = engine("image", "prune", "--force", check=False)
     if pruned.returncode != 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -67,6 +68,16 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
         except subprocess.TimeoutExpired:
             codes.append(None)
     return codes
+
+
+def signals_in(pid: int, *masks: str) -> set[int]:
+    """The signals set in any of the /proc/PID/status `masks` (SigBlk: blocked; SigPnd and
+    ShdPnd: pending for the thread, for the process)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    bits = 0
+    for mask in masks:
+        bits |= int(re.search(rf"^{mask}:\s*([0-9a-f]+)$", status, re.MULTILINE).group(1), 16)
+    return {signum for signum in signal.valid_signals() if bits >> (signum - 1) & 1}
 
 
 def killpg(pgid: int) -> None:

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from conftest import BASE_ENV, launch, run, tiny_overrides, train, trainer_command
 from fake_hub import FakeHub
-from support import kill_tree, wait_for
+from support import kill_tree, signals_in, wait_for
 from users import UID, as_user
 
 from trainer.exit_codes import Exit
@@ -64,12 +64,6 @@ os.register_at_fork(before=_record)
 """A sitecustomize that records, at each os.fork(), the threads the forking process runs."""
 
 
-def blocked_signals(process: psutil.Process) -> int:
-    """The process's blocked-signal mask (SigBlk)."""
-    status = Path(f"/proc/{process.pid}/status").read_text()
-    return int(re.search(r"^SigBlk:\s*([0-9a-f]+)", status, re.M).group(1), 16)
-
-
 def test_loader_workers_come_from_a_lone_server_not_a_fork_of_their_rank(tiny_model, reviews, tmp_path):
     """A fork of a rank copies the locks its other threads hold at that instant (gloo's, torch's
     pools', wandb's), held for good in the child: a loader worker that needs one never delivers
@@ -100,17 +94,16 @@ def test_loader_workers_come_from_a_lone_server_not_a_fork_of_their_rank(tiny_mo
 
         ranks = wait_for(frozen_ranks, 180, "both ranks frozen at step 4's save", {"torchrun": torchrun})
         records = [json.loads(line) for line in forks.read_text().splitlines()]
-        sigterm = 1 << (signal.SIGTERM - 1)
         for rank in ranks:
             assert rank.net_connections("inet"), rank  # what the check looks for is there
-            assert not blocked_signals(rank) & sigterm, rank  # the rank itself takes SIGTERM: it saves
+            assert signal.SIGTERM not in signals_in(rank.pid, "SigBlk"), rank  # the rank takes it: it saves
             servers = [child for child in rank.children() if "multiprocessing.forkserver" in " ".join(child.cmdline())]
             assert len(servers) == 1, (rank, rank.children())
             workers = servers[0].children()
             assert [worker.name() for worker in workers] == ["pt_data_worker"], (rank, workers)
             for process in (servers[0], workers[0]):
                 assert process.net_connections("inet") == [], (rank, process)
-                assert blocked_signals(process) & sigterm, (rank, process)
+                assert signal.SIGTERM in signals_in(process.pid, "SigBlk"), (rank, process)
             assert [record for record in records if record["pid"] == rank.pid] == [], (rank, records)
             assert [{key: record[key] for key in ("threads", "tasks")} for record in records
                     if record["pid"] == servers[0].pid] == [{"threads": ["MainThread"], "tasks": 1}], records

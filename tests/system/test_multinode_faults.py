@@ -30,7 +30,7 @@ import psutil
 import pytest
 from conftest import EXACT_STEPS, compare_weights, tiny_overrides, train, weights
 from netns import Network
-from support import read_summary, wait_for
+from support import read_summary, signals_in, wait_for
 
 from trainer.exit_codes import NODE_FAULTS_ENV, Exit
 
@@ -118,9 +118,7 @@ def children(net: Network, host: str, parent: int) -> list[int]:
 
 def sigterm_pending(pid: int) -> bool:
     """Whether SIGTERM waits for a stopped process (it acts once the process continues)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    masks = re.findall(r"^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, re.MULTILINE)
-    return any(int(mask, 16) >> (signal.SIGTERM - 1) & 1 for mask in masks)
+    return signal.SIGTERM in signals_in(pid, "SigPnd", "ShdPnd")
 
 
 def resumed_at(log: str, step: int) -> float:

@@ -5,13 +5,12 @@ trainer's runs hold the same in tests/e2e/test_no_hang.py."""
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
+from support import signals_in
 
 RANK = """
 import sys
@@ -28,13 +27,6 @@ for _ in sys.stdin:  # a line asks for the next batch
 """
 
 PREEMPTION = {signal.SIGTERM, signal.SIGUSR1}
-
-
-def blocked(process: psutil.Process) -> set[int]:
-    """The signals the process blocks (SigBlk)."""
-    mask = int(re.search(r"^SigBlk:\s*([0-9a-f]+)", Path(f"/proc/{process.pid}/status").read_text(), re.M).group(1),
-               16)
-    return {signum for signum in PREEMPTION if mask & (1 << (signum - 1))}
 
 
 def test_the_worker_survives_preemption_signals_and_ends_with_its_rank_even_on_sigkill():
@@ -56,9 +48,9 @@ def test_the_worker_survives_preemption_signals_and_ends_with_its_rank_even_on_s
         workers = servers[0].children()
         assert [worker.name() for worker in workers] == ["pt_data_worker"]
         helpers += [servers[0], workers[0]]
-        assert blocked(psutil.Process(rank.pid)) == set()
+        assert signals_in(rank.pid, "SigBlk") & PREEMPTION == set()
         for helper in helpers:
-            assert blocked(helper) == PREEMPTION, helper
+            assert signals_in(helper.pid, "SigBlk") & PREEMPTION == PREEMPTION, helper
             for signum in PREEMPTION:
                 helper.send_signal(signum)
         assert batch() == "[2, 3]"  # both still there, the worker still delivering
