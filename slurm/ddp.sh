@@ -104,7 +104,7 @@ exec_prefix=()   # a command that wraps each process (Apptainer)
 # What the job needs from the host environment, and all a clean container gets (Apptainer
 # --cleanenv) or gets over the image's own values (pyxis --container-env); TRAINER_CONTAINER_ENV
 # adds names (comma-separated). SLURM_* differ on each node, so they are read on each node.
-passed_env='SLURM_*|SLURMD_NODENAME|TRAINER_*|NCCL_*|GLOO_*|TORCH_*|TORCHELASTIC_*|PYTORCH_*|CUDA_VISIBLE_DEVICES|OMP_NUM_THREADS|PYTHONSAFEPATH|PYTHONNOUSERSITE|WANDB_API_KEY|WANDB_MODE|WANDB_PROJECT|WANDB_ENTITY|HF_TOKEN|FI_*|UCX_*'
+passed_env='SLURM_*|SLURMD_NODENAME|TRAINER_*|PET_RDZV_ID|NCCL_*|GLOO_*|TORCH_*|TORCHELASTIC_*|PYTORCH_*|CUDA_VISIBLE_DEVICES|OMP_NUM_THREADS|PYTHONSAFEPATH|PYTHONNOUSERSITE|WANDB_API_KEY|WANDB_MODE|WANDB_PROJECT|WANDB_ENTITY|HF_TOKEN|FI_*|UCX_*'
 if [[ -n ${TRAINER_CONTAINER_ENV:-} ]]; then
     [[ $TRAINER_CONTAINER_ENV =~ ^[A-Za-z_][A-Za-z0-9_]*(,[A-Za-z_][A-Za-z0-9_]*)*$ ]] \
         || die "TRAINER_CONTAINER_ENV=$TRAINER_CONTAINER_ENV is not a comma-separated list of variable names"
@@ -161,6 +161,10 @@ elif [[ -n ${TRAINER_VENV:-} || -d .venv ]]; then
     [[ -x $venv/bin/python ]] || die "TRAINER_VENV: no python in $venv/bin (create it with: make install)"
     venv_bin=$(cd "$venv/bin" && pwd)  # absolute: PATH is searched from other folders too
     export PATH="$venv_bin:$PATH"
+    # The venv has the package installed (make install): as in an image, the submit directory,
+    # the working directory, must not shadow it or any other package with a file of its own
+    # (a `torch.py`, a `datasets/` folder), which `python -m` would otherwise import first.
+    export PYTHONSAFEPATH=1
 fi
 if [[ -z ${TRAINER_CONTAINER_IMAGE:-} ]]; then
     command -v python >/dev/null || die "python not found: set TRAINER_VENV, TRAINER_CONTAINER_IMAGE, or load an environment that has the package"
@@ -202,6 +206,16 @@ rdzv_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # Derived from the job id, so two jobs whose first node is the same don't collide. Below
 # 32768, the start of Linux's ephemeral range, so no outgoing connection holds it already.
 rdzv_port=${TRAINER_RDZV_PORT:-$(( 20000 + SLURM_JOB_ID % 12000 ))}
+# The rendezvous id: a secret of this attempt of the job, never the job id that squeue shows
+# every user. torchrun's store has no authentication, and its agent unpickles the rendezvous
+# state kept under this id, so whoever knows it can run code on every node (slurm/README.md,
+# "What the rendezvous store protects"). Made here, at each start of the batch script: every
+# node's torchrun is started by the one srun below and gets it from the job's environment,
+# as PET_RDZV_ID (torchrun's --rdzv-id), never on a command line, which `ps` shows to anyone
+# on the node. A requeue runs this script again, for all the nodes: a new id, that they share.
+PET_RDZV_ID=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+[[ ${#PET_RDZV_ID} == 32 ]] || die "cannot read 16 random bytes from /dev/urandom for the rendezvous id"
+export PET_RDZV_ID
 
 # --- What runs --------------------------------------------------------------------------
 # TRAINER_OUTPUT_DIR comes before your arguments: an explicit output_dir=... still wins.
@@ -212,7 +226,7 @@ args=("$@")
 # is 1 whatever happened).
 torchrun_cmd=(
     python -m trainer.torchrun --nnodes="$nnodes" --nproc-per-node="$nproc_per_node"
-    --rdzv-backend=trainer-c10d --rdzv-endpoint="$rdzv_host:$rdzv_port" --rdzv-id="$SLURM_JOB_ID"
+    --rdzv-backend=trainer-c10d --rdzv-endpoint="$rdzv_host:$rdzv_port"
     --rdzv-conf=join_timeout="${TRAINER_JOIN_TIMEOUT:-600}" --max-restarts="${TRAINER_MAX_RESTARTS:-0}"
     -m trainer train "${args[@]}"
 )

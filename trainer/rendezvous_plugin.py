@@ -50,7 +50,8 @@ class _ExplainedTimeouts(RendezvousHandler):
             arrived = self._store.add(self._waiting_key, 0)
             join_timeout = self._params.get_as_int("join_timeout", 600)
             raise RendezvousTimeoutError(
-                f"rendezvous '{self._params.run_id}' at {self._params.endpoint} timed out after "
+                # Not the run id: slurm/ddp.sh's is a secret (slurm/README.md), and this goes to the log.
+                f"rendezvous at {self._params.endpoint} timed out after "
                 f"{join_timeout}s: {arrived} of {self._params.min_nodes} nodes arrived; check that every node "
                 "was started, can reach this endpoint, and uses the same --rdzv-id"
             ) from e

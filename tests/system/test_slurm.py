@@ -418,6 +418,8 @@ def test_a_node_fault_requeues_the_job_without_the_node_the_ranks_named(cluster,
     assert f"slurm/ddp.sh: node fault (76): requeueing job {job_id} without {first}" in record["log"].splitlines()
     task_env = recorded_env(recorded / f"torchrun.0.{first}")[1]
     assert (task_env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"], task_env["TRAINER_GRACE_S"]) == ("45", "60")
+    # The requeued job's nodes meet under a rendezvous id of their own attempt.
+    assert task_env["PET_RDZV_ID"] != recorded_env(recorded / f"torchrun.1.{second}")[1]["PET_RDZV_ID"]
     faults = Path(task_env["TRAINER_NODE_FAULTS"])
     assert faults == REPO / ".trainer-workspace" / "slurm" / job_id / "node-faults"
     assert not faults.parent.exists()  # the job's folder goes when the job ends
@@ -438,6 +440,32 @@ def test_ddp_sh_submitted_from_another_folder_finds_its_verdict_script_beside_it
     assert "slurm/ddp.sh: exit 77: not requeueing" in record["log"].splitlines(), record["log"]
 
 
+def test_the_rendezvous_id_is_a_secret_of_each_job_that_its_nodes_share(cluster, stand_in, tmp_path):
+    """torchrun's rendezvous id, under which its agent unpickles what it reads from an
+    unauthenticated store, is not the job id that squeue shows everyone: 16 random bytes made
+    by each job, the same on every node of it, handed over in the environment (PET_RDZV_ID),
+    never on a command line (`ps`) nor in the job's log. And in venv mode the submit directory,
+    the working directory, shadows no installed package (PYTHONSAFEPATH)."""
+    env, recorded = stand_in
+    ids = []
+    for job in (1, 2):
+        (tmp_path / f"job{job}").mkdir()
+        job_id, log = submit(cluster, tmp_path / f"job{job}", ["-c", "configs/demo.yaml"], env=env)
+        record = finished(cluster, job_id, log, timeout=60)
+        assert record["JobState"] == "COMPLETED", explain(record, cluster)
+        calls = [recorded_env(recorded / f"torchrun.0.{node}") for node in NODES]
+        [rdzv_id] = {call_env["PET_RDZV_ID"] for _, call_env in calls}  # one id, on both nodes
+        assert re.fullmatch(r"[0-9a-f]{32}", rdzv_id) and rdzv_id != job_id, rdzv_id
+        assert [call_env["PYTHONSAFEPATH"] for _, call_env in calls] == ["1", "1"]
+        for argv, _ in calls:
+            assert "--rdzv-id" not in argv and rdzv_id not in argv, argv
+        assert rdzv_id not in record["log"] and "--rdzv-id" not in record["log"], record["log"]
+        ids.append(rdzv_id)
+        for path in recorded.iterdir():
+            path.unlink()
+    assert ids[0] != ids[1]
+
+
 @pytest.fixture
 def public():
     """A folder the image's user (uid 1000) owns: pytest's tmp folders are root's alone."""
@@ -451,8 +479,8 @@ def public():
 
 def torchrun_line(job_id: str) -> list[str]:
     return ["python", "-m", "trainer.torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=trainer-c10d",
-            f"--rdzv-endpoint=node1:{20000 + int(job_id) % 12000}", f"--rdzv-id={job_id}",
-            "--rdzv-conf=join_timeout=60", "--max-restarts=0", "-m", "trainer", "train", "-c", "configs/demo.yaml"]
+            f"--rdzv-endpoint=node1:{20000 + int(job_id) % 12000}", "--rdzv-conf=join_timeout=60",
+            "--max-restarts=0", "-m", "trainer", "train", "-c", "configs/demo.yaml"]
 
 
 def dry_run(record: dict[str, str], what: str) -> list[str]:
@@ -515,6 +543,7 @@ def test_apptainer_gets_a_clean_environment_with_what_the_job_needs(cluster, tmp
     assert record["JobState"] == "COMPLETED", explain(record, cluster)
     calls = [recorded_env(path) for path in sorted(recorded.glob("apptainer.*"))]
     assert len(calls) == 3, calls  # the check, then one task a node
+    rdzv_ids: set[str] = set()
     apptainer = ["exec", "--nv", "--no-home", "--cleanenv", "--writable-tmpfs",
                  "--bind", f"{REPO},{workspace}:/workspace", "--pwd", str(REPO), str(image)]
     tasks = []
@@ -528,6 +557,7 @@ def test_apptainer_gets_a_clean_environment_with_what_the_job_needs(cluster, tmp
             "PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1", "MY_SETTING": "kept",
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "270", "TRAINER_GRACE_S": "300"}, given
         assert not {"PYTHONPATH", "NOT_FOR_THE_JOB", "HOME", "PATH", "LD_LIBRARY_PATH"} & set(given), given
+        rdzv_ids.add(given["PET_RDZV_ID"])  # the rendezvous id, through the clean environment
         if argv[len(apptainer):len(apptainer) + 2] == ["bash", "-c"]:
             tasks.append(given)
             assert argv[len(apptainer) + 3:] == ["node1", str(REPO / ".trainer-workspace" / "slurm" / job_id),
@@ -536,6 +566,7 @@ def test_apptainer_gets_a_clean_environment_with_what_the_job_needs(cluster, tmp
             assert argv[len(apptainer):] == ["python", "-m", "trainer", "check", "-c", "configs/demo.yaml",
                                              "world_size=2"], argv
     assert sorted((task["SLURMD_NODENAME"], task["SLURM_NODEID"]) for task in tasks) == [("node1", "0"), ("node2", "1")]
+    assert len(rdzv_ids) == 1 and re.fullmatch(r"[0-9a-f]{32}", rdzv_ids.pop())
 
 
 HUB_PORT = 18080

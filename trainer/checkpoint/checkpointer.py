@@ -239,7 +239,9 @@ class Checkpointer:
     def load(self, path: Path, states: dict[str, Stateful], state: dict, seed: int) -> None:
         """Restore `states` (as for save) in place, and this rank's RNG streams, from the
         checkpoint at `path` (of this run's format: the resume plan checked) whose state.json
-        is `state` (read once, by the resume plan). Nothing is unpickled."""
+        is `state` (read once, by the resume plan). The checkpoint is trusted input: the .pt
+        files load with weights_only=True, but the sharded format's DCP metadata
+        (`sharded/.metadata`) is a pickle, which torch unpickles as it is (docs/security.md)."""
         try:  # first: it verifies the data position, before the weights are read for nothing
             states[TRAIN].load_state_dict(state)
         except CheckpointError as e:
