@@ -1,6 +1,6 @@
 """`python -m trainer {train,check,doctor,evaluate,predict} -c CONFIG [key=value ...]`, plain or
 under torchrun; `python -m trainer {report,plot} RUN_DIR`; `python -m trainer push RUN_DIR
---repo-id ORG/NAME [--private] [--revision BRANCH] [--adapter]`.
+--repo-id ORG/NAME [--public] [--revision BRANCH] [--adapter]`.
 
     check [gpu_gib=80] [world_size=N] [--no-data]   the resolved config, the data, the memory plan per GPU
     evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
@@ -30,7 +30,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-data", action="store_true",
                         help="check: skip the data (for data that exists only where the job runs)")
     parser.add_argument("--repo-id", help="push: the Hub repository, ORG/NAME")
-    parser.add_argument("--private", action="store_true", help="push: create the repository private")
+    parser.add_argument("--private", action="store_true",
+                        help="push: create the repository private (the default, as hub.private)")
+    parser.add_argument("--public", action="store_true",
+                        help="push: create the repository public (one that exists keeps its visibility)")
     parser.add_argument("--revision", help="push: the branch to commit to (default main)")
     parser.add_argument("--adapter", action="store_true", help="push: final/adapter/ alone (export_adapter)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-4")
@@ -83,8 +86,8 @@ def setup_logging(dist_env) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    pushing = {"--repo-id": args.repo_id, "--private": args.private, "--revision": args.revision,
-               "--adapter": args.adapter}
+    pushing = {"--repo-id": args.repo_id, "--private": args.private, "--public": args.public,
+               "--revision": args.revision, "--adapter": args.adapter}
     if args.command != "push" and any(pushing.values()):
         flag = next(name for name, value in pushing.items() if value)
         return errors.report(ConfigError(f"{flag}: a flag of push, not of {args.command}"))
@@ -294,9 +297,12 @@ def run_push(args: argparse.Namespace) -> int:
         folder = run_dir("push", args)
         if not args.repo_id or args.repo_id.count("/") != 1:
             raise ConfigError(f"push: --repo-id: expected ORG/NAME, got {args.repo_id or 'none'}")
+        if args.private and args.public:
+            raise ConfigError("push: --private, --public: give one of them (private is the default)")
         from trainer import push
 
-        print(push.push(push.folder_of(folder, args.adapter), args.repo_id, args.private, args.revision))
+        # Private unless asked: a model fine-tuned on a lab's data is the lab's until it says so.
+        print(push.push(push.folder_of(folder, args.adapter), args.repo_id, not args.public, args.revision))
         return 0
     except TrainerError as e:
         return errors.report(e)

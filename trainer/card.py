@@ -120,6 +120,7 @@ def _body(facts: Facts, adapter: bool, name: str, pictures: tuple[str, ...] | li
     lines += ["", "## Training", "", *shown,
               f"{facts.world_size} rank(s) on {facts.hardware}, {facts.train_seconds / 60:.1f} minutes of training "
               f"(evaluation and checkpoints aside), by this project's trainer"
-              + (f" at commit `{commit}`" if commit else "") + ". The resolved config:", "",
+              + (f" at commit `{commit}`" if commit else "") + ". The resolved config (values from the environment "
+              "as written):", "",
               "```yaml", config.to_yaml(cfg).rstrip(), "```", ""]
     return "\n".join(lines)

@@ -454,8 +454,9 @@ class HubConfig:
     and `python -m trainer push OUTPUT_DIR --repo-id ...` uploads it later."""
     repo_id: str | None = key(None, FREE)
     """The model repository, ORG/NAME (created if missing)."""
-    private: bool = key(False, FREE)
-    """A repository this run creates is private."""
+    private: bool = key(True, FREE)
+    """A repository this run creates is private (false: public); one that exists keeps its
+    visibility. Private by default: a model fine-tuned on a lab's data is the lab's to publish."""
     revision: str | None = key(None, FREE)
     """The branch to commit to (created from main if missing); null: main."""
 
@@ -565,7 +566,7 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> DictConfig:
         if path is not None:
             cfg = cast(DictConfig, OmegaConf.merge(cfg, _read_yaml(path)))
         cfg = cast(DictConfig, OmegaConf.merge(cfg, _parse_overrides(list(overrides))))
-        OmegaConf.resolve(cfg)
+        _resolve_but_the_environment(cfg)
         # Touch every value, so a missing mandatory one fails here rather than mid-run.
         OmegaConf.to_container(cfg, throw_on_missing=True)
     except OmegaConfBaseException as e:
@@ -699,5 +700,70 @@ def to_dict(cfg: DictConfig) -> dict[str, Any]:
     return cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True))
 
 
+def written_dict(cfg: DictConfig) -> dict[str, Any]:
+    """The config as every file and service of the run gets it: resolved, but a value taken
+    from the environment (`${oc.env:NAME}`) as written (`_resolve_but_the_environment`)."""
+    return cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=False))
+
+
 def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+    """written_dict's config as YAML: config.yaml, each checkpoint's, the model card's."""
+    return OmegaConf.to_yaml(cfg, resolve=False)
+
+
+# --- values from the environment ----------------------------------------------------------
+
+_ENV_NAME = re.compile(r"oc\.env\s*:\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)")
+_SECRET_WORDS = {"TOKEN", "TOKENS", "KEY", "KEYS", "APIKEY", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASS",
+                 "PASSPHRASE", "CREDENTIAL", "CREDENTIALS", "CREDS", "AUTH", "COOKIE"}
+
+
+def looks_secret(name: str) -> bool:
+    """An environment variable that, by its name, holds a secret: HF_TOKEN, WANDB_API_KEY,
+    AWS_SECRET_ACCESS_KEY, DB_PASSWORD, HFTOKEN..."""
+    words = name.upper().split("_")
+    return any(word in _SECRET_WORDS or word.endswith(("TOKEN", "SECRET", "PASSWORD", "APIKEY")) for word in words)
+
+
+def _resolve_but_the_environment(cfg: DictConfig) -> None:
+    """Resolve `cfg` in place (so a bad interpolation fails now, naming its key), then put
+    back as written each key whose value comes from the environment, directly or through
+    other keys: OmegaConf resolves it again at each read, and the files the run writes
+    (to_yaml) and wandb's config (written_dict) carry `${oc.env:NAME}`, not its value. An
+    environment variable named like a secret is refused outright: no key takes one, and its
+    value would reach the log, the wandb run's name or a path."""
+    raw = cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=False))
+    for name in KEYS:
+        for var in _ENV_NAME.findall(repr(_at(raw, name))):
+            if looks_secret(var):
+                raise ConfigError(f"{name}: ${{oc.env:{var}}} would write a secret into config.yaml, the "
+                                  f"checkpoints, the model card and wandb; no key takes one (HF_TOKEN and "
+                                  f"WANDB_API_KEY are read from the environment as they are): remove it")
+    OmegaConf.resolve(cfg)
+    if "oc.env" not in repr(raw):
+        return
+    # The same config with `${oc.env:` escaped resolves to that text: a key whose resolved
+    # value shows it depends on the environment.
+    try:
+        shown = OmegaConf.to_container(OmegaConf.create(_escape_environment(raw)), resolve=True)
+        from_env = [name for name in KEYS if "${oc.env:" in repr(_at(shown, name))]
+    except OmegaConfBaseException:  # an interpolation nested in a resolver's argument: keep them all
+        from_env = [name for name in KEYS if "${" in repr(_at(raw, name))]
+    for name in from_env:
+        OmegaConf.update(cfg, name, _at(raw, name), merge=False)
+
+
+def _at(nested: Any, name: str) -> Any:
+    """The value of dotted key `name` in plain nested dicts, as it is (no resolution)."""
+    for part in name.split("."):
+        nested = nested.get(part) if isinstance(nested, dict) else None
+    return nested
+
+
+def _escape_environment(value: Any) -> Any:
+    """`value` with each `${oc.env:` escaped, so that OmegaConf resolves it to its own text."""
+    if isinstance(value, dict):
+        return {k: _escape_environment(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape_environment(v) for v in value]
+    return re.sub(r"(?<!\\)\$\{oc\.env:", r"\\${oc.env:", value) if isinstance(value, str) else value

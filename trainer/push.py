@@ -34,9 +34,10 @@ def folder_of(run_dir: Path, adapter: bool) -> Path:
     return folder
 
 
-def push(folder: Path, repo_id: str, private: bool = False, revision: str | None = None) -> str:
+def push(folder: Path, repo_id: str, private: bool = True, revision: str | None = None) -> str:
     """Upload every file of `folder` to `repo_id` (at branch `revision`, None: main) as one
-    commit; returns its URL. Raises PushError with the Hub's reason."""
+    commit; returns its URL. A repository it creates is `private`; one that exists keeps its
+    visibility. Raises PushError with the Hub's reason."""
     from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.errors import HfHubHTTPError
 

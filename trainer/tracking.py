@@ -1,6 +1,7 @@
 """Metrics: wandb on global rank 0 (offline unless asked), plus files that need no service.
 
-- `output_dir/config.yaml`: the resolved config, written as a fresh run starts.
+- `output_dir/config.yaml`: the resolved config (a value from the environment as written,
+  `${oc.env:NAME}`: config.to_yaml), written as a fresh run starts.
 - `output_dir/metrics.jsonl`: one JSON object per log step, the same numbers sent to wandb.
 - `output_dir/tensorboard/`: the same again as TensorBoard events (tracking.tensorboard).
 - `output_dir/bad-batches.jsonl`: each step try skipped as not finite, and each loss spike.
@@ -97,7 +98,7 @@ class Tracker:
             id=run_id,
             resume="allow",  # the same id after a restart continues the same run
             dir=str(self.output_dir),
-            config=config.to_dict(cfg),
+            config=config.written_dict(cfg),  # `${oc.env:NAME}` as written, not its value
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False),
         )
 

@@ -14,6 +14,7 @@ from support import model_card, read_summary
 
 REPO, CUSTOM = "acme/tiny-bert", "acme/tiny-custom"
 SECRET = "hf_NotARealTokenButSecret123"
+NOTE = "lab-note-5d1e8b"
 
 
 def hub_env(hub: FakeHub, tmp_path, **extra) -> dict[str, str]:
@@ -95,13 +96,16 @@ def test_final_is_pushed_with_its_card_and_a_refused_push_at_the_end_loses_nothi
     out = tmp_path / "run"
     overrides = tiny_overrides(tiny_model, reviews, out, **{
         "train.max_steps": 2, "model.lora.r": 4, "model.lora.alpha": 8, "checkpoint.export_adapter": True,
-        "hub.push_at_end": True, "hub.repo_id": "acme/pushed"})
+        "checkpoint.every": 1, "hub.push_at_end": True, "hub.repo_id": "acme/pushed",
+        "wandb.name": "${oc.env:LAB_NOTE}"})  # from the environment: written as written, read as set
     push = [PYTHON, "-m", "trainer", "push", str(out), "--repo-id"]
     with FakeHub({}, uploads=tmp_path / "hub", write_token=SECRET) as hub:
-        at_end = run(trainer_command(overrides, None), env=hub_env(hub, tmp_path))  # no HF_TOKEN
+        at_end = run(trainer_command(overrides, None), env=hub_env(hub, tmp_path, LAB_NOTE=NOTE))  # no HF_TOKEN
         token = hub_env(hub, tmp_path, HF_TOKEN=SECRET)
-        later = run([*push, "acme/pushed", "--private", "--revision", "v1"], env=token)
-        adapter = run([*push, "acme/pushed-adapter", "--adapter"], env=token)
+        secret_in_config = run(trainer_command([*overrides, "wandb.name=${oc.env:HF_TOKEN}"], None),
+                               env={**token, "LAB_NOTE": NOTE})
+        later = run([*push, "acme/pushed", "--revision", "v1"], env=token)
+        adapter = run([*push, "acme/pushed-adapter", "--adapter", "--public"], env=token)
     # Refused at the end: one error line, the run done all the same, final/ kept.
     assert at_end.returncode == 0, at_end.output[-3000:]
     errors = [line for line in at_end.output.splitlines() if " ERROR " in line]
@@ -110,7 +114,8 @@ def test_final_is_pushed_with_its_card_and_a_refused_push_at_the_end_loses_nothi
     hub_summary = read_summary(out)["hub"]
     assert hub_summary["commit_url"] is None and hub_summary["error"].startswith("push: acme/pushed: ")
     assert (out / "final" / "model.safetensors").is_file()
-    # Pushed later: every file of final/ (its card, the adapter's folder) in one commit on the branch.
+    # Pushed later: every file of final/ (its card, the adapter's folder) in one commit on the branch,
+    # private unless --public says otherwise.
     assert later.returncode == 0 and adapter.returncode == 0, later.output[-3000:] + adapter.output[-3000:]
     assert later.output.strip().splitlines()[-1].startswith(f"{hub.endpoint}/acme/pushed/commit/")
     assert files_of(tmp_path / "hub" / "acme" / "pushed" / "v1") == files_of(out / "final")
@@ -118,3 +123,16 @@ def test_final_is_pushed_with_its_card_and_a_refused_push_at_the_end_loses_nothi
     assert files_of(tmp_path / "hub" / "acme" / "pushed-adapter" / "main") == files_of(out / "final" / "adapter")
     assert hub.created == {"acme/pushed": "private", "acme/pushed-adapter": "public"}
     assert [entry[:2] for entry in hub.commits] == [("acme/pushed", "v1"), ("acme/pushed-adapter", "main")]
+    # The value from the environment is in no file of the run, nor pushed: each says ${oc.env:LAB_NOTE}.
+    written = [path for folder in (out, tmp_path / "hub") for path in folder.rglob("*") if path.is_file()]
+    assert len(list(out.glob("checkpoints/step-*/config.yaml"))) >= 2, sorted(map(str, written))
+    assert [path for path in written if NOTE.encode() in path.read_bytes()] == []
+    assert "name: ${oc.env:LAB_NOTE}" in (out / "final" / "README.md").read_text()
+    # A secret from the environment is refused in one line, before a file is written or the token shown.
+    refusals = [line for line in secret_in_config.output.splitlines() if line.startswith("error: ")]
+    assert secret_in_config.returncode == 2 and refusals == [(
+        "error: wandb.name: ${oc.env:HF_TOKEN} would write a secret into config.yaml, the checkpoints, the model "
+        "card and wandb; no key takes one (HF_TOKEN and WANDB_API_KEY are read from the environment as they "
+        "are): remove it")], secret_in_config.output[-3000:]
+    assert SECRET not in secret_in_config.output
+    assert [path for path in written if SECRET.encode() in path.read_bytes()] == []

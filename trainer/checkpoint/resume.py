@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from trainer import config, distributed
 from trainer.checkpoint import formats
@@ -170,14 +171,19 @@ def config_changes(saved: DictConfig, cfg: DictConfig) -> tuple[list[Change], li
     """(refused, accepted): each key of `cfg` that differs from the resumed checkpoint's
     config `saved`, split by the key's rule (config.RESUME_RULES) and
     checkpoint.allow_changes. Keys the saved config doesn't have (an older schema) are not
-    changes."""
-    old = config.flatten(config.to_dict(saved))
+    changes. A key both configs take from the environment as the same `${oc.env:NAME}` is
+    the same: its value is not in the checkpoint (config.to_yaml) to compare."""
+    try:
+        old = config.flatten(config.to_dict(saved))  # the saved `${oc.env:...}` read from this environment
+    except OmegaConfBaseException:  # a variable this environment lacks: compared as written
+        old = config.flatten(config.written_dict(saved))
     new = config.flatten(config.to_dict(cfg))
+    old_written, new_written = config.flatten(config.written_dict(saved)), config.flatten(config.written_dict(cfg))
     refused: list[Change] = []
     accepted: list[Change] = []
     for key in sorted(old.keys() & new.keys()):
         rule = config.RESUME_RULES.get(key, config.FIXED)
-        if old[key] == new[key] or rule == config.FREE:
+        if old[key] == new[key] or old_written.get(key) == new_written.get(key) or rule == config.FREE:
             continue
         change = Change(key, old[key], new[key])
         extended = rule == config.EXTEND and None not in (old[key], new[key]) and new[key] > old[key]
