@@ -80,6 +80,6 @@ def draw(run_dir: Path, path: Path | None = None) -> Path:
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     path = path or run_dir / FILE
-    fig.savefig(path, dpi=90)
+    files.write_figure(fig, path, dpi=90)
     plt.close(fig)
     return path

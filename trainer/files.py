@@ -2,7 +2,8 @@
 flushed to the disk and renamed into place (`publish`), so a crash, a kill or a full disk
 never leaves a torn one: a file is the previous version or the new one; a folder replaced is
 the new one, the previous one, or (killed between the two renames) neither. Checkpoints, final/, summary.json,
-metrics.jsonl's rewrite on resume and predict's output all go through it. And output_dir
+metrics.jsonl's rewrite on resume, the pictures (curves.png, goodput.png) and predict's output
+all go through it. And output_dir
 itself: created through links, or refused in one line that says whose folder refused it.
 """
 
@@ -48,6 +49,18 @@ def write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     publish(tmp, path)
+
+
+def write_figure(fig, path: Path, dpi: int) -> None:
+    """`path` holds matplotlib figure `fig` as a picture (of the format its suffix names),
+    whole, or keeps what it held (publish): a kill or a full disk mid-write, or a failure of
+    matplotlib's, leaves no torn picture for the card, push or a reader to take."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=dpi, format=path.suffix.removeprefix("."))
+        publish(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_jsonl(path: Path) -> list[dict]:

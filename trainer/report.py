@@ -195,7 +195,7 @@ def draw(run_dir: Path, path: Path, ending: int | None = None) -> dict:
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c, label=k) for k, c in COLORS.items()],
               loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=len(COLORS), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    files.write_figure(fig, path, dpi=100)
     plt.close(fig)
     return report
 
