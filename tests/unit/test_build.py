@@ -114,6 +114,33 @@ def test_doctor_times_the_runs_own_save(run_config, tmp_path, monkeypatch):
                       folder / "checkpoints")]
 
 
+def test_doctor_saves_each_rank_s_own_state(run_config, one_rank_group, tmp_path, monkeypatch):
+    """PowerSGD's error feedback is each rank's own: doctor's save check writes it, as
+    training does, to per-rank/rank-N.pt of the checkpoint in doctor's scratch folder, one
+    folder for every rank (tests/e2e/test_doctor_saves.py: two ranks), removed after."""
+    import shutil
+
+    from trainer.preflight import doctor, grace
+
+    cfg = run_config(**{"ddp.comm_hook": "powersgd"})
+    measured = forecast.measure(cfg, one_rank_group, torch.device("cpu"))
+    folder = doctor.save_folder(tmp_path / "run", one_rank_group)
+    checkpoint, written, own = folder / "checkpoints" / "step-0", [], []
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if path == folder:  # the save check's cleanup: what it saved, first
+            written.extend(str(f.relative_to(checkpoint)) for f in sorted(checkpoint.rglob("*")) if f.is_file())
+            own.append(torch.load(checkpoint / "per-rank" / "rank-0.pt", weights_only=True))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    assert grace.time_save(cfg, one_rank_group, measured.built, measured.data, folder) > 0
+    assert {"per-rank/rank-0.pt", "COMPLETE"} <= set(written)
+    assert own[0]["comm_hook"]["error"]  # the timed steps compressed, leaving error feedback
+    assert folder.parent == (tmp_path / "run").resolve() and not folder.exists()
+
+
 def test_every_part_of_the_training_step_runs_inside_a_phase(run_config):
     """The step reports a phase before each part of its work: what the Meter times (with a
     fake clock, tests/unit/test_meter.py) is then the whole step, whatever the machine's load."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -176,3 +178,23 @@ def test_a_failed_write_raises_and_keeps_the_previous_checkpoint(ckpt):
         ckpt.save(2, states, "seed: 1\n")
     assert steps_on_disk(ckpt) == [1]
     assert not list(ckpt.root.glob(".tmp-*"))
+
+
+def test_a_save_whose_folder_is_gone_names_the_room_left_where_it_is_known(tmp_path):
+    """A per-rank state (PowerSGD's) written after its checkpoint folder went away (removed
+    by another process): the error names the free space of the nearest folder that exists,
+    never "nan MB free"."""
+    ckpt = Checkpointer(str(tmp_path / "run"), keep=1, dist_env=DistEnv())
+
+    class Vanishing:
+        def state_dict(self) -> dict:
+            shutil.rmtree(tmp_path / "run")
+            return {"error": {}}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    with pytest.raises(CheckpointError) as raised:
+        ckpt.save(1, {**make_states(), "comm_hook": Vanishing()}, "seed: 1\n")
+    assert re.fullmatch(rf"checkpoint step-1: save failed: rank 0: FileNotFoundError: .*per-rank' "
+                        rf"\([\d.]+ MB free in {re.escape(str(tmp_path))}\)", str(raised.value)), str(raised.value)

@@ -128,8 +128,13 @@ class Checkpointer:
     def _save_failed(self, step: int, why: str) -> str:
         """The one-line error of a failed save, with the room left on the checkpoints' disk:
         torch.save reports a full disk as "unexpected pos ...", DCP as a rank's OSError."""
-        free_mb = shutil.disk_usage(self.root).free / 2**20 if self.root.exists() else float("nan")
-        return f"checkpoint step-{step}: save failed: {why} ({free_mb:.1f} MB free in {self.root})"
+        # The nearest folder that exists: the checkpoints' own may not yet, or may be gone.
+        existing = next((p for p in (self.root, *self.root.parents) if p.is_dir()), None)
+        try:
+            room = f" ({shutil.disk_usage(existing).free / 2**20:.1f} MB free in {existing})" if existing else ""
+        except OSError:  # a folder removed meanwhile, or unreadable: the reason stands alone
+            room = ""
+        return f"checkpoint step-{step}: save failed: {why}{room}"
 
     @contextlib.contextmanager
     def _failing_save(self, tmp: Path) -> Iterator[None]:

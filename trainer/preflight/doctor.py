@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer import data, distributed
+from trainer import data, distributed, errors
 from trainer import labels as labels_module
 from trainer.distributed import DistEnv
 from trainer.errors import TrainerError, describe
@@ -244,6 +244,13 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, backend: str) 
             return 1
         try:
             return _collective_checks(cfg, dist_env, device, backend, host, env, own, nccl_log)
+        except TrainerError as e:  # raised alike on every rank by the collective helpers: one line each
+            errors.report(e)
+            return 1
+        except Exception as e:  # a check that broke: one line on this rank; its peers' next collective  # noqa: BLE001
+            # fails once the group closes, and they report that in one line too.
+            errors.report(f"doctor: rank {dist_env.rank} on {host}: {describe(e)}")
+            return 1
         finally:
             distributed.close()
 
@@ -279,11 +286,13 @@ def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings,
                   if reason]
     measured = unmeasured[0] if unmeasured else _measure(cfg, dist_env, device)
     computes: list = distributed.all_gather(dist_env, measured if isinstance(measured, str) else measured[:2])
-    save_s = None
+    save_s: float | str | None = None
     if not any(isinstance(m, str) for m in computes) and not any(e for e, _ in shared):
         assert isinstance(measured, forecast.Measured), "every rank measured"
-        save_s = grace.time_save(cfg, dist_env, measured.built, measured.data,
-                                 Path(os.path.realpath(output_dir)) / f".doctor-save-{uuid.uuid4().hex}")
+        try:
+            save_s = grace.time_save(cfg, dist_env, measured.built, measured.data, save_folder(output_dir, dist_env))
+        except TrainerError as e:  # the Checkpointer raises a failed save alike on every rank
+            save_s = str(e)
 
     code = 0
     if dist_env.is_rank_zero:  # the others wait in the broadcast below, for seconds
@@ -294,23 +303,32 @@ def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings,
     return distributed.broadcast_from_rank_zero(dist_env, code)
 
 
-def _grace(cfg, dist_env: DistEnv, computes: list, save_s: float | None) -> tuple[list[str], list[str]]:
-    """(the preemption grace section's lines, warnings): the slowest rank's step, then the save."""
+def save_folder(output_dir: Path, dist_env: DistEnv) -> Path:
+    """Collective: where the save check writes, the same folder on every rank (rank 0's
+    name): each rank writes its own files into the checkpoint rank 0 creates there (PowerSGD's
+    per-rank state, FSDP's shards)."""
+    token = distributed.broadcast_from_rank_zero(dist_env, uuid.uuid4().hex if dist_env.is_rank_zero else None)
+    return Path(os.path.realpath(output_dir)) / f".doctor-save-{token}"  # through a dangling runs/ link too
+
+
+def _grace(cfg, dist_env: DistEnv, computes: list,
+           save_s: float | str | None) -> tuple[list[str], list[str], list[str]]:
+    """(the preemption grace section's lines, warnings, problems): the slowest rank's step,
+    then the save; `save_s` is why the save failed where it did."""
+    if isinstance(save_s, str):  # a run's checkpoints would fail alike
+        return [], [], [f"the save check: {save_s}"]
     if save_s is None:
         reason = next((m for m in computes if isinstance(m, str)), "output_dir is not writable")
-        return [], [f"preemption grace not checked: no save timed ({reason})"]
+        return [], [f"preemption grace not checked: no save timed ({reason})"], []
     batch = data.BatchPlan.of(cfg.train, dist_env.world_size)
     steps = [c.at(batch.micro_batch) for c, _ in computes]
     step_s = max((c.forward_s + c.backward_s) * batch.grad_accum + c.optimizer_s for c in steps)
-    return grace.check(step_s, save_s)
+    return (*grace.check(step_s, save_s), [])
 
 
 def _unmeasured(cfg, dist_env: DistEnv, device: torch.device, plan) -> str | None:
     """Why this rank can't time training steps, or None. Not when the memory plan fails it:
     doctor reports that instead of running out of memory."""
-    unsupported = registry.of(cfg).forecast_unsupported
-    if unsupported:
-        return unsupported
     if isinstance(plan, str):
         return f"no memory plan on rank {dist_env.rank}"
     if not plan.fits(memory.device_bytes(device, dist_env.local_world_size)):
@@ -319,9 +337,11 @@ def _unmeasured(cfg, dist_env: DistEnv, device: torch.device, plan) -> str | Non
 
 
 def _measure(cfg, dist_env: DistEnv, device: torch.device) -> tuple | str:
-    """This rank's timed training steps for the forecast (a collective), or why there are none."""
+    """This rank's timed training steps for the forecast (a collective), or why there are none.
+    A strategy the forecast does not model (FSDP) is timed over every rank, its own collectives
+    included: its steps and its save (each rank's shards) still give the grace check."""
     try:
-        return forecast.measure(cfg, dist_env, device)
+        return forecast.measure(cfg, dist_env, device, alone=not registry.of(cfg).forecast_unsupported)
     except TrainerError as e:
         return f"rank {dist_env.rank}: {e}"
     except Exception as e:  # a forecast that can't be made is a warning, not a failed check  # noqa: BLE001
@@ -334,6 +354,9 @@ def _measure(cfg, dist_env: DistEnv, device: torch.device) -> tuple | str:
 def _forecast(cfg, dist_env: DistEnv, backend, sizes, results, computes, own,
               hosts: int) -> tuple[list[str], list[str]]:
     """(the "Scaling forecast" section's lines, warnings)."""
+    unsupported = registry.of(cfg).forecast_unsupported
+    if unsupported:
+        return [], [f"no scaling forecast: {unsupported}"]
     reasons = [m for m in computes if isinstance(m, str)]
     if reasons:
         return [], [f"no scaling forecast: {reasons[0]}"]
@@ -365,7 +388,7 @@ def plan_or_reason(cfg: DictConfig, dist_env: DistEnv, device: torch.device) -> 
 
 
 def _report(cfg, dist_env, gathered, findings, sizes, results, links, shared, backend, hosts, output_dir, plan,
-            outlook: tuple[list[str], list[str]], stopping: tuple[list[str], list[str]]) -> int:
+            outlook: tuple[list[str], list[str]], stopping: tuple[list[str], list[str], list[str]]) -> int:
     world = len(gathered)
     problems = [p for f in findings for p in f.problems]
     warnings = sorted({w for f in findings for w in f.warnings})
@@ -450,9 +473,10 @@ def _report(cfg, dist_env, gathered, findings, sizes, results, links, shared, ba
         out.append(f"  writable by all {_count(world, 'rank')}, "
                    f"one shared filesystem across {_count(len(hosts), 'host')}")
 
-    grace_lines, grace_warnings = stopping
+    grace_lines, grace_warnings, grace_problems = stopping
     out += ["", *grace_lines] if grace_lines else []
     warnings += grace_warnings
+    problems += grace_problems
 
     wandb_line, wandb_found = check_wandb(cfg, output_dir)
     problems += wandb_found.problems

@@ -324,14 +324,15 @@ class Measured(NamedTuple):
     """The training data as the run tokenizes it (its loaders closed)."""
 
 
-def measure(cfg: DictConfig, dist_env, device: torch.device) -> Measured:
+def measure(cfg: DictConfig, dist_env, device: torch.device, alone: bool = True) -> Measured:
     """This rank's compute on the job's real model, at the mean padded length of its real
     micro-batches: training's own model and step (trainer/build.py), LoRA, gradient
     checkpointing, precision, the sparse embedding gradient, DDP with ddp.comm_hook
     (PowerSGD's compression included), accumulation's gradient sync, clipping, the loss
     scaler, AdamW and its schedule. Only the network is left out: DDP runs over a group of this
     rank alone. Every rank times at once, so ranks that share a node's CPUs compete as they
-    will in training."""
+    will in training. `alone=False`: over every rank instead, with the network, for a
+    strategy the forecast does not model (its steps and state for the grace check)."""
     import torch.distributed as dist
 
     from trainer import build, data
@@ -342,9 +343,9 @@ def measure(cfg: DictConfig, dist_env, device: torch.device) -> Measured:
     max_steps = Policy.from_config(cfg, splits.steps_per_epoch(plan, cfg.train)).max_steps
     # PowerSGD compresses from the first timed step: the two before it warm up.
     timed = cast(DictConfig, OmegaConf.merge(cfg, {"ddp": {"powersgd_start_step": 2}}))
-    alone, _ = dist.new_subgroups(group_size=1)  # collective: every rank makes its own
+    group = dist.new_subgroups(group_size=1)[0] if alone else None  # collective: every rank makes its own
     try:
-        built = build.build(timed, dist_env, device, splits.labels, max_steps=max_steps, group=alone)
+        built = build.build(timed, dist_env, device, splits.labels, max_steps=max_steps, group=group)
         tokenized = data.build(cfg, dist_env, splits, built.tokenizer, device, plan)
         try:
             batches = describe_batches(tokenized.train_loader.dataset, tokenized.train_sampler, plan.micro_batch,
@@ -355,7 +356,8 @@ def measure(cfg: DictConfig, dist_env, device: torch.device) -> Measured:
         compute = time_compute(built.step, plan.micro_batch, batches.padded_length, built.config.vocab_size, device,
                                labels=built.task.dummy_labels(plan.micro_batch, device))
     finally:
-        dist.destroy_process_group(alone)
+        if group is not None:
+            dist.destroy_process_group(group)
     return Measured(compute, batches, params, built, tokenized)
 
 

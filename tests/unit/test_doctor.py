@@ -1,0 +1,45 @@
+"""trainer/preflight/doctor.py's failures, in-process: whatever breaks inside its checks is one
+line on every rank and exit 1, and a save that fails is a problem in its report. The checks
+themselves run under torchrun: tests/e2e/test_doctor_saves.py, tests/system/test_doctor.py."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from trainer import config, distributed
+from trainer.distributed import DistEnv
+from trainer.errors import CheckpointError
+from trainer.preflight import doctor
+
+
+@pytest.mark.parametrize("error, line", [
+    (CheckpointError("checkpoint step-0: save failed: rank 1: OSError: disk full"),
+     "error: checkpoint step-0: save failed: rank 1: OSError: disk full\n"),
+    (KeyError("rtt"), "error: doctor: rank 1 on {host}: KeyError: 'rtt'\n"),
+], ids=["a-trainer-error", "a-crash"])
+def test_a_failure_inside_doctor_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path, error, line):
+    def fail(*args):
+        raise error
+
+    closed = []
+    monkeypatch.setattr(distributed, "init", lambda *args: None)
+    monkeypatch.setattr(distributed, "close", lambda: closed.append(True))
+    monkeypatch.setattr(doctor, "_collective_checks", fail)
+    monkeypatch.setattr(doctor, "check_env", lambda *args, **kwargs: doctor.Findings())  # this host's own settings
+    cfg = config.load(None, ["model.name=bert-base-uncased", "data.path=data", "train.max_steps=1",
+                             f"output_dir={tmp_path}"])
+    env = DistEnv(rank=1, world_size=2, master_addr="localhost", master_port=1)
+    assert doctor.run(cfg, env, torch.device("cpu"), "gloo") == 1
+    assert capsys.readouterr().err == line.format(host=socket.gethostname())
+    assert closed == [True]
+
+
+def test_a_failed_save_check_is_a_problem_of_the_report():
+    """Raised alike on every rank by the Checkpointer: the report says it, as a run's
+    checkpoints would fail the same way."""
+    lines, warnings, problems = doctor._grace(None, DistEnv(), [], "checkpoint step-0: save failed: rank 1: why")
+    assert (lines, warnings) == ([], [])
+    assert problems == ["the save check: checkpoint step-0: save failed: rank 1: why"]
