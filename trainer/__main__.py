@@ -2,7 +2,7 @@
 under torchrun; `python -m trainer {report,plot} RUN_DIR`; `python -m trainer push RUN_DIR
 --repo-id ORG/NAME [--public] [--revision BRANCH] [--adapter]`.
 
-    check [gpu_gib=80] [world_size=N] [--no-data]   the resolved config, the data, the memory plan per GPU
+    check [gpu_gib=80] [world_size=N] [--no-data] [--resolved]   the data, the memory plan per GPU
     evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
     predict checkpoint=PATH|final input=FILE output=FILE   each row's answer, in the task's terms
 """
@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("-c", "--config", help="YAML config file (see configs/)")
     parser.add_argument("--no-data", action="store_true",
                         help="check: skip the data (for data that exists only where the job runs)")
+    parser.add_argument("--resolved", action="store_true",
+                        help="check: print the resolved config as YAML, the report after it as comments")
     parser.add_argument("--repo-id", help="push: the Hub repository, ORG/NAME")
     parser.add_argument("--private", action="store_true",
                         help="push: create the repository private (the default, as hub.private)")
@@ -97,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     # config here, before torch is imported (seconds); the rest in each command's preflight.
     try:
         arguments, overrides = command_args(args.command, args.overrides)
-        if args.no_data and args.command != "check":
-            raise ConfigError(f"--no-data: a flag of check, not of {args.command}")
-        arguments["no_data"] = args.no_data
+        for flag, given in (("--no-data", args.no_data), ("--resolved", args.resolved)):
+            if given and args.command != "check":
+                raise ConfigError(f"{flag}: a flag of check, not of {args.command}")
+        arguments["no_data"], arguments["resolved"] = args.no_data, args.resolved
         if arguments.get("split"):
             overrides.append(f"data.eval_split={arguments['split']}")
         cfg = config.load(args.config, overrides)
@@ -129,21 +132,22 @@ def train_preflight(cfg, environ: Mapping[str, str] = os.environ):
 
 
 def run_check(cfg, arguments: dict) -> int:
-    """validate and print the resolved config, the data and the memory plan per GPU."""
+    """validate the config, then report the data, its labels and the memory plan per GPU."""
     from trainer import labels, model
     from trainer.preflight import data_check, memory
     from trainer.strategies import registry
 
     try:
         gpu_bytes = memory.parse_gib(str(arguments["gpu_gib"]))
-        world_size = memory.parse_world_size(str(arguments["world_size"] or memory.PLANNED_WORLD_SIZE))
+        world_size, planned_by = check_world_size(cfg, arguments)
         if arguments["world_size"]:  # the launch's own (the launchers pass it): what training would refuse
             registry.of(cfg).check_world_size(world_size)
     except ConfigError as e:
         return errors.report(e)
-    print(config.to_yaml(cfg), end="", flush=True)
-    # As YAML comments: `check > resolved.yaml` stays a config.
-    lines, warnings = [], []
+    resolved = arguments.get("resolved")
+    if resolved:  # `check --resolved > resolved.yaml` stays a config: the report follows as comments
+        print(config.to_yaml(cfg), end="", flush=True)
+    lines, warnings = [f"world size {world_size} ({planned_by})"], []
     run_labels = labels.from_config(cfg.data)
     if arguments.get("no_data"):
         lines.append("data: not checked (--no-data)")
@@ -152,7 +156,8 @@ def run_check(cfg, arguments: dict) -> int:
             checked = data_check.check(cfg, world_size)
         except TrainerError as e:
             return errors.report(e)
-        run_labels, lines, warnings = checked.labels, checked.lines, checked.warnings
+        run_labels, warnings = checked.labels, checked.warnings
+        lines += checked.lines
     if run_labels is None:  # --no-data without num_labels: a stand-in head, a few bytes off
         run_labels = labels.Labels(cfg.data.problem_type, labels.placeholder_names(2), "a stand-in", labels.IDS)
         lines.append("memory plan: data.num_labels not given and the data not read: planned with 2 labels")
@@ -164,8 +169,24 @@ def run_check(cfg, arguments: dict) -> int:
         if not model.from_hub(cfg.model) or not str(e).startswith("model.name"):
             return errors.report(e)
         lines.append(f"memory plan: not made, model.name {cfg.model.name}'s config.json can't be read here: {e}")
-    print("\n".join([*(f"# {line}" for line in lines), *(f"# warning: {w}" for w in warnings)]), flush=True)
+    if not resolved:
+        lines.append("the resolved config: check --resolved prints it as YAML")
+    report = [*lines, *(f"warning: {w}" for w in warnings)]  # the warnings last: on screen after the run
+    print("\n".join(f"# {line}" if resolved else line for line in report), flush=True)
     return 0  # the GPU is assumed here; doctor fails a plan that the job's real devices can't hold
+
+
+def check_world_size(cfg, arguments: dict, environ: Mapping[str, str] = os.environ) -> tuple[int, str]:
+    """The world size `check` plans for, and where it comes from: check's world_size=N (the
+    launchers pass theirs), dist.world_size, a launcher's WORLD_SIZE, else a node of 8 GPUs."""
+    from trainer.preflight import memory
+
+    for given, source in ((arguments["world_size"], "check's world_size"),
+                          (cfg.dist.world_size, "dist.world_size"), (environ.get("WORLD_SIZE"), "WORLD_SIZE")):
+        if given:
+            return memory.parse_world_size(str(given)), f"from {source}"
+    return memory.PLANNED_WORLD_SIZE, (f"assumed: one node of {memory.PLANNED_WORLD_SIZE} GPUs; set dist.world_size "
+                                       "or check's world_size=N")
 
 
 def run_doctor(cfg, arguments: dict) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import platform
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -40,6 +40,8 @@ class Facts:
     train_seconds: float
     model_commit: str | None
     """The Hub commit model.name was loaded from (None: a local folder)."""
+    dropped_rows: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The rows data.drop_invalid_rows dropped: split: kind: rows."""
 
 
 def hardware(device_type: str) -> str:
@@ -107,7 +109,10 @@ def _body(facts: Facts, adapter: bool, name: str, pictures: tuple[str, ...] | li
     lines += ["", "## Data", "", f"`{cfg.data.path}`" + (f" ({cfg.data.name})" if cfg.data.name else "") +
               f": text from `{cfg.data.text_field}`" +
               (f" and `{cfg.data.text_pair_field}`" if cfg.data.text_pair_field else "") +
-              f", labels from `{cfg.data.label_field}`; rows: {rows}.", "",
+              f", labels from `{cfg.data.label_field}`; rows: {rows}." +
+              "".join(f" Dropped from {split} as unusable (data.drop_invalid_rows): " +
+                      ", ".join(f"{n:,} with {kind}" for kind, n in kinds.items()) + "."
+                      for split, kinds in facts.dropped_rows.items()), "",
               f"## Results of this model (step {facts.final_step})", "", "| split | " +
               " | ".join(facts.final_eval) + " |", "|---|" + "---|" * len(facts.final_eval)]
     for split, metrics in ((f"validation ({cfg.data.eval_split})", facts.final_eval),

@@ -150,6 +150,11 @@ class DataConfig:
     """Hub dataset name, or a local json/jsonl/csv/parquet file, or a folder of them."""
     name: str | None = key(None, FIXED)
     """The dataset's configuration (subset) name, for hub datasets that have several."""
+    csv_delimiter: str | None = key(None, FIXED, (lambda v: v is None or len(v) == 1 or v == "tab",
+                                                   "must be one character, tab or null"))
+    """The column separator of a delimited text file: null, `,` for .csv and a tab for .tsv;
+    a .txt file needs it named (`data.csv_delimiter=";"`, `"|"` or `tab`). A tab-separated
+    file is read without quoting, as GLUE's TSV files are written: a text may hold quote marks."""
     text_field: str = key("text", FIXED, NOT_EMPTY)
     """The column holding the text to classify."""
     text_pair_field: str | None = key(None, FIXED)
@@ -198,6 +203,17 @@ class DataConfig:
     """Subsample the train split (seeded, before tokenization)."""
     max_eval_samples: int | None = key(None, FIXED, at_least_or_null(1))
     """Subsample the eval split and the test split (seeded, before tokenization)."""
+    drop_invalid_rows: bool = key(False, FIXED)
+    """Rows that can't train (no text, no label, a NaN score) are dropped, and counted in the
+    log, summary.json (`dropped_rows`) and the model card. false: they stop the run, every
+    kind of problem named at once, with its count and first lines in the file."""
+    normalize_labels: bool = key(False, FIXED)
+    """Label names are stripped of surrounding spaces and case-folded before the classes are
+    found: ` Positive` and `positive` are one class. `check` warns where names differ only so."""
+    label_map: dict[str, str | None] | None = key(None, FIXED)
+    """Label names renamed before the classes are found (after data.normalize_labels), e.g.
+    `{pos: positive, "n/a": null}`; a name mapped to null is a row with no label (see
+    data.drop_invalid_rows)."""
     group_by_length: bool = key(True, FIXED)
     """Group samples of similar length into the same global batch (less padding)."""
     num_workers: int = key(1, FREE, at_least(0))
@@ -347,6 +363,10 @@ class DistConfig:
     """Rendezvous and the first step (data loading, compilation) may take this long."""
     timeout_s: float = key(300.0, FREE, above(0))
     """Any collective after the first step that waits longer than this fails the job."""
+    world_size: int | None = key(None, FREE, at_least_or_null(1))
+    """The ranks the job is planned for (nodes x GPUs per node), as `check` plans its memory
+    and epochs; training takes the launcher's. null: check's world_size=N, else WORLD_SIZE
+    where a launcher set it, else 8 (one node of 8 GPUs), said once in check's report."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from trainer import arrow
+from trainer import arrow, sources
 from trainer import labels as labels_module
 from trainer.config import DataConfig
 from trainer.distributed import DistEnv, local_rank_zero_first
@@ -36,7 +36,6 @@ from trainer.labels import Labels
 
 log = logging.getLogger(__name__)
 
-_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 _MEGABATCH = 50  # length grouping sorts within windows of 50 global batches, as HF Trainer does
 
 
@@ -132,17 +131,25 @@ def stop_workers(loader: DataLoader | None) -> list:
 
 def _load(data_cfg: DictConfig, split: str | None):
     """data.path's split `split` (a name, or `datasets` slicing: `train[:90%]`), or with
-    None every split, as a DatasetDict."""
+    None every split, as a DatasetDict. Local files are read by their suffix
+    (trainer/sources.py)."""
     import datasets  # heavy import; only the training path needs it
 
     path = Path(data_cfg.path).expanduser()
+    used_delimiter = None
     try:
         if path.is_file():
-            builder = _LOCAL_BUILDERS.get(path.suffix)
+            builder = sources.BUILDERS.get(path.suffix)
             if builder is None:
-                raise ConfigError(f"data.path: {path}: expected one of {sorted(_LOCAL_BUILDERS)}")
-            return datasets.load_dataset(builder, data_files=str(path), split=split)
+                raise ConfigError(f"data.path: {path}: expected one of {sorted(sources.BUILDERS)}")
+            options = sources.csv_options(data_cfg, path, path.suffix) if builder == "csv" else {}
+            used_delimiter = options.get("sep")
+            return datasets.load_dataset(builder, data_files=str(path), split=split, **options)
         if path.is_dir():
+            suffix = sources.folder_suffix(path)
+            if suffix is not None or data_cfg.csv_delimiter is not None:  # not `datasets`' own reading of them
+                return datasets.load_dataset("csv", data_dir=str(path), split=split,
+                                             **sources.csv_options(data_cfg, path, suffix or ".csv"))
             return datasets.load_dataset(str(path), split=split)
         return datasets.load_dataset(data_cfg.path, data_cfg.name, split=split)
     except TrainerError:
@@ -152,7 +159,11 @@ def _load(data_cfg: DictConfig, split: str | None):
             raise ConfigError(f"data split {split!r}: {one_line(e)}") from None
         raise DataError(f"data.path: {data_cfg.path}: {one_line(e)}") from None
     except Exception as e:  # datasets raises many types for an unreadable or unknown source  # noqa: BLE001
-        raise DataError(f"data.path: {data_cfg.path}: {_describe(e)}") from None
+        broken = sources.broken_json_line(path)
+        if broken is not None:
+            raise DataError(f"data.path: {data_cfg.path}: {broken}") from None
+        raise DataError(f"data.path: {data_cfg.path}: {_describe(e)}{sources.delimiter_hint(path, used_delimiter)}"
+                        ) from None
 
 
 def split_name(spec: str) -> str:
@@ -187,24 +198,28 @@ def _int_column(ds, column: str) -> np.ndarray:
 
 
 def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
+    """The named columns exist, and the text columns hold text (a row without any is
+    sources.invalid_rows')."""
     import pyarrow as pa
 
     for key in ("text_field", "text_pair_field", "label_field"):
         column = data_cfg[key]
         if column is not None and column not in ds.column_names:
+            path = Path(data_cfg.path).expanduser()
+            hint = (sources.delimiter_hint(path, sources.delimiter(data_cfg, path.suffix))
+                    if len(ds.column_names) == 1 else "")
             raise DataError(
-                f"data.{key}: column {column!r} not in {split_key} (columns: {', '.join(ds.column_names)})"
+                f"data.{key}: column {column!r} not in {split_key} (columns: {', '.join(ds.column_names)}){hint}"
             )
     for key in ("text_field", "text_pair_field"):
         column = data_cfg[key]
         if column is not None:
             values = arrow.column(ds, column)
-            if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
-                # A string column's only values that are not str are its nulls: found by Arrow
-                # in milliseconds, where a Python loop over the rows took seconds.
-                row = arrow.first_null(values)
-            else:  # any other type: the first row that is not a str, found row by row
-                row = next((i for i, value in enumerate(ds[column]) if not isinstance(value, str)), None)
+            if any(test(values.type) for test in (pa.types.is_string, pa.types.is_large_string, pa.types.is_null)):
+                continue  # a string column's nulls, and an all-null column's, are rows without text
+            # any other type: the first row that is not a str, found row by row
+            row = next((i for i, value in enumerate(ds[column]) if not isinstance(value, str) and value is not None),
+                       None)
             if row is not None:
                 raise DataError(f"data.{key}: column {column!r} in {split_key} has a non-text value "
                                   f"in row {row}: {ds[row][column]!r}")
@@ -311,6 +326,10 @@ class Splits:
     held_out: str | None = None
     """How the validation split was held out of the train split (data.eval_fraction), or None:
     data.eval_split is a split of the data."""
+    dropped: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The rows data.drop_invalid_rows dropped: split: kind of problem: rows."""
+    warnings: list[str] = field(default_factory=list)
+    """What looks wrong in the labels (labels.name_warnings): `check` prints them, training logs them."""
 
     def steps_per_epoch(self, plan: BatchPlan, train_cfg: DictConfig) -> int:
         """Optimizer steps per epoch (a last partial global batch is dropped), known before
@@ -333,12 +352,12 @@ def load(cfg: DictConfig, dist_env: DistEnv, labels: Labels | None = None) -> Sp
 
     with local_rank_zero_first(dist_env):
         available = list(_load(data_cfg, None).keys())
-        train = _load_split(data_cfg, "train_split", available)
-        _check_columns(train, data_cfg, "data.train_split")
+        dropped: dict[str, dict[str, int]] = {}
+        train = _readable_split(data_cfg, "train_split", available, dropped)
         labels = labels or labels_module.resolve(train, data_cfg)
         held_out = None
         if split_name(data_cfg.eval_split) in available:
-            evaluated = _load_split(data_cfg, "eval_split", available)
+            evaluated = _readable_split(data_cfg, "eval_split", available, dropped)
         elif data_cfg.eval_split != DataConfig.eval_split and len(available) > 1:  # a mistyped split
             raise ConfigError(f"data.eval_split: {data_cfg.eval_split!r} is not a split of {data_cfg.path} (its "
                               f"splits: {', '.join(available)}); name one of them, or leave data.eval_split unset "
@@ -351,16 +370,27 @@ def load(cfg: DictConfig, dist_env: DistEnv, labels: Labels | None = None) -> Sp
                     "data.eval_split: %r is not a split of %s (its splits: %s): validation is %s: %d rows, and %d "
                     "train rows%s", data_cfg.eval_split, data_cfg.path, ", ".join(available), held_out, len(evaluated),
                     len(train), f"; data.eval_split={others[0]} would validate on that split" if others else "")
-        test = None if data_cfg.test_split is None else _load_split(data_cfg, "test_split", available)
+        test = None if data_cfg.test_split is None else _readable_split(data_cfg, "test_split", available, dropped)
     train = _subsample(train, data_cfg.max_train_samples, cfg.seed)
     evaluated = _subsample(evaluated, data_cfg.max_eval_samples, cfg.seed)
     test = None if test is None else _subsample(test, data_cfg.max_eval_samples, cfg.seed)
     for split, split_key in ((evaluated, "eval_split"), (test, "test_split")):
         if split is not None:
-            _check_columns(split, data_cfg, f"data.{split_key}")
             labels_module.check_split(split, labels, data_cfg, f"data.{split_key}")
     counted = labels_module.with_counts_and_weights(labels, train, data_cfg, cfg.train)
-    return Splits(train, evaluated, test, counted, held_out)
+    return Splits(train, evaluated, test, counted, held_out, dropped, labels_module.name_warnings(counted))
+
+
+def _readable_split(data_cfg: DictConfig, split_key: str, available: list[str], dropped: dict):
+    """data.<split_key>'s split, its columns checked, its label names normalized and mapped
+    (data.normalize_labels, data.label_map), and its rows that cannot train refused or, with
+    data.drop_invalid_rows, dropped and counted into `dropped` (split: kind: rows)."""
+    ds = _load_split(data_cfg, split_key, available)
+    _check_columns(ds, data_cfg, f"data.{split_key}")
+    ds, counts = sources.drop_or_refuse(labels_module.relabel(ds, data_cfg), data_cfg, f"data.{split_key}")
+    if counts:
+        dropped[split_name(data_cfg[split_key])] = counts
+    return ds
 
 
 class GlobalBatchSampler(DistributedSampler):

@@ -12,6 +12,7 @@ summary.json, and `check` prints it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -234,6 +235,81 @@ def _read_lists(column, data_cfg, split_key: str, multi_hot: bool | None) -> _Re
                                           "row holds a 0 or 1 per label")
     positions = np.flatnonzero(as_ints == 1)
     return _Read(pa.array(positions % width, type=pa.int64()), positions // width, MULTI_HOT, width)
+
+
+def unlabelled_rows(column, problem_type: str) -> np.ndarray:
+    """The rows of a label column that hold no label: null, a NaN number (regression), a
+    null list or a null in a list (multi_label)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    missing = pc.is_null(column)
+    if _kind(column.type) == NUMBERS:
+        missing = pc.or_(missing, pc.fill_null(pc.is_nan(column.cast(pa.float64())), False))
+    rows = np.flatnonzero(missing.to_numpy(zero_copy_only=False))
+    if problem_type == "multi_label" and _kind(column.type) == "lists":
+        values = pc.list_flatten(column)
+        if values.null_count:
+            parents = pc.list_parent_indices(column).to_numpy()
+            rows = np.union1d(rows, parents[np.flatnonzero(pc.is_null(values).to_numpy(zero_copy_only=False))])
+    return rows
+
+
+PLACEHOLDERS = frozenset({"", "n/a", "na", "none", "null", "nan", "-", "?", "unknown"})
+"""Label names that usually stand for no label (after stripping and case-folding)."""
+
+
+def name_warnings(labels: Labels) -> list[str]:
+    """What looks wrong in class names read from the data: names that differ only by case or
+    surrounding spaces (each a class of its own), and names that stand for no label."""
+    if labels.stored_as != NAMES or labels.source != "the train split":
+        return []
+    counts = dict(zip(labels.names, labels.counts, strict=True)) if labels.counts else {}
+    groups: dict[str, list[str]] = {}
+    for name in labels.names:
+        groups.setdefault(name.strip().casefold(), []).append(name)
+    warnings = [f"label names {', '.join(map(repr, same))} differ only by case or spaces, and train as "
+                f"{len(same)} classes: set data.normalize_labels=true to make them one"
+                for same in groups.values() if len(same) > 1]
+    for name in labels.names:
+        if name.strip().casefold() in PLACEHOLDERS:
+            rows = f" ({counts[name]:,} train rows)" if name in counts else ""
+            warnings.append(f"label name {name!r}{rows} looks like a placeholder for no label, and trains as a "
+                            f"class: if it means no label, set data.label_map='{{{json.dumps(name)}: null}}' "
+                            "with data.drop_invalid_rows=true, or fix the file")
+    return warnings
+
+
+def relabel(ds, data_cfg):
+    """`ds` with its label names normalized (data.normalize_labels) and mapped
+    (data.label_map): before the classes are found. A name mapped to null leaves the row with
+    no label (a list's element: it leaves the list). Class ids and numbers are left as they are."""
+    import pyarrow as pa
+
+    mapping = None if data_cfg.label_map is None else {str(k): v for k, v in data_cfg.label_map.items()}
+    normalize, field = bool(data_cfg.normalize_labels), str(data_cfg.label_field)
+    if not normalize and not mapping:
+        return ds
+    column_type = arrow.column(ds, field).type
+    lists = pa.types.is_list(column_type) or pa.types.is_large_list(column_type)
+    if _kind(column_type.value_type if lists else column_type) != NAMES:
+        return ds
+
+    def name(value):
+        if value is None:
+            return None
+        value = value.strip().casefold() if normalize else value
+        return mapping.get(value, value) if mapping else value
+
+    def rename(batch):
+        values = batch[field]
+        if lists:
+            batch[field] = [None if row is None else [n for n in map(name, row) if n is not None] for row in values]
+        else:
+            batch[field] = [name(value) for value in values]
+        return batch
+
+    return ds.map(rename, batched=True, desc="data.label_map" if mapping else "data.normalize_labels")
 
 
 def _class_label_names(feature) -> list[str] | None:

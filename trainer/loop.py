@@ -66,6 +66,10 @@ class Trainer:
         """The global batch, split over this run's ranks."""
 
         splits = data.load(cfg, dist_env)  # checked first: a data mistake costs no model download
+        for warning in splits.warnings:
+            log.warning("%s", warning)
+        self.dropped_rows = splits.dropped
+        """The rows data.drop_invalid_rows dropped, by split and kind: summary.json and the card say so."""
         self.labels = resume.labels_on_resume(self.resume_plan, splits.labels)
         """The label space (trainer/labels.py), resolved from the train split (on resume: the
         checkpoint's, which must agree)."""
@@ -246,7 +250,7 @@ class Trainer:
         facts = card.Facts(self.cfg, self.labels, final_step, final_eval, test_eval,
                            {"train": self.data.num_train, "validation": self.data.num_eval, "test": self.data.num_test},
                            self.dist_env.world_size, card.hardware(self.device.type), totals["train_seconds"] or 0.0,
-                           self.model_commit)
+                           self.model_commit, self.dropped_rows)
         with watch("export", last):
             if self.cfg.tracking.curves and self.dist_env.is_rank_zero:
                 self._draw_pictures()
@@ -408,7 +412,8 @@ class Trainer:
             global_batch=self.batch.global_batch,
             run={"model": {"name": self.cfg.model.name, "revision": self.cfg.model.revision,
                            "commit": self.model_commit},
-                 "labels": self.labels.state_dict(), **self.parameter_counts, "precision": self.precisions, **totals,
+                 "labels": self.labels.state_dict(), "dropped_rows": self.dropped_rows, **self.parameter_counts,
+                 "precision": self.precisions, **totals,
                  "first_step_end_unix": self.first_step_end_unix, "startup_s": self.startup.phases(),
                  "checkpoint_write_s": self.checkpointer.write_seconds,
                  "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),

@@ -3,8 +3,11 @@ guarantees of the demo's: a CSV of label names with no validation split and clas
 (single_label), JSON lines of label lists (multi_label), numbers (regression).
 
 For each: 2 DDP ranks end with the weights of 1 process, and 2 FSDP ranks of LoRA with those of
-1 LoRA process (1e-6, fp32); the validation metrics are exact (the same with unequal shards);
-a rank SIGKILLed mid-run resumes bitwise; evaluate and predict answer in the task's terms.
+1 LoRA process (1e-6, fp32); the validation metrics are exact: every row counted once (with
+unequal shards), each metric the one computed from the gathered rows by scipy or by hand, and
+the continuous ones within 1e-4 of 1 process's (a rank or a threshold jumps when two predictions
+1e-6 apart swap, on one CPU and not another); a rank SIGKILLed mid-run resumes bitwise;
+evaluate and predict answer in the task's terms.
 Independent launches run at once, to overlap their start-ups: one test per task.
 """
 
@@ -13,8 +16,12 @@ from __future__ import annotations
 import csv
 import json
 
+import numpy as np
 import pytest
 from conftest import compare_weights, tiny_overrides, together, trainer_command
+from scipy import stats
+from sklearn import metrics
+from sklearn.preprocessing import MultiLabelBinarizer
 from support import read_summary
 
 from trainer import demo_data
@@ -32,6 +39,9 @@ SHAPES = {
 METRICS = {"single_label": {"accuracy", "f1_macro", "loss"},
            "multi_label": {"f1_micro", "f1_macro", "subset_accuracy", "loss"},
            "regression": {"mse", "mae", "pearson", "spearman", "loss"}}
+CONTINUOUS = {"loss", "mse", "mae", "pearson"}
+"""The metrics that move by about as much as the weights: 2 ranks and 1 process agree on them
+within 1e-4. The others count thresholded or ranked predictions."""
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.dropout": 0.0}
 
 
@@ -76,7 +86,7 @@ def test_each_task_trains_exactly_resumes_bitwise_and_answers_in_its_own_terms(t
     answers = tmp_path / "answers.csv"
     resumed, evaluated, predicted = together(
         (trainer_command(overrides("resumed", **ddp), 2), {}),
-        (trainer_command(overrides("ddp", **ddp), None, command="evaluate"), {}),
+        (trainer_command(overrides("ddp", **ddp), 2, command="evaluate"), {}),
         (trainer_command([*overrides("ddp", **ddp), "checkpoint=final", f"input={rows}", f"output={answers}"], None,
                          command="predict"), {}))
     for result in (resumed, evaluated, predicted):
@@ -87,8 +97,8 @@ def test_each_task_trains_exactly_resumes_bitwise_and_answers_in_its_own_terms(t
     assert compare_weights(tmp_path / "lora-single", tmp_path / "lora-fsdp", STEPS).max_abs <= 1e-6
     single, two = read_summary(tmp_path / "single"), read_summary(tmp_path / "ddp")
     assert set(single["final_eval"]) == METRICS[task]
-    for name, value in single["final_eval"].items():  # exact: every row once, by weights within 1e-6
-        assert two["final_eval"][name] == pytest.approx(value, abs=1e-4), name
+    for name in CONTINUOUS & set(single["final_eval"]):  # by weights within 1e-6
+        assert two["final_eval"][name] == pytest.approx(single["final_eval"][name], abs=1e-4), name
     labels = single["labels"]
     assert labels["problem_type"] == task and labels == two["labels"]
     if task == "single_label":
@@ -103,9 +113,16 @@ def test_each_task_trains_exactly_resumes_bitwise_and_answers_in_its_own_terms(t
     assert f"resumed from {tmp_path / 'resumed' / 'checkpoints' / f'step-{latest}'}" in resumed.output
     assert not compare_weights(tmp_path / "ddp", tmp_path / "resumed", STEPS).differing
 
+    # final/ evaluated on 2 ranks, as training evaluated it: the same metrics, each one that of
+    # the 70 rows gathered, once each and in order.
     report = json.loads((tmp_path / "ddp" / "final" / "eval-test.json").read_text())
     assert report["problem_type"] == task and report["samples"] == 70
     assert {name: report[name] for name in METRICS[task]} == pytest.approx(two["final_eval"], abs=1e-6)
+    with (tmp_path / "ddp" / "final" / "eval-test-rows.csv").open() as f:
+        gathered = list(csv.DictReader(f))
+    assert [int(row["row"]) for row in gathered] == list(range(70))
+    assert recomputed(task, gathered) == pytest.approx({name: report[name] for name in METRICS[task] - {"loss"}},
+                                                       abs=1e-9)
     assert report["split"] == "test (held out of the train split)"
     assert (tmp_path / "ddp" / "final" / "eval-test.png").stat().st_size > 0
     header, *answered = list(csv.reader(answers.open()))
@@ -116,3 +133,25 @@ def test_each_task_trains_exactly_resumes_bitwise_and_answers_in_its_own_terms(t
         assert {answer[2] for answer in answered} <= {"negative", "neutral", "positive"}
     if task == "multi_label":
         assert all(set(filter(None, answer[2].split("|"))) <= set(demo_data.COMPLAINED) for answer in answered)
+
+
+def recomputed(task: str, rows: list[dict]) -> dict[str, float]:
+    """The task's metrics from evaluate's rows file, by scipy and scikit-learn."""
+    if task == "regression":
+        predicted, truth = (np.array([float(row[column]) for row in rows]) for column in ("value", "true"))
+        return {"mse": metrics.mean_squared_error(truth, predicted),
+                "mae": metrics.mean_absolute_error(truth, predicted),
+                "pearson": float(stats.pearsonr(predicted, truth).statistic),
+                "spearman": float(stats.spearmanr(predicted, truth).statistic)}
+    if task == "single_label":
+        truth, predicted = [row["true"] for row in rows], [row["label_name"] for row in rows]
+        return {"accuracy": metrics.accuracy_score(truth, predicted),
+                "f1_macro": metrics.f1_score(truth, predicted, average="macro")}
+    truth, predicted = ([set(filter(None, row[column].split("|"))) for row in rows]
+                        for column in ("true", "label_names"))
+    # The labels in the truth or the predictions, as macro F1 averages over them (single_label's too).
+    binarizer = MultiLabelBinarizer(classes=sorted(set().union(*truth, *predicted)))
+    truth, predicted = binarizer.fit_transform(truth), binarizer.transform(predicted)
+    return {"subset_accuracy": metrics.accuracy_score(truth, predicted),
+            "f1_micro": metrics.f1_score(truth, predicted, average="micro"),
+            "f1_macro": metrics.f1_score(truth, predicted, average="macro")}

@@ -49,18 +49,18 @@ def test_bad_override(usage_run, tiny_model, reviews, tmp_path, case, extra, exp
 
 GOOD_ROWS = "".join(json.dumps({"text": f"review {i}", "label": i % 5}) + "\n" for i in range(40))
 BAD_DATA = [
-    ("not-json", GOOD_ROWS + "{not json\n", "JSON parse error"),
+    ("not-json", GOOD_ROWS + "{not json\n", "train.jsonl: line 41 is not valid JSON"),
     ("empty-file", "", "no rows could be read"),
     ("negative-label", GOOD_ROWS + json.dumps({"text": "x", "label": -1}) + "\n",
      "data.num_labels: data.train_split has labels in [-1, 4]"),
     ("text-labels", GOOD_ROWS.replace('"label": 1}', '"label": "good"}'), "data.label_field: column 'label'"),
     ("null-text", GOOD_ROWS + json.dumps({"text": None, "label": 1}) + "\n",
-     "data.text_field: column 'text' in data.train_split has a non-text value in row 40: None"),
+     "1 row cannot train: 1 with no text in column 'text' (row 40); fix them, or set data.drop_invalid_rows=true"),
     ("fractional-labels", GOOD_ROWS.replace('"label": 1}', '"label": 1.5}'),
      ("holds numbers that are not class ids (1.5 in row 1): single_label needs class ids (integers) or names "
      "(strings); for a number to predict, set data.problem_type=regression")),
     ("missing-label", GOOD_ROWS + json.dumps({"text": "x", "label": None}) + "\n",
-     "data.label_field: column 'label' in data.train_split has no label in row 40"),
+     "1 row cannot train: 1 with no label in column 'label' (row 40); fix them, or set data.drop_invalid_rows"),
 ]
 
 
@@ -153,9 +153,24 @@ def test_dp_refuses_several_ranks(tiny_model, reviews, tmp_path):
     assert not out.exists()
 
 
-def test_check_prints_resolved_config_and_memory_plan(usage_run, tiny_model, reviews, tmp_path):
-    result = usage_run([*tiny_overrides(tiny_model, reviews, tmp_path, **{"train.lr": 3e-4}), "gpu_gib=40"],
-                       command="check", config="configs/demo.yaml")
+def test_check_prints_its_report_on_one_screen_and_the_resolved_config_when_asked(usage_run, tiny_model, reviews,
+                                                                                  tmp_path):
+    overrides = [*tiny_overrides(tiny_model, reviews, tmp_path, **{"train.lr": 3e-4}), "gpu_gib=40"]
+    report = usage_run(overrides, command="check", config="configs/demo.yaml")
+    assert report.returncode == 0, report.output
+    lines = report.output.splitlines()
+    # The report alone: no config, the world size said once, and where it comes from.
+    assert "lr: 0.0003" not in report.output and len(lines) < 25, report.output
+    assert lines[0] == "world size 2 (from dist.world_size)", report.output  # configs/demo.yaml runs on 2
+    assert report.output.count("world size") == 1 + report.output.count("(world size 2)"), report.output
+    assert "memory plan per rank on a GPU with native bf16: micro-batch 16 x 64 tokens, compute in fp32" \
+        in report.output
+    assert lines[-1] == "the resolved config: check --resolved prints it as YAML"
+    unset = usage_run([*overrides, "dist.world_size=null"], command="check", config="configs/demo.yaml")
+    assert unset.output.splitlines()[0] == ("world size 8 (assumed: one node of 8 GPUs; set dist.world_size or "
+                                            "check's world_size=N)"), unset.output
+
+    result = usage_run([*overrides, "--resolved"], command="check", config="configs/demo.yaml")
     assert result.returncode == 0, result.output
     assert "lr: 0.0003" in result.output and f"name: {tiny_model}" in result.output
     assert "${" not in result.output  # interpolations are resolved
@@ -176,12 +191,12 @@ def test_the_8b_example_fits_an_80_gib_gpu_from_its_config_json_alone(usage_run)
     assert lora.returncode == 0, lora.output[-3000:]
     assert "7,504,924,672 frozen in bf16" in lora.output
     # docs/memory.md shows this plan, as printed.
-    documented = re.search(r"\n(# memory plan per rank.*?\n)```", (REPO / "docs" / "memory.md").read_text(), re.S)
+    documented = re.search(r"\n(memory plan per rank.*?\n)```", (REPO / "docs" / "memory.md").read_text(), re.S)
     assert documented and documented.group(1) in lora.output
-    assert re.search(r"^#   fits in 80.00 GiB .*the largest micro-batch that fits: \d+ \(train.batch_size 4\)$",
+    assert re.search(r"^  fits in 80.00 GiB .*the largest micro-batch that fits: \d+ \(train.batch_size 4\)$",
                      lora.output, re.M), lora.output[-2000:]
     full = usage_run([*shape, "model.lora.r=null"], command="check", config="configs/llama8b_lora.yaml")
-    assert full.returncode == 0 and "#   does NOT fit in 80.00 GiB" in full.output, full.output[-2000:]
+    assert full.returncode == 0 and "  does NOT fit in 80.00 GiB" in full.output, full.output[-2000:]
 
 
 def test_the_8b_full_fsdp_example_fits_when_sharded_over_16_gpus(usage_run):
@@ -190,9 +205,9 @@ def test_the_8b_full_fsdp_example_fits_when_sharded_over_16_gpus(usage_run):
     shape = ["model.name=configs/models/llama-3.1-8b", "--no-data"]  # its data is on the Hub: not here
     sharded = usage_run([*shape, "world_size=16"], command="check", config="configs/llama8b_full_fsdp.yaml")
     assert sharded.returncode == 0, sharded.output[-3000:]
-    assert "1/16 of each on this rank (FSDP)" in sharded.output and "#   fits in 80.00 GiB" in sharded.output
+    assert "1/16 of each on this rank (FSDP)" in sharded.output and "  fits in 80.00 GiB" in sharded.output
     whole = usage_run([*shape, "world_size=1"], command="check", config="configs/llama8b_full_fsdp.yaml")
-    assert whole.returncode == 0 and "#   does NOT fit in 80.00 GiB" in whole.output, whole.output[-2000:]
+    assert whole.returncode == 0 and "  does NOT fit in 80.00 GiB" in whole.output, whole.output[-2000:]
 
 
 def test_check_at_the_launchs_world_size_refuses_a_global_batch_it_cannot_split(usage_run, tiny_model, reviews,

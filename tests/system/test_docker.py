@@ -72,7 +72,7 @@ def test_the_image_runs_as_its_user_and_its_command_resolves(engine, app_image):
                "    print(c, os.path.realpath(yaml.safe_load(open(c))['output_dir']))")
     check = Container("check", ["sh", "-c", (
         'id -u; cat /proc/1/comm; test -w /app || echo app-read-only; python -c "$0"; '
-        'exec python -m trainer check "$@"'), outputs, *trainer_args])
+        'exec python -m trainer check --resolved "$@"'), outputs, *trainer_args])
     ended = run_containers(engine, app_image.id, [check], timeout=120)
     assert ended.codes == [0], ended.tail()
     uid, init, read_only, *lines = ended.logs["check"].splitlines()

@@ -228,8 +228,8 @@ def test_regression_reads_numbers_and_refuses_what_is_not_one(tmp_path):
 def test_a_row_without_a_label_is_named(tmp_path):
     rows = sentiment(6)
     rows[4]["label"] = None
-    with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.train_split has no label in "
-                                        r"row 4$"):
+    with pytest.raises(DataError, match=r"^data.path: .*gap.jsonl \(data.train_split 'train'\): 1 row cannot train: 1 "
+                                        r"with no label in column 'label' \(line 5\); fix them"):
         load(tmp_path, write_jsonl(tmp_path / "gap.jsonl", rows))
 
 

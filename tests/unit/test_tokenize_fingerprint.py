@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import build, config, data, labels, model
+from trainer import build, config, data, labels, model, sources
 from trainer.distributed import DistEnv
 from trainer.errors import DataError
 
@@ -96,28 +96,29 @@ def test_tokenize_processes(monkeypatch):
     assert data.tokenize_processes(400_000, DistEnv()) == 4
 
 
+CHECKED = {"path": "data.jsonl", "csv_delimiter": None, "text_field": "text", "text_pair_field": None,
+           "label_field": "label", "num_labels": 5, "problem_type": "single_label"}
+
+
 def checked(rows: dict, **changes):
-    cfg = OmegaConf.create({"text_field": "text", "text_pair_field": None, "label_field": "label",
-                                   "num_labels": 5, **changes})
-    data._check_columns(datasets.Dataset.from_dict(rows), cfg, "data.train_split")
+    data._check_columns(datasets.Dataset.from_dict(rows), OmegaConf.create({**CHECKED, **changes}), "data.train_split")
 
 
 @pytest.mark.parametrize("rows, expected", [
-    ({"text": ["a", "b", None, "c"], "label": [0, 1, 2, 3]}, "non-text value in row 2: None"),
     ({"text": [1, 2], "label": [0, 1]}, "non-text value in row 0: 1"),
     ({"text": ["a", "b"], "score": [0, 1]}, "data.label_field: column 'label' not in data.train_split"),
-], ids=["null-text", "int-text", "no-label-column"])
+], ids=["int-text", "no-label-column"])
 def test_the_column_checks(rows, expected):
     with pytest.raises(DataError) as refused:
         checked(rows)
     assert expected in str(refused.value)
 
 
-def test_the_column_checks_count_rows_of_a_subsample_in_its_own_order():
-    ds = datasets.Dataset.from_dict({"text": ["a", None, "b", "c"], "label": [0, 1, 2, 3]}).select([3, 0, 1])
-    cfg = OmegaConf.create({"text_field": "text", "text_pair_field": None, "label_field": "label",
-                                   "num_labels": 5})
-    with pytest.raises(DataError, match=r"row 2: None"):
-        data._check_columns(ds, cfg, "data.train_split")
-    data._check_columns(ds.select([0, 1]), cfg, "data.train_split")
+def test_the_rows_without_text_or_label_are_found_in_a_subsample_in_its_own_order():
+    ds = datasets.Dataset.from_dict({"text": ["a", None, "b", " ", "c"], "label": [0, 1, None, 3, 4]}
+                                    ).select([3, 0, 1, 2])
+    found = sources.invalid_rows(ds, OmegaConf.create(CHECKED))
+    assert {kind: rows.tolist() for kind, rows in found.items()} == {
+        "no text in column 'text'": [0, 2], "no label in column 'label'": [3]}
+    assert not sources.invalid_rows(ds.select([1]), OmegaConf.create(CHECKED))
     checked({"text": ["a", "b"], "title": ["x", "y"], "label": [0, 4]}, text_pair_field="title")

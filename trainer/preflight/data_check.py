@@ -39,7 +39,10 @@ def check(cfg: DictConfig, world_size: int) -> DataCheck:
     splits = data.load(cfg, DistEnv())
     labels = splits.labels
     lines = [_splits_line(cfg, splits), f"  labels: {labels.describe()}"]
-    warnings: list[str] = []
+    lines += [f"  dropped from {split} (data.drop_invalid_rows): " + ", ".join(f"{n:,} with {kind}"
+                                                                           for kind, n in kinds.items())
+              for split, kinds in splits.dropped.items()]
+    warnings: list[str] = list(splits.warnings)
     if labels.counts:
         lines.append(f"  {'rows holding each label' if labels.problem_type == 'multi_label' else 'rows of each label'}"
                      f" (train): " + ", ".join(f"{name} {count:,} ({count / max(labels.rows, 1):.1%})"
@@ -106,7 +109,7 @@ def _epoch(cfg: DictConfig, splits: Splits, world_size: int) -> list[str]:
         return [f"world_size={world_size}: {e}"]
     rows = len(splits.train)
     steps, dropped = divmod(rows, plan.global_batch)
-    where = f"at a global batch of {plan.global_batch} (world size {world_size}; check's world_size=N to change)"
+    where = f"at a global batch of {plan.global_batch} (world size {world_size})"
     warnings = []
     if steps < FEW_STEPS:
         plural = "s" if steps != 1 else ""

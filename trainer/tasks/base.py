@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from omegaconf import DictConfig
 
+from trainer import files
 from trainer.distributed import DistEnv
 from trainer.labels import Labels
 
@@ -93,6 +94,10 @@ class Task:
     def csv_header(self) -> list[str]:
         raise NotImplementedError
 
+    def truth(self, labels: torch.Tensor) -> list:
+        """Each row's true label as a csv cell, in csv_row's terms (evaluate's rows file)."""
+        raise NotImplementedError
+
 
 def figure(width: float, height: float):
     """A matplotlib figure for a file: no display on a cluster node."""
@@ -105,8 +110,11 @@ def figure(width: float, height: float):
 
 
 def save(fig, path: Path) -> None:
+    """`path` holds the figure whole, or what it held before (files.write_figure)."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        files.write_figure(fig, path, dpi=100)
+    finally:
+        plt.close(fig)

@@ -96,3 +96,6 @@ class MultiLabel(Task):
     def csv_row(self, prediction: dict[str, Any]) -> list:
         return ["|".join(map(str, prediction["labels"])), "|".join(prediction["label_names"]),
                 *map(repr, prediction["probs"])]
+
+    def truth(self, labels: torch.Tensor) -> list:
+        return ["|".join(self.labels.names[i] for i, hot in enumerate(row) if hot) for row in labels.tolist()]

@@ -112,3 +112,6 @@ class Regression(Task):
 
     def csv_row(self, prediction: dict[str, Any]) -> list:
         return [repr(prediction["value"])]
+
+    def truth(self, labels: torch.Tensor) -> list:
+        return [repr(value) for value in labels.double().tolist()]

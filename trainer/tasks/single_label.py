@@ -132,3 +132,6 @@ class SingleLabel(Task):
 
     def csv_row(self, prediction: dict[str, Any]) -> list:
         return [prediction["label"], prediction["label_name"], *map(repr, prediction["probs"])]
+
+    def truth(self, labels: torch.Tensor) -> list:
+        return [self.labels.names[i] for i in labels.tolist()]
