@@ -23,6 +23,7 @@ No API server here, so each layer of acceptance is checked against the real thin
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import os
 import re
@@ -48,6 +49,7 @@ from netns import Network
 from support import read_summary, wait_for
 from users import UID
 
+from trainer import stage
 from trainer.exit_codes import Exit, for_launcher
 
 SCHEMAS = REPO / "tests/schemas"
@@ -218,9 +220,9 @@ def test_manifests_follow_our_rules():
         assert mounts["/workspace"]["persistentVolumeClaim"]["claimName"] == claim
         assert mounts["/etc/trainer"]["configMap"]["name"] == objects["ConfigMap"]["metadata"]["name"]
         # Secrets by reference, each optional: a pod starts without them (k8s/README.md's names).
+        # No Hub token unless asked for (components/hf-token: test_the_hub_token_is_only_where_it_is_needed).
         secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
-        assert secrets == {"WANDB_API_KEY": {"name": "wandb", "key": "api-key", "optional": True},
-                           "HF_TOKEN": {"name": "hf-token", "key": "token", "optional": True}}, pod.name
+        assert secrets == {"WANDB_API_KEY": {"name": "wandb", "key": "api-key", "optional": True}}, pod.name
         assert not [e for e in container["env"] if e["name"].startswith("PET_")]
     for each in (job, ELASTIC):
         for replica in each["spec"]["pytorchReplicaSpecs"].values():
@@ -443,9 +445,17 @@ def test_components_queue_prioritise_and_place_the_job(renderings):
     assert "suspend" not in renderings["base"]["PyTorchJob"]["spec"]["runPolicy"]
 
 
+def pinned_image() -> str:
+    """The image every digest overlay names: components/image's registry and digest."""
+    kustomization = yaml.safe_load((KUSTOMIZE / "components/image/kustomization.yaml").read_text())
+    (override,) = kustomization["images"]
+    assert override["name"] == IMAGE.split(":")[0] and "newTag" not in override
+    return f"{override['newName']}@{override['digest']}"
+
+
 def test_image_overlay_pins_a_digest(renderings):
     objects = renderings["image"]
-    kustomization = yaml.safe_load((KUSTOMIZE / "overlays/image/kustomization.yaml").read_text())
+    kustomization = yaml.safe_load((KUSTOMIZE / "components/image/kustomization.yaml").read_text())
     (override,) = kustomization["images"]
     assert override["name"] == IMAGE.split(":")[0] and "newTag" not in override
     wanted = f"{override['newName']}@{override['digest']}"
@@ -461,6 +471,111 @@ def test_image_overlay_pins_a_digest(renderings):
     assert f"docker build -t {IMAGE} ." in (REPO / "k8s/README.md").read_text()
     assert f"${{TRAINER_IMAGE:-{IMAGE}}}" in (REPO / "docker-compose.yml").read_text()
     assert TRAINJOB["spec"]["trainer"]["image"] == IMAGE
+
+
+def images_in(value) -> list[str]:
+    """Every `image` a manifest names, wherever it is (a pod's containers, a TrainJob's trainer)."""
+    if isinstance(value, list):
+        return [image for item in value for image in images_in(item)]
+    if not isinstance(value, dict):
+        return []
+    return [image for key, item in value.items() for image in ([item] if key == "image" else images_in(item))]
+
+
+def test_every_manifest_with_an_image_has_a_digest_overlay():
+    """k8s/kustomize/overlays/image pins the job, and its folders stage-data, elastic and
+    trainjob the other manifests: together they render every object of k8s/ that names an
+    image, and no image of theirs is left without the digest."""
+    wanted = pinned_image()
+    rendered = {}
+    for folder in [KUSTOMIZE / "overlays/image", *sorted(p for p in (KUSTOMIZE / "overlays/image").iterdir()
+                                                          if p.is_dir())]:
+        for o in kustomize(folder):
+            assert set(images_in(o)) <= {wanted}, (folder.name, o["kind"], images_in(o))
+            rendered[o["kind"], o["metadata"]["name"]] = o
+    named = {(o["kind"], o["metadata"]["name"]) for path in (REPO / "k8s").rglob("*.yaml")
+             if "kustomize" not in path.parts for o in load_all(path) if images_in(o)}
+    assert named == {("PyTorchJob", "ddp-trainer"), ("PyTorchJob", "ddp-trainer-elastic"), ("TrainJob", "ddp-trainer"),
+                     ("TrainingRuntime", "ddp-trainer"), ("Job", "ddp-trainer-stage-data")}
+    assert named <= set(rendered), named - set(rendered)
+    for key in named:
+        assert images_in(rendered[key]), key
+    # Each folder's kustomization holds exactly the folder's manifests, as `kubectl apply -f` applies them.
+    for folder in ("stage-data", "elastic", "trainjob"):
+        files = sorted(path.name for path in (REPO / "k8s" / folder).iterdir() if path.suffix in (".yaml", ".yml"))
+        assert sorted(yaml.safe_load((REPO / "k8s" / folder / "Kustomization").read_text())["resources"]) == files
+
+
+def overlay(folder: Path, resources: list[Path], components: list[str], **more) -> dict[str, dict]:
+    """The objects of a kustomization in `folder` of `resources` (folders of k8s/) and
+    `components` (by name), reached by relative paths as `kubectl apply -k` requires."""
+    folder.mkdir(parents=True)
+    up = lambda path: str(Path(os.path.relpath(path, folder)))  # noqa: E731
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [up(path) for path in resources],
+        "components": [up(KUSTOMIZE / "components" / name) for name in components], **more}))
+    return by_kind(kustomize(folder))
+
+
+def test_the_hub_token_is_only_where_it_is_needed(renderings, tmp_path):
+    """HF_TOKEN is in the staging Job, which fills the HF cache with a gated model once, and in
+    a training pod only with components/hf-token (a gated model not cached, hub.push_at_end):
+    not in any other manifest or rendering, so code run in a training pod cannot read it."""
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": True}}}
+    assert token in job_pod(STAGE_JOB).container["env"]
+    plain = [*k8s_objects().values(), ELASTIC, TRAINJOB, RUNTIME]
+    plain += [o for name, objects in renderings.items() if name != "renamed-4x8-with-every-component"
+              for o in objects.values()]
+    for o in plain:
+        assert "HF_TOKEN" not in json.dumps(o), (o["kind"], o["metadata"]["name"])
+    with_token = [
+        *pytorchjob_pods(overlay(tmp_path / "job", [KUSTOMIZE / "overlays/2x8"], ["hf-token"])["PyTorchJob"]),
+        *pytorchjob_pods(overlay(tmp_path / "elastic", [REPO / "k8s/elastic"], ["hf-token"])["PyTorchJob"]),
+        *trainjob_pods(overlay(tmp_path / "trainjob", [REPO / "k8s/trainjob"], ["hf-token"])["TrainJob"], RUNTIME),
+        *pytorchjob_pods(renderings["renamed-4x8-with-every-component"]["PyTorchJob"])]
+    assert len(with_token) == 2 + 2 + 2 + 4
+    for pod in with_token:
+        assert [e for e in pod.container["env"] if e["name"] == "HF_TOKEN"] == [token], pod.name
+
+
+def test_the_egress_component_fences_what_the_pods_reach(renderings, tmp_path):
+    """components/egress: the job's pods reach their peers (every port), DNS, and https outside
+    the private and link-local ranges (the cloud's metadata service, 169.254.169.254, not),
+    for the PyTorchJob renamed, the elastic job and the TrainJob; each policy passes
+    kubernetes-validate --strict. Without it, egress is not fenced."""
+    assert "Egress" not in json.dumps([o["spec"]["policyTypes"] for o in
+                                       (renderings["base"]["NetworkPolicy"], *load_all(POLICY_FILES["elastic"]),
+                                        *load_all(POLICY_FILES["trainjob"]))])
+    renamed = renderings["renamed-4x8-with-every-component"]
+    cases = [(renamed["NetworkPolicy"], pytorchjob_pods(renamed["PyTorchJob"]),
+              pytorchjob_pods(renderings["base"]["PyTorchJob"]))]
+    elastic = overlay(tmp_path / "elastic", [REPO / "k8s/elastic"], ["egress"])
+    cases.append((elastic["NetworkPolicy"], pytorchjob_pods(elastic["PyTorchJob"]), job_pods()["pytorchjob"]))
+    trainjob = overlay(tmp_path / "trainjob", [REPO / "k8s/trainjob"], ["egress"])
+    cases.append((trainjob["NetworkPolicy"], trainjob_pods(trainjob["TrainJob"], trainjob["TrainingRuntime"]),
+                  job_pods()["pytorchjob"] + job_pods()["elastic"]))
+    for policy, pods, others in cases:
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress", "Egress"]
+        peers, dns, https = spec["egress"]
+        (peer,) = peers["to"]
+        assert set(peers) == {"to"} and set(peer) == {"podSelector"}, "every port of the job's own pods"
+        assert all(selects(peer["podSelector"], pod.labels) for pod in pods), policy["metadata"]["name"]
+        assert not any(selects(peer["podSelector"], pod.labels) for pod in others), policy["metadata"]["name"]
+        assert dns == {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+        assert https["ports"] == [{"protocol": "TCP", "port": 443}]
+        (block,) = https["to"]
+        internet = ipaddress.ip_network(block["ipBlock"]["cidr"])
+        excepted = [ipaddress.ip_network(cidr) for cidr in block["ipBlock"]["except"]]
+        for address in ("169.254.169.254", "10.96.0.1", "172.17.0.2", "192.168.1.1", "100.64.0.10", "127.0.0.1"):
+            assert any(ipaddress.ip_address(address) in net for net in excepted), address
+        assert ipaddress.ip_address("18.164.174.23") in internet  # huggingface.co, say
+        assert not any(ipaddress.ip_address("18.164.174.23") in net for net in excepted)
+    file = tmp_path / "policies.yaml"
+    file.write_text(yaml.safe_dump_all([policy for policy, _, _ in cases]))
+    result = subprocess.run([BIN / "kubernetes-validate", "--strict", file], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("passed") == len(cases), result.stdout
 
 
 # What each verdict must lead to: restart the job (counted or not against its budget), or fail it.
@@ -721,6 +836,8 @@ def test_the_staging_job_runs_as_the_trainer_does_and_fails_at_once_on_a_usage_e
     assert rule == {"action": "FailJob", "onExitCodes": {"containerName": pod.container["name"], "operator": "In",
                                                          "values": [int(Exit.USAGE)]}}
     assert STAGE_JOB["spec"]["backoffLimit"] > 0  # Exit.CRASH (the network) is tried again
+    # ... but not for ever: a try's downloads end by stage's deadline, and every try by the Job's.
+    assert STAGE_JOB["spec"]["activeDeadlineSeconds"] > stage.DEADLINE_S
     file = tmp_path / "job.yaml"
     file.write_text(yaml.safe_dump(STAGE_JOB))
     result = subprocess.run([BIN / "kubernetes-validate", "--strict", file], capture_output=True, text=True)
@@ -746,7 +863,7 @@ def test_a_users_overlay_trains_on_data_and_a_model_a_staging_job_put_on_the_pvc
     # The Job with its sources named, and the volume mounted, as the README says to.
     job = copy.deepcopy(STAGE_JOB)
     pod = job_pod(job)
-    pod.container["command"] = [*pod.container["command"][:6], "/workspace/data/sentiment",
+    pod.container["command"] = [*pod.container["command"][:6], "/workspace/data/sentiment", "--allow-http",
                                 "http://web:8080/train.csv", "/source/test.csv", "--model", "acme/tiny-bert",
                                 "--revision", "v2"]
     pod.container["env"].append({"name": "HF_ENDPOINT", "value": "http://web:8081"})  # the Hub, here
