@@ -222,9 +222,13 @@ def run_train(cfg, arguments: dict) -> int:
     startup.mark("imports")
     exit_code: int = Exit.CRASH
     trainer = None
+    held = None
     try:
         distributed.init(dist_env, device, backend, cfg.dist.init_timeout_s, Path(cfg.output_dir))
         startup.mark("rendezvous")
+        # Before anything is written to output_dir or a checkpoint is picked to resume from:
+        # a second job on the folder is refused on every rank, within seconds.
+        held = distributed.rank_zero_does(dist_env, f"output_dir {cfg.output_dir}: lease", lambda: hold_lease(cfg))
         trainer = Trainer(cfg, dist_env, device, startup)
         trainer.train()
         exit_code = 0
@@ -243,8 +247,35 @@ def run_train(cfg, arguments: dict) -> int:
     finally:
         if trainer is not None:
             trainer.close(exit_code)
+        if held is not None:
+            held.end()
         distributed.close()
     return exit_code
+
+
+def hold_lease(cfg):
+    """Rank 0: output_dir created, its lease taken (trainer/lease.py) and renewed every
+    heartbeat until the end; a lease taken over from a dead holder is logged as a warning."""
+    import time
+
+    from trainer import files, lease
+
+    output_dir = Path(cfg.output_dir)
+    created = not output_dir.exists()
+    files.make_writable_dir(output_dir)
+    timeout_s = cfg.fault.lease_timeout_s
+    held = lease.Lease(output_dir, timeout_s, lease.this_process(time.time()))
+    if warning := held.acquire():
+        logging.getLogger("trainer").warning("%s", warning)
+
+    def lost(who: str) -> None:
+        # Another job writes output_dir now (this one was silent for the whole timeout: a
+        # frozen node): every further write of ours would clobber its files. Stop at once.
+        errors.report(f"output_dir {output_dir}: this job's lease was taken over by {who}: stopping; "
+                      "resume the run with one job at a time")
+        os._exit(Exit.USAGE)
+
+    return lease.Renewal(held, lease.renewal_period(cfg.fault.heartbeat_s, timeout_s), lost, created).start()
 
 
 def run_evaluate(cfg, arguments: dict) -> int:

@@ -379,7 +379,12 @@ class FaultConfig:
     slow_step_min_s: float = key(60.0, FREE, above(0))
     """...and slower than this, with every rank's Python stacks, before dist.timeout_s fires."""
     heartbeat_s: float = key(5.0, FREE, above(0))
-    """How often each rank records its step in the rendezvous store, for those reports."""
+    """How often each rank records its step in the rendezvous store, for those reports, and
+    rank 0 renews output_dir's lease (trainer/lease.py)."""
+    lease_timeout_s: float = key(120.0, FREE, above(0))
+    """A lease on output_dir (one job per folder) not renewed for this long is taken over by
+    the next job: its holder is dead. Above NFS's attribute cache (60 s by default), through
+    which another host may see a renewal late."""
     max_stalled_restarts: int = key(3, FREE, at_least(0))
     """A start of the job after this many attempts that all resumed from the same checkpoint
     and failed exits with code 77 (no progress: launchers stop retrying) instead of failing

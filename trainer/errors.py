@@ -53,6 +53,11 @@ class LaunchError(TrainerError):
     """The environment the job was launched into: torchrun's variables, GPUs, the launcher."""
 
 
+class LeaseHeld(LaunchError):
+    """Another job holds output_dir's lease (trainer/lease.py): one line naming it and the way
+    out. Here, not in lease.py: a rank re-raises rank 0's error by its name in this module."""
+
+
 class DataError(TrainerError):
     """The dataset: a file that cannot be read, a missing column, a label out of range."""
 
