@@ -23,17 +23,22 @@ def load(tmp_path, path, *overrides: str):
     return data.load(cfg, DistEnv())
 
 
-def glue_sst2(path, n: int = 60):
-    """SST-2's train.tsv: `sentence<TAB>label`, unquoted, texts with unpaired quote marks."""
-    lines = ["sentence\tlabel"] + [f"{WORDS[i % 6]} \"{i} 's tale \t{i % 2}" for i in range(n)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+def glue_sst2(path, n: int = 60) -> list[str]:
+    """SST-2's train.tsv: `sentence<TAB>label`, unquoted, texts with unpaired quote marks (some
+    at the start, where a CSV reader takes one for quoting). Returns the sentences."""
+    sentences = [('"' if i % 7 == 0 else "") + f"{WORDS[i % 6]} \"{i} 's tale " for i in range(n)]
+    path.write_text("sentence\tlabel\n" + "".join(f"{text}\t{i % 2}\n" for i, text in enumerate(sentences)))
+    return sentences
+
+
+def sentences(splits) -> list[str]:
+    return sorted(list(splits.train["sentence"]) + list(splits.eval["sentence"]))
 
 
 def test_glues_tsv_files_read_as_glue_writes_them(tmp_path):
-    splits = load(tmp_path, glue_sst2(tmp_path / "sst2.tsv"), "data.text_field=sentence")
-    assert len(splits.train) + len(splits.eval) == 60  # a quote mark does not join lines
-    assert sorted(list(splits.train["sentence"]) + list(splits.eval["sentence"]))[0] == 'it was fine "14 \'s tale '
+    written = glue_sst2(tmp_path / "sst2.tsv")
+    splits = load(tmp_path, tmp_path / "sst2.tsv", "data.text_field=sentence")
+    assert sentences(splits) == sorted(written)  # a quote mark does not join lines
     assert splits.labels.names == ("LABEL_0", "LABEL_1")
     # MRPC: a pair of texts in columns with spaces in their names, in a .txt named by its separator.
     mrpc = tmp_path / "msr_paraphrase_train.txt"
@@ -44,6 +49,15 @@ def test_glues_tsv_files_read_as_glue_writes_them(tmp_path):
         load(tmp_path, mrpc, *pairs)
     splits = load(tmp_path, mrpc, *pairs, "data.csv_delimiter=tab")
     assert len(splits.train) + len(splits.eval) == 40 and splits.labels.num_labels == 2
+
+
+def test_a_folder_of_tsv_files_gives_its_splits_read_as_tsv(tmp_path):
+    folder = tmp_path / "glue"
+    folder.mkdir()
+    written = glue_sst2(folder / "train.tsv", 40) + glue_sst2(folder / "test.tsv", 10)
+    splits = load(tmp_path, folder, "data.text_field=sentence")
+    assert (len(splits.train), len(splits.eval), splits.held_out) == (40, 10, None)
+    assert sentences(splits) == sorted(written)
 
 
 def test_a_semicolon_separated_csv_is_named_as_such_and_read_with_the_key(tmp_path):
