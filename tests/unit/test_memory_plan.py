@@ -144,3 +144,52 @@ def test_the_largest_micro_batch_fits_and_one_more_does_not():
 def test_a_bad_gpu_size_names_the_argument(value):
     with pytest.raises(memory.ConfigError, match=r"^gpu_gib: "):
         memory.parse_gib(value)
+
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize(("capability", "env", "expected"), [
+    ((9, 0), {}, 32 * MIB + MIB),  # Hopper: torch's 32 MiB, and cuBLASLt's 1 MiB beside it
+    ((8, 0), {}, 4096 * 1024 * 2 + 16 * 1024 * 8 + MIB),  # cuBLAS's default elsewhere, ":4096:2:16:8"
+    ((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, 32 * MIB + MIB),  # torch's deterministic settings
+    ((9, 0), {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, 2 * 128 * 1024),  # cuBLASLt's capped at cuBLAS's
+    ((8, 0), {"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"}, 8 * MIB + 128 * 1024 + MIB),
+    ((9, 0), {"CUBLAS_WORKSPACE_CONFIG": "garbage"}, 33 * MIB),  # torch warns and takes its default
+    ((9, 0), {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}, 32 * MIB),  # one workspace shared
+    ((9, 0), {"CUBLASLT_WORKSPACE_SIZE": "4096"}, 36 * MIB),  # KiB
+], ids=["hopper", "ampere", "deterministic-4096", "deterministic-16", "explicit-default", "unparsable", "unified",
+        "lt-size"])
+def test_the_cublas_workspace_of_one_handle_is_torchs_documented_size(capability, env, expected):
+    assert memory.cublas_workspace_bytes(capability, env) == expected
+
+
+def test_a_step_holds_two_workspaces_on_cuda_and_none_on_cpu():
+    """The forward's thread and autograd's each get one; `check` plans for an H100's."""
+    assert memory.cublas_workspaces(torch.device("cpu")) == 0
+    assert memory.cublas_workspaces(None, {}) == 2 * 33 * MIB
+    assert memory.cublas_workspaces(None, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                                           "TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}) == 2 * 32 * MIB
+
+
+def test_the_caching_allocators_rounding():
+    assert [memory.allocated_block(n) for n in (0, 1, 4, 512, 513, 3 * MIB + 1)] == \
+        [512, 512, 512, 512, 1024, 3 * MIB + 512]
+    # A 4-byte step count and a 2.25 MiB matrix: the matrix may sit unsplit in a block 1 MiB bigger.
+    assert memory.allocated_bounds([4, 768 * 768 * 4]) == (512 + 768 * 768 * 4, 512 + 768 * 768 * 4 + MIB)
+    # At most 1 MiB: the small pool's blocks are split to the rounded size.
+    assert memory.allocated_bounds([MIB, MIB - 1]) == (2 * MIB, 2 * MIB)
+
+
+def test_the_plan_for_a_gpu_holds_the_workspaces(tiny_models, tmp_path, monkeypatch):
+    """`check` plans for a GPU: its static part and its lines count the workspaces; on CPU none."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", raising=False)
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
+    cfg = run_config(tiny_models("bert"), tmp_path)
+    gpu = memory.make(cfg, labels.from_config(cfg.data))
+    cpu = memory.make(cfg, labels.from_config(cfg.data), torch.device("cpu"))
+    assert cpu.workspaces == 0 and gpu.workspaces == 2 * 33 * MIB
+    assert gpu.static == gpu.weights + gpu.gradients + gpu.optimizer + 2 * 33 * MIB
+    assert any(line.split()[:3] == ["cuBLAS", "66.0", "MiB"] for line in gpu.lines("an H100"))
+    assert not any("cuBLAS" in line for line in cpu.lines("cpu"))

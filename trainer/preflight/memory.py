@@ -14,6 +14,8 @@ answer in seconds, not an out-of-memory error after minutes of loading.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,6 +65,8 @@ class MemoryPlan:
     """FSDP's ranks: weights, gradients and optimizer are one rank's shard (1: DDP, whole)."""
     gathered: int = 0
     """FSDP: the weights gathered whole for compute at once, an estimate."""
+    workspaces: int = 0
+    """On CUDA: the cuBLAS workspaces torch allocates (`cublas_workspaces`); 0 on CPU."""
 
     @property
     def activations(self) -> int:
@@ -70,7 +74,7 @@ class MemoryPlan:
 
     @property
     def static(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.gathered
+        return self.weights + self.gradients + self.optimizer + self.gathered + self.workspaces
 
     @property
     def total(self) -> int:
@@ -94,6 +98,9 @@ class MemoryPlan:
                 ("optimizer", human(self.optimizer), "AdamW: 2 moments per trained parameter, a step count per tensor"),
                 *([("gathered", "~" + human(self.gathered), "2 blocks and the root whole, for compute (FSDP)")]
                   if self.gathered else []),
+                *([("cuBLAS", human(self.workspaces),
+                    f"{BLAS_THREADS} workspaces: the forward's thread's and autograd's (CUBLAS_WORKSPACE_CONFIG)")]
+                  if self.workspaces else []),
                 ("activations", "~" + human(self.activations),
                  f"an estimate: {human(self.activations_per_sample)} per sample (docs/memory.md)"),
                 ("total", "~" + human(self.total), "")]
@@ -125,6 +132,7 @@ def make(cfg: DictConfig, labels: Labels, device: torch.device | None = None, wo
     first; `labels` give the head's size. The run's strategy says how its `world_size` ranks
     split the weights, gradients and optimizer state (FSDP: one rank's shard), and what they
     gather whole for compute."""
+    workspaces = cublas_workspaces(device)  # before device is None becomes "cuda": the planned GPU's
     if device is None:
         device, amp_dtype = torch.device("cuda"), PLANNED_PRECISION[cfg.train.precision]
     else:
@@ -140,7 +148,8 @@ def make(cfg: DictConfig, labels: Labels, device: torch.device | None = None, wo
                                   checkpointing=cfg.model.gradient_checkpointing)
     return MemoryPlan(weights, gradients, optimizer, per_sample, cfg.train.batch_size, cfg.data.max_length,
                       counts["parameters"], counts["trained_parameters"], lora.precisions(on_meta.model, amp_dtype),
-                      shards, strategy.gathered_bytes(on_meta.model, amp_dtype, world_size))
+                      shards, strategy.gathered_bytes(on_meta.model, amp_dtype, world_size),
+                      workspaces)
 
 
 def static_bytes(module: nn.Module, gradient_copies: int = 1, shards: int = 1) -> tuple[int, int, int]:
@@ -164,6 +173,78 @@ def static_bytes(module: nn.Module, gradient_copies: int = 1, shards: int = 1) -
     gradients = sum(held(p) for p in trained)
     optimizer = 2 * gradients + 4 * len(trained)
     return weights, gradient_copies * gradients, optimizer
+
+
+# --- what CUDA adds: cuBLAS's workspaces and the caching allocator's rounding -----------------
+
+HOPPER_CUBLAS_WORKSPACE = 4096 * 8 * 1024
+"""torch's cuBLAS workspace on sm_90 (H100, H200): 32 MiB, ":4096:8" (aten/src/ATen/cuda/
+CublasHandlePool.cpp, parseChosenWorkspaceSize)."""
+CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+"""...on every other GPU: ":4096:2:16:8", cuBLAS's own recommended default (8.125 MiB)."""
+CUBLASLT_WORKSPACE = 1024 * 1024
+"""torch's cuBLASLt workspace where it is not the cuBLAS one (CUBLASLT_WORKSPACE_SIZE, KiB)."""
+BLAS_THREADS = 2
+"""The (cuBLAS handle, stream) pairs of a step, each with a workspace of its own: torch keeps a
+handle per thread, and the forward (the training thread) and the backward (autograd's device
+thread) run on different threads, both on the current stream. Evaluation's forward reuses the
+first; FSDP's and DDP's side streams run collectives and copies, no matmuls."""
+PLANNED_CAPABILITY = (9, 0)
+"""`check` plans for an H100: the larger (Hopper) workspace."""
+
+
+def cublas_workspace_bytes(capability: tuple[int, int], env: Mapping[str, str]) -> int:
+    """The workspace torch gives one (cuBLAS handle, stream): CUBLAS_WORKSPACE_CONFIG's
+    `:SIZE_KIB:COUNT` pairs summed (`:4096:8` is 32 MiB; torch's deterministic mode asks for
+    `:4096:8` or `:16:8`), else torch's default for the GPU's compute capability; plus cuBLASLt's
+    own, unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=1 makes it share cuBLAS's (counted either way
+    where the torch version does not say: at most 1 MiB over)."""
+    config = env.get("CUBLAS_WORKSPACE_CONFIG")
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    if pairs:
+        cublas = sum(int(size) * 1024 * int(count) for size, count in pairs)
+    else:  # unset, or unparsable (torch warns and takes its default)
+        cublas = HOPPER_CUBLAS_WORKSPACE if capability == (9, 0) else CUBLAS_WORKSPACE
+    unified = env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "").lower() in ("1", "true", "on", "yes")
+    size = env.get("CUBLASLT_WORKSPACE_SIZE", "")
+    lt = int(size) * 1024 if size.isdigit() else CUBLASLT_WORKSPACE
+    return cublas + (0 if unified else min(lt, cublas))
+
+
+def cublas_workspaces(device: torch.device | None, env: Mapping[str, str] = os.environ) -> int:
+    """What a step's cuBLAS workspaces hold on `device` (None: the GPU `check` plans for):
+    they come from the caching allocator, so torch.cuda.memory_allocated counts them, for the
+    life of the process. 0 off CUDA."""
+    if device is not None and device.type != "cuda":
+        return 0
+    capability = PLANNED_CAPABILITY if device is None else torch.cuda.get_device_capability(device)
+    return BLAS_THREADS * allocated_block(cublas_workspace_bytes(capability, env))
+
+
+ALLOCATOR_ROUND = 512
+"""The caching allocator hands out blocks of a multiple of 512 bytes (kMinBlockSize)."""
+ALLOCATOR_SMALL = 1024 * 1024
+"""Requests up to 1 MiB come from the small pool, whose blocks are split to the rounded size.
+A larger request may get a cached block that is up to 1 MiB bigger (kSmallSize): a remainder
+that small is not split off, and the block counts whole as allocated."""
+
+
+def allocated_block(nbytes: int) -> int:
+    """The block the caching allocator rounds a request of `nbytes` to (c10's round_size)."""
+    return max(ALLOCATOR_ROUND, -(-nbytes // ALLOCATOR_ROUND) * ALLOCATOR_ROUND)
+
+
+def allocated_bounds(sizes: Iterable[int]) -> tuple[int, int]:
+    """The least and the most that torch.cuda.memory_allocated counts for tensors of `sizes`
+    bytes, each in a block of its own: the rounded blocks, and those plus an unsplit remainder
+    of up to 1 MiB for each request over 1 MiB (which one gets it depends on what was freed
+    before: a step's activations are, before AdamW's moments are first allocated)."""
+    least = most = 0
+    for nbytes in sizes:
+        block = allocated_block(nbytes)
+        least += block
+        most += block + (ALLOCATOR_SMALL if block > ALLOCATOR_SMALL else 0)
+    return least, most
 
 
 def dimensions(config: PretrainedConfig) -> tuple[int, int, int, int]:
