@@ -124,7 +124,7 @@ def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, labels: Labe
     task = tasks.of(labels, cfg.data, cfg.train)
     guard = LossGuard(cfg.fault, dist_env, group)
     step = TrainStep(loaded.model, strategy, task, optimizer, scheduler, scaler, guard, cfg.train.max_grad_norm,
-                     device, non_blocking=data.pins_memory(cfg, device))
+                     device, non_blocking=data.pins_memory(cfg, device), sdpa_backend=cfg.model.sdpa_backend)
     return Built(loaded.model, loaded.tokenizer, loaded.config, amp_dtype, strategy, step, task)
 
 

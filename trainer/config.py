@@ -130,6 +130,13 @@ class ModelConfig:
     """Passed to from_pretrained: `sdpa`, `eager`, ... auto: `sdpa` on GPU (flash and
     memory-efficient kernels), `eager` on CPU, where SDPA's backward under bf16 autocast
     is ~1.9x slower than eager's (benchmarks/RESULTS.md)."""
+    sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = key("auto", FREE)
+    """Which kernel runs SDPA attention in the step's forward and backward and in evaluation
+    (torch.nn.attention.sdpa_kernel): flash (FlashAttention-2), efficient (memory-efficient),
+    cudnn (cuDNN's fused attention) or math (plain matmuls and softmax, any device). auto:
+    torch picks per call, as before. Other than auto it needs model.attn_implementation
+    sdpa, and flash, efficient and cudnn a GPU: they have no CPU kernels. A kernel that cannot
+    run a shape fails the step rather than falling back (docs/gpus.md)."""
     gradient_checkpointing: bool = key(False, FREE)
     """Activation checkpointing (transformers' own, non-reentrant): each layer's activations
     are recomputed in the backward instead of kept from the forward. A third less memory on
@@ -639,6 +646,9 @@ def _check_cross_field(cfg: DictConfig) -> None:
                           f"train.strategy={train.strategy} has none; set ddp.comm_hook=none")
     if train.strategy == "fsdp" and train.compile:
         raise ConfigError("train.strategy: fsdp does not run with train.compile yet; use ddp with it")
+    if cfg.model.sdpa_backend != "auto" and cfg.model.attn_implementation not in ("auto", "sdpa"):
+        raise ConfigError(f"model.sdpa_backend: {cfg.model.sdpa_backend} picks an SDPA kernel, but "
+                          f"model.attn_implementation is {cfg.model.attn_implementation}; set it to sdpa")
     if cfg.model.dtype == "bf16":
         if cfg.model.lora.r is None:
             raise ConfigError("model.dtype: bf16 stores the frozen weights of a LoRA run; without model.lora.r "

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainer import build, data, distributed
+from trainer import build, data, distributed, model
 from trainer.distributed import DistEnv
 from trainer.tasks.base import Task
 
@@ -42,7 +42,8 @@ class Evaluation:
 
 @torch.no_grad()
 def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, task: Task, device: torch.device,
-             dist_env: DistEnv, sharded: bool = False, keep_rows: bool = False) -> Evaluation:
+             dist_env: DistEnv, sharded: bool = False, keep_rows: bool = False,
+             sdpa_backend: str = "auto") -> Evaluation:
     """Exact global metrics: each rank's shard once (data.EvalShardSampler), tallies summed.
 
     `logits_of` is the bare model's (no DDP wrapper), so no rank enters a collective per
@@ -50,7 +51,14 @@ def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, task: T
     gathers each block's weights in its forward, a collective: a rank with fewer batches
     then runs forwards on a filler batch, whose logits count nowhere, until every rank has
     run as many as the rank with the most. Otherwise the others would wait for it for ever.
+    `sdpa_backend`: the attention kernel (model.sdpa_backend), as in the step.
     """
+    with model.sdpa_kernel(sdpa_backend):
+        return _evaluate(logits_of, loader, num_samples, task, device, dist_env, sharded, keep_rows)
+
+
+def _evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, task: Task, device: torch.device,
+              dist_env: DistEnv, sharded: bool, keep_rows: bool) -> Evaluation:
     was_training = logits_of.training
     logits_of.eval()
     tally = task.tally(device)
@@ -106,7 +114,8 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) 
     trained = build.trained(cfg, dist_env, device, folder)
     splits = data.load(cfg, dist_env, labels=trained.task.labels)  # every label one the model knows
     loader, num_samples = data.build_eval(cfg, dist_env, splits, trained.tokenizer, device)
-    result = evaluate(trained.logits, loader, num_samples, trained.task, device, dist_env, keep_rows=True)
+    result = evaluate(trained.logits, loader, num_samples, trained.task, device, dist_env, keep_rows=True,
+                      sdpa_backend=cfg.model.sdpa_backend)
     split = cfg.data.eval_split
     if splits.held_out is not None:
         split += " (held out of the train split)"

@@ -291,7 +291,8 @@ class Trainer:
         strategy = self.built.strategy
         assert strategy.logits is not None, "build() parallelized the model"
         return evaluation.evaluate(strategy.logits, loader, num_samples, self.built.task, self.device,
-                                   self.dist_env, sharded=strategy.sharded).metrics
+                                   self.dist_env, sharded=strategy.sharded,
+                                   sdpa_backend=self.built.step.sdpa_backend).metrics
 
     def _validate(self, step: int) -> dict[str, float]:
         """Evaluate the validation split, log it, and let the selection see it."""

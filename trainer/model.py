@@ -8,6 +8,7 @@ builds it.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -128,8 +129,44 @@ def check_max_length(model_cfg: DictConfig, max_length: int, config: PretrainedC
 
 def attention_for(model_cfg: DictConfig, device_type: str) -> str:
     if model_cfg.attn_implementation != "auto":
-        return model_cfg.attn_implementation
-    return "sdpa" if device_type == "cuda" else "eager"
+        implementation = model_cfg.attn_implementation
+    else:
+        implementation = "sdpa" if device_type == "cuda" else "eager"
+    check_sdpa_backend(model_cfg, implementation, device_type)
+    return implementation
+
+
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "math": "MATH"}
+"""model.sdpa_backend's names for torch.nn.attention.SDPBackend's."""
+
+
+def check_sdpa_backend(model_cfg: DictConfig, implementation: str, device_type: str) -> None:
+    """model.sdpa_backend against the attention the model is built with, on `device_type`:
+    before the weights load, rather than as "No available kernel" in the first step."""
+    backend = model_cfg.get("sdpa_backend", "auto")
+    if backend == "auto":
+        return
+    if implementation != "sdpa":
+        reason = " (model.attn_implementation auto is eager on CPU)" if model_cfg.attn_implementation == "auto" else ""
+        raise ConfigError(f"model.sdpa_backend: {backend} picks an SDPA kernel, but the model's attention is "
+                          f"{implementation}{reason}; set model.attn_implementation=sdpa")
+    if backend != "math" and device_type != "cuda":
+        raise ConfigError(f"model.sdpa_backend: {backend} has no {device_type.upper()} kernel (GPU only); "
+                          "use auto or math here")
+
+
+def sdpa_kernel(backend: str) -> AbstractContextManager:
+    """The context that makes SDPA run `backend` (model.sdpa_backend); auto: torch's choice.
+    torch.nn.attention.sdpa_kernel sets process-wide flags: enter it on the thread that
+    launches the forward, around the backward too (autograd's thread replays the forward's
+    kernel choice, but checkpointed layers recompute their forward there)."""
+    if backend == "auto":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import sdpa_kernel as kernel
+
+    return kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
 
 
 def load_model(model_cfg: DictConfig, config: PretrainedConfig, seed: int, device: torch.device,

@@ -17,6 +17,7 @@ from torch import nn
 
 from trainer.faults import inject
 from trainer.faults.numerics import LossGuard, Outcome
+from trainer.model import sdpa_kernel
 
 if TYPE_CHECKING:
     from trainer.strategies.base import Strategy
@@ -69,11 +70,13 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, strategy: Strategy, task: Task, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler,
-                 guard: LossGuard, max_grad_norm: float, device: torch.device, non_blocking: bool):
+                 guard: LossGuard, max_grad_norm: float, device: torch.device, non_blocking: bool,
+                 sdpa_backend: str = "auto"):
         assert strategy.module is not None, "the strategy has parallelized the model"
         self.model, self.strategy, self.module, self.task = model, strategy, strategy.module, task
         self.optimizer, self.scheduler, self.scaler, self.guard = optimizer, scheduler, scaler, guard
         self.max_grad_norm, self.device, self.non_blocking = max_grad_norm, device, non_blocking
+        self.sdpa_backend = sdpa_backend
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The batch's loss, through whatever runs the model on this rank: the mean of its
@@ -95,7 +98,7 @@ class TrainStep:
             # From page-locked memory (data.pin_memory, on GPU) the copies need not block the host.
             batch = {k: v.to(self.device, non_blocking=self.non_blocking) for k, v in batch.items()}
             is_last = i == grad_accum - 1
-            with self.strategy.sync_gradients(now=is_last):
+            with self.strategy.sync_gradients(now=is_last), sdpa_kernel(self.sdpa_backend):
                 observer.phase("forward")
                 loss = self.loss(batch) / grad_accum
                 if i == 0:

@@ -1,0 +1,106 @@
+"""model.sdpa_backend: the SDPA kernel in force in the step's forward and backward and in
+evaluation, refused where it cannot run (the wrong attention, a GPU kernel on CPU)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import tiny_overrides
+
+from trainer import build, config, evaluation, labels, model
+from trainer.distributed import DistEnv
+from trainer.errors import ConfigError
+from trainer.step import StepObserver
+
+CPU = torch.device("cpu")
+
+
+def built_with(dropout_model, reviews, tmp_path, backend: str):
+    cfg = config.load(None, tiny_overrides(dropout_model, reviews, tmp_path / backend, **{
+        "model.attn_implementation": "sdpa", "model.sdpa_backend": backend, "train.batch_size": 4}))
+    return cfg, build.build(cfg, DistEnv(), CPU, labels.from_config(cfg.data), max_steps=2)
+
+
+def flags() -> tuple[bool, bool, bool, bool]:
+    """Which SDPA backends torch may pick now (process-wide; sdpa_kernel sets them)."""
+    cuda = torch.backends.cuda
+    return cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.cudnn_sdp_enabled(), cuda.math_sdp_enabled()
+
+
+def test_a_step_under_math_equals_autos_and_runs_math_alone(dropout_model, reviews, tmp_path):
+    """Dropout on, as in training: on CPU, torch's only fused kernel (flash) takes no dropout, so
+    auto runs math too, and one step under either gives the same weights, bit for bit. Under
+    math the forward and the backward see math alone allowed; afterwards torch's flags are back."""
+    ids = torch.randint(1000, 2000, (4, 24))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.arange(4)}
+    before = flags()
+    weights, seen = {}, {}
+    for backend in ("auto", "math"):
+        _, built = built_with(dropout_model, reviews, tmp_path, backend)
+        seen[backend] = []
+        head = built.model.classifier  # its output is a tensor: backward hooks reach it
+        head.register_forward_hook(lambda *_, b=backend: seen[b].append(("forward", flags())))
+        head.register_full_backward_hook(lambda *_, b=backend: seen[b].append(("backward", flags())))
+        initial = [p.detach().clone() for p in built.model.parameters()]
+        torch.manual_seed(0)  # the same dropout masks
+        built.step([batch], 1, StepObserver())
+        weights[backend] = {name: p.detach().clone() for name, p in built.model.named_parameters()}
+        assert not all(map(torch.equal, initial, weights[backend].values())), "the step was taken"
+    assert flags() == before
+    assert seen["auto"] == [("forward", before), ("backward", before)]
+    assert seen["math"] == [("forward", (False, False, False, True)), ("backward", (False, False, False, True))]
+    assert weights["auto"].keys() == weights["math"].keys()
+    assert all(torch.equal(weights["auto"][name], weights["math"][name]) for name in weights["auto"])
+
+
+def test_evaluation_runs_the_configured_kernel(dropout_model, reviews, tmp_path):
+    """Evaluation (no dropout: there auto may take CPU's flash kernel, which sums in another
+    order) runs math alone under math, and auto's logits equal math's within float32 rounding."""
+    from trainer import data
+
+    cfg, built = built_with(dropout_model, reviews, tmp_path, "math")
+    splits = data.load(cfg, DistEnv(), labels=built.task.labels)
+    loader, num_samples = data.build_eval(cfg, DistEnv(), splits, built.tokenizer, CPU)
+    seen = []
+    hook = built.model.register_forward_hook(lambda *_: seen.append(flags()))
+    logits = {}
+    for backend in ("auto", "math"):
+        seen.clear()
+        kept = evaluation.evaluate(built.strategy.logits, loader, num_samples, built.task, CPU, DistEnv(),
+                                   keep_rows=True, sdpa_backend=backend)
+        logits[backend] = kept.rows[1]
+        assert seen and all(f == (False, False, False, True) for f in seen) == (backend == "math")
+    hook.remove()
+    torch.testing.assert_close(logits["auto"], logits["math"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("settings", "device", "says"), [
+    ({"model.sdpa_backend": "flash", "model.attn_implementation": "sdpa"}, "cpu",
+     "model.sdpa_backend: flash has no CPU kernel (GPU only); use auto or math here"),
+    ({"model.sdpa_backend": "cudnn", "model.attn_implementation": "sdpa"}, "cpu", "cudnn has no CPU kernel"),
+    ({"model.sdpa_backend": "efficient"}, "cpu",
+     ("the model's attention is eager (model.attn_implementation auto is eager on CPU); set "
+      "model.attn_implementation=sdpa")),
+    ({"model.sdpa_backend": "flash"}, "cuda", None),  # auto is sdpa on GPU
+    ({"model.sdpa_backend": "math", "model.attn_implementation": "sdpa"}, "cpu", None),
+])
+def test_a_backend_that_cannot_run_is_refused_before_the_weights_load(tiny_model, reviews, tmp_path, settings,
+                                                                      device, says):
+    cfg = config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **settings))
+    if says is None:
+        assert model.attention_for(cfg.model, device) == "sdpa"
+        return
+    with pytest.raises(ConfigError, match=re.escape(says)) as refused:
+        model.attention_for(cfg.model, device)
+    assert "\n" not in str(refused.value)
+
+
+def test_the_config_refuses_a_backend_with_eager_attention(tiny_model, reviews, tmp_path):
+    with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: math picks an SDPA kernel, but "
+                                          r"model\.attn_implementation is eager; set it to sdpa$"):
+        config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{
+            "model.sdpa_backend": "math", "model.attn_implementation": "eager"}))
+    with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: "):
+        config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{"model.sdpa_backend": "fastest"}))
