@@ -48,6 +48,8 @@ def bench_data(out: Path, samples: int) -> Path:
 # (the GPU machines): the speed of a model depends on its shape, not on its weights.
 ARCHS = {
     "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
+    # The CPU dry run of benchmarks/gpu.sh check: the same code paths in seconds.
+    "tiny": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
 }
 
 
@@ -65,10 +67,11 @@ def random_init_model(out: Path, arch: str, tokenizer_from: str) -> str:
 
 
 def ours(args, work: Path, nproc: int, precision: str, extra: tuple[str, ...] = (), run: str = "run",
-         batch_size: int | None = None) -> list[str]:
+         batch_size: int | None = None, torchrun: bool = False) -> list[str]:
     """nproc ranks under torchrun; nproc 1 is one rank alone (the per-rank batch), the
-    reference for scaling efficiency: it takes nproc x the steps for the same samples. Every
-    rank gets --threads-per-rank threads (on a GPU they only launch kernels)."""
+    reference for scaling efficiency: it takes nproc x the steps for the same samples, and
+    a process group only with `torchrun` (FSDP shards over one). Every rank gets
+    --threads-per-rank threads (on a GPU they only launch kernels)."""
     batch_size = batch_size or args.batch_size
     epoch_steps = args.samples // (batch_size * nproc)
     overrides = [
@@ -78,7 +81,7 @@ def ours(args, work: Path, nproc: int, precision: str, extra: tuple[str, ...] = 
         "train.lr=1e-4", f"train.precision={precision}", f"train.threads={args.threads_per_rank}",
         "checkpoint.every=0", "checkpoint.resume=never", "wandb.mode=disabled", f"output_dir={work / run}", *extra,
     ]
-    if nproc == 1:
+    if nproc == 1 and not torchrun:
         return [sys.executable, *trainer_program(overrides=overrides)]
     return torchrun_argv(nproc, trainer_program(overrides=overrides))
 
@@ -170,12 +173,30 @@ GPU_ABLATIONS = {
     "+ checkpoint every 10 steps, async": ("checkpoint.every=10", "checkpoint.async_save=true"),
     "+ checkpoint every 10 steps, sync": ("checkpoint.every=10", "checkpoint.async_save=false"),
 }
+# benchmarks/gpu.sh check: issue 58's switches, each against "trainer DDP bf16" (GPU_ABLATIONS
+# has "+ torch.compile"). SDPA math stands in for the GPU kernels in the CPU dry run.
+CHECK_VARIANTS = {
+    "- loss check": ("fault.max_bad_steps=0", "fault.spike_factor=0"),
+    "+ SDPA flash": ("model.sdpa_backend=flash",),
+    "+ SDPA efficient": ("model.sdpa_backend=efficient",),
+    "+ SDPA cudnn": ("model.sdpa_backend=cudnn",),
+    "+ SDPA math": ("model.attn_implementation=sdpa", "model.sdpa_backend=math"),
+}
+# An FSDP run (under torchrun, even on one rank) saving every 5 steps, overlapped or not.
+SAVES = {
+    f"trainer FSDP bf16, {mode} save every 5": (
+        lambda a, w, mode=mode: ours(a, w, a.nproc, "bf16", ("train.strategy=fsdp", "checkpoint.every=5",
+                                                            f"checkpoint.async_save={mode == 'async'}"),
+                                     torchrun=True), "ours")
+    for mode in ("async", "sync")
+}
 STRATEGIES = {
     **MAIN,
+    **SAVES,
     **SCALING,
     **FP32_VARIANTS,
     **{f"trainer DDP bf16 {label}": (lambda a, w, extra=extra: ours(a, w, a.nproc, "bf16", extra), "ours")
-       for label, extra in {**CPU_ABLATIONS, **GPU_ABLATIONS}.items()},
+       for label, extra in {**CPU_ABLATIONS, **GPU_ABLATIONS, **CHECK_VARIANTS}.items()},
 }
 
 
@@ -324,6 +345,9 @@ def main() -> None:
                              "interleaved with this tree's: a before/after comparison")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds before a run is killed")
     parser.add_argument("--keep-going", action="store_true", help="record a failed run and go on")
+    parser.add_argument("--stop-after-s", type=float,
+                        help="start no run that the slowest so far would carry past this many seconds: "
+                             "fewer repetitions, every result kept (benchmarks/gpu_check.py)")
     parser.add_argument("--name", default="cpu-minilm", help="results/<name>.json and .png")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks/results")
     args = parser.parse_args()
@@ -370,9 +394,15 @@ def main() -> None:
         if args.random_init:
             args.model = random_init_model(work / "model", args.random_init, tokenizer_from=args.model)
         bench_data(work / "data", args.samples)
+        begun, slowest = time.monotonic(), 0.0
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[: rep % len(names)]
             for name in order:
+                if args.stop_after_s is not None and time.monotonic() - begun + slowest > args.stop_after_s:
+                    print(f"rep {rep + 1}/{args.reps}  {name}: not started, --stop-after-s {args.stop_after_s:.0f} "
+                          "would pass", flush=True)
+                    continue
+                run_started = time.monotonic()
                 try:
                     result = run_once(name, args, work)
                 except (RunFailed, subprocess.TimeoutExpired) as e:
@@ -381,6 +411,7 @@ def main() -> None:
                     print(f"rep {rep + 1}/{args.reps}  {name}: FAILED\n{e}", flush=True)
                     failures.setdefault(name, []).append(str(e)[-3000:])
                     continue
+                slowest = max(slowest, time.monotonic() - run_started)
                 runs[name].append(result)
                 print(f"rep {rep + 1}/{args.reps}  {name:50s} {result['samples_per_s']:7.2f} samples/s  "
                       f"MFU {result.get('mfu') or float('nan'):.3f}  "
@@ -422,7 +453,8 @@ def report(args, label: str, runs: dict[str, list[dict]], failures: dict[str, li
              (f"{base} + torch.compile", "HF Trainer best bf16 + torch.compile"),
              *((n, base) for n in medians if n.startswith(base + " ") and " @ " not in n),
              *((n, "trainer DDP fp32") for n in medians if n in FP32_VARIANTS),
-             *((n.split(" @ ")[0], n) for n in medians if " @ " in n)]
+             *((n.split(" @ ")[0], n) for n in medians if " @ " in n),
+             ("trainer FSDP bf16, async save every 5", "trainer FSDP bf16, sync save every 5")]
     ratios = {f"{a} / {b}": medians[a] / medians[b] for a, b in pairs if a in medians and b in medians}
     if base in medians and "trainer 1 rank bf16" in medians:
         ratios["scaling efficiency: DDP bf16 / (nproc x 1 rank bf16)"] = (

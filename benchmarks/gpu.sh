@@ -3,6 +3,13 @@
 # CUDA GPU and this project installed (`make install`, or the image), offline:
 #
 #   benchmarks/gpu.sh [all | cuda | sweep | compare | profile | ablations | demo | cpu-scaling ...]
+#   benchmarks/gpu.sh check [--dry-run] [cuda variants profile saves]
+#
+# check is issue 58's prepared check, one call of at most 8 minutes with no internet
+# (benchmarks/gpu_check.py, docs/gpus.md): the CUDA tests, then on bert-base at batch 512 the
+# loss check, model.sdpa_backend and train.compile on and off, interleaved, a profile, and an
+# FSDP save with checkpoint.async_save on and off; check.json, check.md and check.log land in
+# $OUT (benchmarks/results where unset). --dry-run (or DRY_RUN=1): the same on CPU, tiny.
 #
 # all (the default) runs every part in this order, about 25 minutes on an H100:
 #   cuda         tests/e2e/test_cuda.py (the CUDA path's guarantees) and the determinism check
@@ -18,6 +25,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
+if [ "${1:-}" = check ]; then
+  shift
+  exec $PY -m benchmarks.gpu_check "$@"
+fi
 PREFIX=${PREFIX:-$($PY -c 'import torch; print(torch.cuda.get_device_name(0).split()[1].lower())')}
 RESULTS=benchmarks/results
 BERT=(--random-init bert-base --nproc 1 --epoch-steps 20 --keep-going)
