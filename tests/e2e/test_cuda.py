@@ -121,7 +121,8 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
     sizes = [t.numel() * t.element_size() for t in held]
     assert sum(sizes) == plan.static - plan.workspaces  # the exact part, as on CPU
     inputs = [ids.numel() * ids.element_size(), labels.numel() * labels.element_size()]
-    # cuBLASLt's own workspace, or none where this torch shares cuBLAS's with it: the plan counts it.
+    # cuBLASLt's own workspace, on the threads whose matmuls went through it (addmm's bias
+    # epilogue), or none where this torch shares cuBLAS's with it: the plan counts one a thread.
     capability = torch.cuda.get_device_capability(cuda)
     cublas = memory.cublas_workspace_bytes(capability, {**os.environ, "TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"})
     with_lt = memory.cublas_workspace_bytes(capability, os.environ)
@@ -132,7 +133,7 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
     breakdown = {"allocated": static, "requested": requested, "plan": plan.static, "tensors": sum(sizes),
                  "inputs": sum(inputs), "cublas": cublas, "cublaslt": lt}
     workspaces = requested - sum(sizes) - sum(inputs)
-    assert workspaces in (threads * cublas, threads * with_lt), breakdown
+    assert workspaces in [threads * cublas + k * lt for k in range(threads + 1)], breakdown
     assert requested - sum(inputs) <= plan.static, breakdown
     least, _ = memory.allocated_bounds([*sizes, *inputs, *[cublas] * threads])
     _, most = memory.allocated_bounds([*sizes, *inputs, *[cublas, lt] * threads])
