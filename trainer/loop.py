@@ -47,6 +47,10 @@ from trainer.strategies import registry
 log = logging.getLogger(__name__)
 
 
+class _Unasked:
+    """The preemption check was not asked at this step boundary yet."""
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, dist_env: DistEnv, device: torch.device, startup: StartupClock):
         self.cfg, self.dist_env, self.device, self.startup = cfg, dist_env, device, startup
@@ -117,27 +121,66 @@ class Trainer:
         self.meter.begin(start_step)
         self.watchdog.start()
         step = start_step
+        again: tuple[int, list[dict]] | None = None
+        """The batches of a try the step aborted, because the try before it was bad."""
+        unsettled: tuple[int, int, float, float] | None = None
+        """(step, epoch, start, end) of the try whose verdict is still on its way to the host:
+        the next try reads it once its own forward and backward are queued (trainer/step.py)."""
         while step < self.policy.max_steps and not self.selection.stop:
             step += 1
             started = time.time()
             self.watchdog.step_started(step)
             inject.point("step", step)
             self.meter.phase("data")
-            epoch, batches = next(steps)
-            outcome = self.train_step(batches, step, self.meter)
+            epoch, batches = again or next(steps)
+            again = None
+            tried = self.train_step(batches, step, self.meter)
             self.watchdog.step_done()
-            self.timeline.step(step, started, outcome.taken)
-            if outcome.bad or outcome.spike:
-                step = self._bad_step(step, outcome)
-                if not outcome.taken:
+            if unsettled is not None:
+                assert tried.previous is not None, "the step read the verdict it held"
+                done = self._settled(*unsettled, tried.previous)
+                unsettled = None
+                if tried.aborted:  # the try before was bad: this one's batches go again
+                    step, again = done, (epoch, batches)
                     continue
-            inject.point("weights", step, model=self.model)
-            self.state.step, self.state.epoch = step, epoch
-            if self.first_step_end_unix is None:
-                with self._phase("first-step", step):
-                    self._first_step_done()
-            self._between_steps(step, epoch)
+            preempted_by: str | type[_Unasked] | None = _Unasked
+            if self._may_wait(step):
+                with self._phase("preemption", step):
+                    preempted_by = self.preemption.agreed()
+                if preempted_by is None:  # nothing between the steps needs the verdict
+                    unsettled = (step, epoch, started, time.time())
+                    continue
+            outcome = tried.outcome()
+            done = self._settled(step, epoch, started, time.time(), outcome)
+            if not outcome.taken:
+                step = done
+                continue
+            self._between_steps(step, epoch, preempted_by)
         return self._end_of_run(start_step, step)
+
+    def _may_wait(self, step: int) -> bool:
+        """Whether the verdict of `step`'s try may wait for the next try: nothing between the
+        steps needs it (no log, eval, save, replica check, fault, first or last step). The
+        same answer on every rank, which must all run the same tries."""
+        policy = self.policy
+        return (self.train_step.pending is not None and self.first_step_end_unix is not None
+                and step < policy.max_steps and not (policy.log(step) or policy.evaluate(step) or policy.save(step))
+                and not self.replicas.due(step, saving=False) and not inject.between_steps())
+
+    def _settled(self, step: int, epoch: int, started: float, ended: float, outcome: numerics.Outcome) -> int:
+        """The host's account of a try of `step` once its verdict is read. Returns the step
+        the run has done (`_bad_step`'s for a bad try)."""
+        self.timeline.step(step, started, outcome.taken, ended)
+        if outcome.bad or outcome.spike:
+            done = self._bad_step(step, outcome)
+            if not outcome.taken:
+                return done
+        inject.point("weights", step, model=self.model)
+        self.state.step, self.state.epoch = step, epoch
+        if self.first_step_end_unix is None:
+            with self._phase("first-step", step):
+                self._first_step_done()
+        return step
 
     def _bad_step(self, step: int, outcome: numerics.Outcome) -> int:
         """A try of `step` that was not finite (skipped on every rank alike) or a spike:
@@ -192,8 +235,9 @@ class Trainer:
         assert self.tracker is not None, "train() starts the tracker first"
         return self.tracker
 
-    def _between_steps(self, step: int, epoch: int) -> None:
-        """Log, evaluate, save and stop as the policy says, each in a phase (`_phase`)."""
+    def _between_steps(self, step: int, epoch: int, preempted_by: str | type[_Unasked] | None = _Unasked) -> None:
+        """Log, evaluate, save and stop as the policy says, each in a phase (`_phase`);
+        `preempted_by`: what the preemption check said at this boundary, if asked already."""
         watch = self._phase
         if self.policy.log(step):
             with watch("log", step):
@@ -207,8 +251,10 @@ class Trainer:
             if saved:
                 with watch("save", step):
                     self.save()
-            with watch("preemption", step):
-                preempted_by = self.preemption.agreed()
+            if preempted_by is _Unasked:
+                with watch("preemption", step):
+                    preempted_by = self.preemption.agreed()
+            assert preempted_by is None or isinstance(preempted_by, str)
             if preempted_by is not None and self.policy.stop_for_preemption(step, preempted_by):
                 if not saved:
                     self._compare_replicas(step, saving=True)

@@ -10,13 +10,14 @@ that syncs the device at each phase in the forecast.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from trainer.faults import inject
-from trainer.faults.numerics import LossGuard, Outcome
+from trainer.faults.numerics import LossGuard, Outcome, Verdict
 from trainer.model import sdpa_kernel
 
 if TYPE_CHECKING:
@@ -42,6 +43,42 @@ class LogitsUnderAutocast(nn.Module):
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             return self.model(**inputs).logits
+
+
+class AttentionMasks:
+    """The attention mask a micro-batch hands the model, made so that the model need not read it.
+
+    On every forward, transformers' masking_utils asks an encoder's mask `padding_mask.all()`
+    (to leave the mask out when nothing is padded, so that SDPA may pick its fastest kernel):
+    a host sync per forward. The host knows the answer from its own copy of the batch: no
+    mask when nothing is padded, and otherwise the mask transformers would make, by its own
+    create_bidirectional_mask told not to look, which the model takes as made (a 4D mask).
+    The same mask in both cases, so the same numbers. For the encoders under SDPA whose mask
+    is that function's (others get their 2D mask, as before)."""
+
+    ENCODERS = frozenset({"bert", "roberta", "xlm-roberta", "electra", "camembert"})
+
+    def __init__(self, model: nn.Module):
+        config = getattr(model, "config", None)
+        self.config = config
+        self.makes = (config is not None and getattr(config, "model_type", None) in self.ENCODERS
+                      and not getattr(config, "is_decoder", False)
+                      and not getattr(config, "add_cross_attention", False)
+                      and getattr(config, "_attn_implementation", None) == "sdpa")
+
+    def __call__(self, host_mask: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        """What to hand the model for the device's copy of `host_mask` (the loader's)."""
+        if not self.makes:
+            return lambda mask: mask
+        if bool(host_mask.all()):  # the host's own memory: no sync
+            return lambda mask: None
+        return self._made
+
+    def _made(self, mask: torch.Tensor) -> torch.Tensor | None:
+        from transformers.masking_utils import create_bidirectional_mask
+
+        shape = torch.empty((*mask.shape, 0), device=mask.device)  # its batch, length and device are read
+        return create_bidirectional_mask(self.config, shape, mask, allow_is_bidirectional_skip=False)
 
 
 class StepObserver:
@@ -77,39 +114,66 @@ class TrainStep:
         self.optimizer, self.scheduler, self.scaler, self.guard = optimizer, scheduler, scaler, guard
         self.max_grad_norm, self.device, self.non_blocking = max_grad_norm, device, non_blocking
         self.sdpa_backend = sdpa_backend
+        self.pending: _Pending | None = None
+        """The last try's check, while the host has not read it."""
+        # The host need not wait for the check where the device can apply it: the fused AdamW
+        # takes a found_inf. fp16's scaler reads its own found_inf on the host, PowerSGD's
+        # error feedback would carry a bad step's NaN into the next backward before its
+        # verdict is read, and a spike's median is the host's.
+        self.lazy = (bool(optimizer.defaults.get("fused")) and not scaler.is_enabled()
+                     and not guard.rollback_on_spike and getattr(strategy, "powersgd", None) is None)
+        self.masks = AttentionMasks(model)
 
-    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss(self, batch: dict[str, torch.Tensor | None]) -> torch.Tensor:
         """The batch's loss, through whatever runs the model on this rank: the mean of its
         samples' losses (the task's), in fp32. Over the gathered logits, not as a mean of
         DataParallel's per-replica means, which would weigh the samples of an uneven split (5
         samples on 2 GPUs: 3 and 2) unequally."""
         inputs = dict(batch)
         labels = inputs.pop("labels")
+        assert labels is not None
         return self.task.sample_losses(self.module(**inputs), labels).mean()
 
-    def __call__(self, batches: list[dict], step: int, observer: StepObserver) -> Outcome:
+    def __call__(self, batches: list[dict], step: int, observer: StepObserver) -> Try:
         """Optimizer step number `step` over `batches`, this rank's micro-batches of it; taken
-        or skipped on every rank alike."""
+        or skipped on every rank alike.
+
+        Where the optimizer is the fused AdamW (and neither fp16's scaler nor PowerSGD nor
+        fault.rollback_on_spike needs the host to decide), the host never waits for the device:
+        the check is decided and applied there (numerics.Verdict), and its verdict is read here
+        a step later, once this try's forward and backward are queued (`settle`). A try after
+        a bad one is then aborted before its optimizer step, its random state given back, and
+        its batches go again (`Try.aborted`): what it trains is what a host that had waited
+        would have trained. Reading the returned Try's fields settles it at once."""
+        rng = _rng_state(self.device) if self.pending is not None else None
         grad_accum = len(batches)
         clock = self.strategy.comm_clock
         step_loss = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             observer.micro_batch(batch["attention_mask"])
+            mask = self.masks(batch["attention_mask"])  # from the host's copy: nothing to read on the device
             # From page-locked memory (data.pin_memory, on GPU) the copies need not block the host.
             batch = {k: v.to(self.device, non_blocking=self.non_blocking) for k, v in batch.items()}
             is_last = i == grad_accum - 1
             with self.strategy.sync_gradients(now=is_last), sdpa_kernel(self.sdpa_backend):
                 observer.phase("forward")
-                loss = self.loss(batch) / grad_accum
-                if i == 0:
-                    inject.point("loss", step, loss=loss)
+                loss = self.loss({**batch, "attention_mask": mask(batch["attention_mask"])}) / grad_accum
                 observer.phase("backward")
                 self.scaler.scale(loss).backward()
             if is_last and clock is not None:
                 observer.phase("comm", at=clock.take())  # from the last bucket on
             step_loss += loss.detach()
+        # Before the optimizer's phase: the observer hears of the last try's end (which ends a
+        # phase) before this try's optimizer is timed.
+        previous = self.settle()
+        if previous is not None and not previous.taken:  # this try is not the one that comes next
+            self.optimizer.zero_grad(set_to_none=True)
+            _set_rng_state(self.device, rng)
+            observer.phase(None)
+            return Try(self, None, previous)
         observer.phase("optimizer")
         self.strategy.gradients_ready()
+        inject.point("loss", step, loss=step_loss, model=self.model)
         inject.point("gradients", step, model=self.model)
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         grad_norm = None
@@ -120,16 +184,83 @@ class TrainStep:
         # With fp16, a step whose gradients overflowed is skipped by the scaler and the scale
         # halved; every rank skips the same steps, because the all-reduced gradients are the
         # same everywhere. A loss that is not finite, in any precision, the guard skips.
-        outcome = self.guard.judge(step_loss, grad_norm, scaler_skips_overflow=self.scaler.is_enabled())
-        if outcome.taken:
+        verdict = self.guard.check(step_loss, grad_norm, scaler_skips_overflow=self.scaler.is_enabled())
+        pending = _Pending(verdict, step_loss, grad_norm, observer)
+        if verdict is not None and self.lazy:
+            self.optimizer.found_inf = verdict.skip  # type: ignore[attr-defined]  # as GradScaler hands it over
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
+            self.optimizer.zero_grad(set_to_none=True)
+            observer.phase(None)
+            self.pending = pending
+            return Try(self, pending, previous)
+        if pending.outcome().taken:
             self.scaler.step(self.optimizer)
         self.scaler.update()  # also after a skipped step: it ends the step's unscale_
-        if outcome.taken:
-            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if outcome.taken:
-            observer.step_done(step_loss, grad_norm)
+        self._conclude(pending)
+        return Try(self, pending, previous)
+
+    def settle(self) -> Outcome | None:
+        """The verdict of the last try, if not read yet: read now, and what the host does
+        after a step (the LR schedule's step, the observer told) done. None: none pending."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        self._conclude(pending)
+        return pending.outcome()
+
+    def _conclude(self, pending: _Pending) -> None:
+        if pending.outcome().taken:
+            self.scheduler.step()
+            pending.observer.step_done(pending.loss, pending.grad_norm)
         else:
             self.strategy.discard_gradients()
-            observer.step_skipped()
-        return outcome
+            pending.observer.step_skipped()
+
+
+class _Pending:
+    """A try's check, as the host will read it."""
+
+    def __init__(self, verdict: Verdict | None, loss: torch.Tensor, grad_norm: torch.Tensor | None,
+                 observer: StepObserver):
+        self.verdict, self.loss, self.grad_norm, self.observer = verdict, loss, grad_norm, observer
+
+    def outcome(self) -> Outcome:
+        return Outcome(True, None, None) if self.verdict is None else self.verdict.read()
+
+
+class Try:
+    """What a call of TrainStep did: `previous`, the verdict of the try before it, settled
+    during this one (None: it was settled already); `aborted`: that try was bad, so this one
+    took no step and its batches go again. Its own verdict's fields (taken, loss, grad_norm,
+    bad, spike: numerics.Outcome's) settle it when read."""
+
+    def __init__(self, step: TrainStep, pending: _Pending | None, previous: Outcome | None):
+        self._step, self._pending, self.previous = step, pending, previous
+        self.aborted = pending is None
+
+    def outcome(self) -> Outcome:
+        assert self._pending is not None, "an aborted try has no verdict"
+        if self._step.pending is self._pending:
+            self._step.settle()
+        return self._pending.outcome()
+
+    def __getattr__(self, name: str):
+        if name in Outcome._fields:
+            return getattr(self.outcome(), name)
+        raise AttributeError(name)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The random state a try's forward draws dropout from (host-side: no device sync)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None] | None) -> None:
+    if state is not None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)

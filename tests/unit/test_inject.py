@@ -143,10 +143,11 @@ def test_nan_losses_at_several_steps_each_for_its_first_tries():
     inject.configure(RANK_1, {"TRAINER_FAULT_NAN": "1:3,1:7:2,0:5"})
     poisoned = []
     for step in (3, 3, 5, 7, 7, 7):
-        weight = torch.ones(2, requires_grad=True)
-        loss = (weight * 2).sum()
-        inject.point("loss", step, loss=loss)
+        model = torch.nn.Linear(2, 1)
+        loss = model(torch.ones(2)).sum()
         loss.backward()
-        poisoned.append((step, bool(loss.isnan()), bool(weight.grad.isnan().all())))
+        step_loss = loss.detach()
+        inject.point("loss", step, loss=step_loss, model=model)  # as the step calls it, after backward
+        poisoned.append((step, bool(step_loss.isnan()), all(bool(p.grad.isnan().all()) for p in model.parameters())))
     assert poisoned == [(3, True, True), (3, False, False), (5, False, False), (7, True, True), (7, True, True),
                         (7, False, False)]

@@ -8,9 +8,9 @@ when the Trainer is built; with no TRAINER_FAULT_* variable set, a point is a di
     TRAINER_FAULT_SIGKILL=RANK:STEP         "step": a train step begins                    SIGKILL
     TRAINER_FAULT_RAISE=RANK:STEP           "step"                                         InjectedFault
     TRAINER_FAULT_SIGTERM=RANK:STEP         "step"                                         SIGTERM (a preemption)
-    TRAINER_FAULT_NAN=RANK:STEP[:TRIES],... "loss": the first micro-batch's loss, before   a NaN loss and
-                                            backward, in STEP's first TRIES tries          NaN gradients
-                                            (default 1); several, comma-separated
+    TRAINER_FAULT_NAN=RANK:STEP[:TRIES],... "loss": the step's loss, after backward, in    a NaN loss and
+                                            STEP's first TRIES tries (default 1); several, NaN gradients
+                                            comma-separated
     TRAINER_FAULT_OVERFLOW=RANK:STEP        "gradients": all-reduced, not yet unscaled     an inf in them
     TRAINER_FAULT_CORRUPT=RANK:STEP         "weights": the optimizer has stepped            a flipped bit
     TRAINER_FAULT_SIGSTOP=RANK:PHASE:STEP   "phase:PHASE": the watchdog starts watching    SIGSTOP
@@ -35,6 +35,18 @@ from trainer.faults import replicas
 
 _armed: dict[tuple[str, int], list[Callable[..., None]]] = {}
 """(point, step): the faults to run there, in the order the table above lists them."""
+
+
+_BETWEEN_STEPS = ("TRAINER_FAULT_SIGKILL", "TRAINER_FAULT_RAISE", "TRAINER_FAULT_SIGTERM", "TRAINER_FAULT_CORRUPT",
+                  "TRAINER_FAULT_SIGSTOP", "TRAINER_FAULT_SIGKILL_IN_SAVE")
+_between_steps = [False]
+
+
+def between_steps() -> bool:
+    """Whether a fault acting between steps is set for any rank (the same answer on every
+    rank: they share the environment). The loop then reads each step's verdict at once, so
+    that the fault meets the run where it always has (trainer/loop.py)."""
+    return _between_steps[0]
 
 
 def point(name: str, step: int, **context) -> None:
@@ -78,11 +90,15 @@ def _nan(tries: int) -> Callable[..., None]:
     tries of its step (a skipped step is tried again, with the next batch)."""
     left = [tries]
 
-    def poison(step: int, loss, **_) -> None:
+    def poison(step: int, loss, model, **_) -> None:
+        # After backward, once the try is known to be one of STEP's (trainer/step.py reads the
+        # verdict of the try before it only then): this rank's loss and gradients.
         if left[0] > 0:
             left[0] -= 1
             loss.data.fill_(float("nan"))
-            loss.register_hook(lambda grad: grad * float("nan"))
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.data.fill_(float("nan"))
 
     return poison
 
@@ -97,6 +113,7 @@ def configure(dist_env: DistEnv, environ: Mapping[str, str] = os.environ) -> Non
     """Arm the faults the TRAINER_FAULT_* variables give this rank in this attempt, and
     disarm all others."""
     _armed.clear()
+    _between_steps[0] = any(environ.get(variable) for variable in _BETWEEN_STEPS)
 
     def arm(name: str, step: str, fault: Callable[..., None]) -> None:
         _armed.setdefault((name, int(step)), []).append(fault)

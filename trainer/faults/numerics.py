@@ -5,7 +5,8 @@ clip_grad_norm_ returns the NaN norm, the weights become NaN, and every later st
 checkpoint carries them, while the run ends "done". So every step ends in a check:
 
 - `LossGuard`, inside the step (trainer/step.py): one all-reduce of the step's loss and
-  gradient norm, then one host sync, so that every rank takes the same decision. A step whose
+  gradient norm, decided on the device, so that every rank takes the same decision; the host
+  reads it a step later, when it has long arrived (trainer/step.py says how). A step whose
   loss or gradient norm is not finite on any rank is skipped on every rank: no optimizer
   update, no LR schedule step, and the batch is not trained on. Under fp16 the loss scaler
   keeps its own rule for gradients that overflow (a step skipped, the scale halved); a loss
@@ -61,7 +62,8 @@ class Outcome(NamedTuple):
 
 
 class LossGuard:
-    """The step's check: one all-reduce of (loss, gradient norm) over `group`, one host sync."""
+    """The step's check: one all-reduce of (loss, gradient norm) over `group`, decided on the
+    device (`check`); the host reads the decision once its copy has arrived (`Verdict.read`)."""
 
     def __init__(self, fault_cfg: DictConfig, dist_env: DistEnv, group: dist.ProcessGroup | None = None):
         self.dist_env, self.group = dist_env, group
@@ -72,18 +74,36 @@ class LossGuard:
         self.recent: deque[float] = deque(maxlen=SPIKE_WINDOW)
 
     def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, scaler_skips_overflow: bool) -> Outcome:
+        """`check`, then `Verdict.read` at once: the host waits for the device."""
+        verdict = self.check(loss, grad_norm, scaler_skips_overflow)
+        return Outcome(True, None, None) if verdict is None else verdict.read()
+
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor | None,
+              scaler_skips_overflow: bool) -> Verdict | None:
         """Collective over the group: `loss` is this rank's share of the step's loss (a 0-dim
-        tensor), `grad_norm` the norm of the synchronized gradients (the same on every rank)."""
+        tensor), `grad_norm` the norm of the synchronized gradients (the same on every rank).
+        None when the check is off. Nothing here waits for the device: `Verdict.skip` says on
+        the device whether the step is bad (the same on every rank: it is computed from the
+        all-reduced numbers), and the numbers travel to the host behind the device's work."""
         if not self.enabled:
-            return Outcome(True, None, None)
+            return None
         norm = _full(grad_norm) if grad_norm is not None else torch.zeros((), device=loss.device)
         values = torch.stack([loss.detach().float(), norm.detach().float().to(loss.device)])
         ranks = 1
         if self.dist_env.is_distributed:
             dist.all_reduce(values, group=self.group)
             ranks = dist.get_world_size(self.group)
-        loss_sum, norm_sum = values.tolist()  # the host sync: every rank decides on the same numbers
-        mean_loss, mean_norm = loss_sum / ranks, None if grad_norm is None else norm_sum / ranks
+        skip = torch.zeros((), device=values.device)
+        if self.check_finite:  # as `_decide` decides on the host, from the same sums
+            bad = ~torch.isfinite(values[0])
+            if grad_norm is not None and not scaler_skips_overflow:
+                bad = bad | ~torch.isfinite(values[1])
+            skip = bad.float()
+        return Verdict(self, values, skip, ranks, grad_norm is not None, scaler_skips_overflow)
+
+    def _decide(self, loss_sum: float, norm_sum: float, ranks: int, has_norm: bool,
+                scaler_skips_overflow: bool) -> Outcome:
+        mean_loss, mean_norm = loss_sum / ranks, norm_sum / ranks if has_norm else None
         why = "non-finite loss" if not math.isfinite(mean_loss) else \
             "non-finite gradient norm" if mean_norm is not None and not math.isfinite(mean_norm) \
             and not scaler_skips_overflow else None
@@ -101,6 +121,38 @@ class LossGuard:
             return None
         median = statistics.median(self.recent)
         return loss / median if median > 0 and loss > self.spike_factor * median else None
+
+
+class Verdict:
+    """A step's check, decided on the device and on its way to the host.
+
+    `skip` (a 0-dim float on the device, 1: bad) is what the fused AdamW takes as its
+    `found_inf`, as GradScaler hands it over: a bad step changes no weight and no moment, with
+    no host involved. The sums are copied to the host without blocking it, behind the step's
+    work: `read` (once; later calls return the same) waits for that copy alone, which a step
+    later has long arrived, so the host never waits for the device's queue to drain."""
+
+    def __init__(self, guard: LossGuard, values: torch.Tensor, skip: torch.Tensor, ranks: int, has_norm: bool,
+                 scaler_skips_overflow: bool):
+        self.guard, self.skip, self.ranks = guard, skip, ranks
+        self.has_norm, self.scaler_skips_overflow = has_norm, scaler_skips_overflow
+        self._host = torch.cat([values, skip.reshape(1)]).to("cpu", non_blocking=True)  # pinned, on CUDA
+        self._arrived = None
+        if values.device.type == "cuda":
+            self._arrived = torch.cuda.Event()
+            self._arrived.record()
+        self._outcome: Outcome | None = None
+
+    def read(self) -> Outcome:
+        if self._outcome is None:
+            if self._arrived is not None:
+                self._arrived.synchronize()  # the copy's event, not the queue's end
+            loss_sum, norm_sum, skip = self._host.tolist()
+            self._outcome = self.guard._decide(loss_sum, norm_sum, self.ranks, self.has_norm,
+                                               self.scaler_skips_overflow)
+            if self._outcome.bad != "loss spike" and self._outcome.taken != (skip == 0):
+                raise AssertionError(f"the device and the host judged the step differently: {skip} vs {self._outcome}")
+        return self._outcome
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:

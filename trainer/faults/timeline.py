@@ -40,9 +40,10 @@ class Timeline:
             self.path.unlink(missing_ok=True)
         self._file = self.path.open("a", buffering=1)
 
-    def step(self, step: int, started: float, taken: bool) -> None:
-        """A try of `step`, from `started` (time.time()) to now."""
-        self._write({"step": step, "t0": started, "t1": time.time(), **({} if taken else {"taken": False})})
+    def step(self, step: int, started: float, taken: bool, ended: float | None = None) -> None:
+        """A try of `step`, from `started` (time.time()) to `ended` (None: now)."""
+        self._write({"step": step, "t0": started, "t1": time.time() if ended is None else ended,
+                     **({} if taken else {"taken": False})})
 
     @contextmanager
     def phase(self, name: str, step: int) -> Iterator[None]:

@@ -1,0 +1,100 @@
+"""A steady-state training step never makes the host wait for the device (trainer/step.py):
+the loss check is decided and applied on the device and read a step later, and the model gets
+an attention mask it need not read. Counted on the CPU (trainer/perf_counts.py), as the step
+runs on a GPU (bf16, SDPA): the counts are deterministic, so they are asserted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import tiny_overrides
+
+from trainer import build, config, labels
+from trainer.distributed import DistEnv
+from trainer.faults import inject
+from trainer.perf_counts import StepCounts
+from trainer.step import StepObserver
+
+
+def batches(padded: bool, seed: int) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(5, 100, (4, 16), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, 9:] = 0
+        mask[3, 12:] = 0
+    return [{"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1, 2, 3])}]
+
+
+@pytest.fixture
+def run_config(tiny_model, reviews, tmp_path):
+    def make(model=tiny_model, **extra):
+        return config.load(None, tiny_overrides(model, reviews, tmp_path / "run", **{
+            "train.batch_size": 4, "train.precision": "bf16", "model.attn_implementation": "sdpa", **extra}))
+
+    return make
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield DistEnv(master_addr="localhost", master_port=1)
+    dist.destroy_process_group()
+
+
+def counted_steps(built, steps: int = 4) -> list[dict]:
+    """Each step's counts, counted from the first (what a step hands the next is known)."""
+    taken = []
+    with StepCounts() as counts:
+        for n in range(1, steps + 1):
+            step_batches = batches(padded=n % 2 == 0, seed=n)
+            counts.host(step_batches)
+            built.step(step_batches, n, StepObserver())
+            taken.append(counts.take())
+    return taken
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "lora"])
+def test_a_steady_state_step_makes_no_host_sync(run_config, strategy):
+    cfg = run_config(**({"model.lora.r": 4} if strategy == "lora" else {}))
+    built = build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=8)
+    steady = counted_steps(built)[1:]  # the first settles nothing yet
+    assert [step["sync_sites"] for step in steady] == [{}, {}, {}]
+    # Padded and unpadded batches alike; the same ops every step, so a count may be asserted.
+    assert steady[0]["by_op"] == steady[2]["by_op"] and steady[1]["syncs"] == 0
+
+
+def test_an_fsdp_step_makes_no_host_sync(run_config, one_rank_group):
+    cfg = run_config(**{"train.strategy": "fsdp"})
+    built = build.build(cfg, one_rank_group, torch.device("cpu"), labels.from_config(cfg.data), max_steps=8)
+    steady = counted_steps(built, steps=3)[1:]
+    assert [step["sync_sites"] for step in steady] == [{}, {}]
+    assert all(step["collectives"] == 1 for step in steady)  # the check's one all-reduce
+
+
+def test_a_try_after_a_bad_one_is_aborted_and_trains_as_a_host_that_waited_would(run_config, dropout_model):
+    """The verdict of a NaN try is read during the next try, which is then aborted, its random
+    state given back; trying its batches again gives, bit for bit, what reading each verdict at
+    once gives (with dropout on: the random state matters)."""
+    cfg = run_config(dropout_model, **{"train.precision": "fp32"})
+
+    def run(wait: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        built = build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=8)
+        inject.configure(DistEnv(), {"TRAINER_FAULT_NAN": "0:1"})
+        try:
+            first = built.step(batches(True, 1), 1, StepObserver())
+            if wait:
+                assert first.bad == "non-finite loss"
+            else:
+                second = built.step(batches(True, 2), 1, StepObserver())
+                assert second.aborted and second.previous.bad == "non-finite loss"
+            retried = built.step(batches(True, 2), 1, StepObserver())
+            assert retried.taken and not retried.aborted
+            assert built.step(batches(False, 3), 2, StepObserver()).taken
+        finally:
+            inject.configure(DistEnv(), {})
+        return {name: p.detach().clone() for name, p in built.model.named_parameters()}
+
+    waited, pipelined = run(wait=True), run(wait=False)
+    assert all(torch.equal(waited[name], pipelined[name]) for name in waited)
