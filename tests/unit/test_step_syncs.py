@@ -98,3 +98,24 @@ def test_a_try_after_a_bad_one_is_aborted_and_trains_as_a_host_that_waited_would
 
     waited, pipelined = run(wait=True), run(wait=False)
     assert all(torch.equal(waited[name], pipelined[name]) for name in waited)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_the_mask_handed_to_the_model_gives_the_logits_of_its_2d_mask(run_config, padded):
+    """AttentionMasks makes, from the host's copy, the mask transformers would make from the 2D
+    one (none at all without padding): the same logits, bit for bit, with no sync asked."""
+    from trainer.step import AttentionMasks
+
+    cfg = run_config(**{"train.precision": "fp32"})
+    model = build.load(cfg, DistEnv(), torch.device("cpu"), torch.float32, labels.from_config(cfg.data)).model.eval()
+    batch = batches(padded, seed=5)[0]
+    masks = AttentionMasks(model)
+    assert masks.makes
+    with torch.no_grad():
+        as_2d = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        with StepCounts() as counts:
+            counts.host(batch)  # the loader's copy; the model reads the device's
+            made = masks(batch["attention_mask"])(batch["attention_mask"].to("cpu"))
+            handed = model(input_ids=batch["input_ids"], attention_mask=made).logits
+    assert (made is None) == (not padded) and (made is None or made.ndim == 4)
+    assert torch.equal(as_2d, handed) and counts.totals()["syncs"] == 0
