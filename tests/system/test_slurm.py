@@ -337,7 +337,9 @@ def test_a_failing_rank_ends_the_job_without_waiting_for_the_timeout(cluster, ti
     job_id, log = submit(cluster, tmp_path, tiny_overrides(tiny_model, reviews, tmp_path / "run", **options),
                          sbatch=["--gpus-per-node=0"],
                          env={"TRAINER_FAULT_SIGKILL": "1:3", "TRAINER_MAX_RESTARTS": "0"})
-    record = finished(cluster, job_id, log, timeout=90)
+    # Ended within 300 s of its submission, start-up included (which a loaded machine may make
+    # minutes long): so it did not wait for the 600 s timeout that began only at the kill.
+    record = finished(cluster, job_id, log, timeout=300)
     assert record["JobState"] == "FAILED", explain(record, cluster)
     # srun saw node2's torchrun fail and ended the step on node1 (--kill-on-bad-exit).
     assert "srun: error: node2: task 1: Exited with exit code 1" in record["log"], record["log"][-4000:]
