@@ -206,6 +206,13 @@ class DataConfig:
     """Round each batch's padded length up to a multiple of this. null (auto): 8 on GPU, for
     tensor-core-aligned shapes and fewer distinct ones for cuDNN's plan cache and
     torch.compile; 1 on CPU, where the extra padding only costs (3%, benchmarks/RESULTS.md)."""
+    folds: int | None = key(None, FIXED, (lambda v: v is None or v >= 2, "must be >= 2 or null"))
+    """K-fold cross-validation: the train split cut into this many folds (stratified by
+    label for single_label, seeded apart from `seed`, the same on every restart and for
+    every seed), and fold data.fold held out as the validation split, in place of
+    data.eval_split. `sweep.folds` sets both for each trial. null: no folds."""
+    fold: int = key(0, FIXED, at_least(0))
+    """With data.folds: which fold validates (0 to data.folds - 1); the others train."""
     max_train_samples: int | None = key(None, FIXED, at_least_or_null(1))
     """Subsample the train split (seeded, before tokenization)."""
     max_eval_samples: int | None = key(None, FIXED, at_least_or_null(1))
@@ -494,6 +501,39 @@ class HubConfig:
 
 
 @dataclass
+class SweepConfig:
+    parameters: dict[str, Any] = key(resume=FREE, factory=dict)
+    """`python -m trainer sweep`: the config keys searched, each mapped to a list of values
+    or to a range `{low, high, log}` (`count` too for method grid: that many points, evenly
+    or log spaced). Keys are written dotted (`train.lr: [1e-5, 3e-5]`). Checked, with every
+    value, before any trial starts (docs/sweeps.md)."""
+    method: Literal["grid", "random", "tpe"] = key("grid", FREE)
+    """grid: every combination; random: seeded random samples; tpe: Optuna's TPE sampler."""
+    trials: int | None = key(None, FREE, at_least_or_null(1))
+    """How many settings are tried (each run sweep.seeds x sweep.folds times). null: the
+    grid's size (method grid only)."""
+    seeds: int = key(1, FREE, at_least(1))
+    """Each setting trained with this many seeds: `seed`, `seed` + 1, ..."""
+    folds: int | None = key(None, FREE, (lambda v: v is None or v >= 2, "must be >= 2 or null"))
+    """K-fold cross-validation of the train split (data.folds): each setting and seed
+    trained once per fold. null: validate on data.eval_split (or its held-out share)."""
+    metric: str | None = key(None, FREE, METRIC)
+    """The validation metric settings are ranked by, its direction the task's. null:
+    checkpoint.best_metric, or the task's first metric."""
+    pruner: Literal["none", "halving"] = key("none", FREE)
+    """halving: Optuna's successive halving stops a setting whose runs so far (seeds, folds)
+    rank in the bottom of its rung."""
+    parallel: int = key(1, FREE, at_least(1))
+    """Trials run at once on this node, the ranks split between them."""
+    ranks: int | None = key(None, FREE, at_least_or_null(1))
+    """Ranks on this node for all the trials at once, split evenly between sweep.parallel
+    trials. null: the GPUs (CUDA_VISIBLE_DEVICES split between trials), or one per trial on CPU."""
+    refit: bool = key(False, FREE)
+    """final/: the chosen setting retrained on the whole train split (no validation
+    held out); false: the best run of the chosen setting copied."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     """What is fine-tuned."""
@@ -517,6 +557,9 @@ class Config:
     """What rank 0 writes beside metrics.jsonl and wandb: curves, TensorBoard."""
     hub: HubConfig = field(default_factory=HubConfig)
     """Uploading final/ to the Hugging Face Hub."""
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    """`python -m trainer sweep`: the search over settings, seeds and folds (docs/sweeps.md);
+    training ignores it."""
     seed: int = key(42, FIXED)
     """Seeds the new classification head, the data order and dropout: same seed, same run."""
     output_dir: str = key(MISSING, FREE, NOT_EMPTY)
@@ -633,6 +676,8 @@ def _check_cross_field(cfg: DictConfig) -> None:
                           f"{cfg.data.problem_type} ({', '.join(metrics)})")
     elif ckpt.best_mode is None:
         ckpt.best_mode = metrics[ckpt.best_metric]
+    if cfg.data.folds is not None and cfg.data.fold >= cfg.data.folds:
+        raise ConfigError(f"data.fold: must be below data.folds ({cfg.data.folds}), got {cfg.data.fold}")
     if train.early_stopping_patience and not train.eval_every:
         raise ConfigError("train.early_stopping_patience: needs train.eval_every (a step count or epoch)")
     for key in cfg.checkpoint.allow_changes:

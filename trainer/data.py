@@ -33,6 +33,7 @@ from trainer.config import DataConfig
 from trainer.distributed import DistEnv, local_rank_zero_first
 from trainer.errors import CheckpointError, ConfigError, DataError, TrainerError, describe, one_line
 from trainer.labels import Labels
+from trainer.sweep import folds as folds_module
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,25 @@ def _hold_out(train, labels: Labels, data_cfg: DictConfig, seed: int) -> tuple[A
     return parts["train"], parts["test"], f"{fraction * 100:g}% of data.train_split, {how}, seed {seed}"
 
 
+def _fold_out(train, labels: Labels, data_cfg: DictConfig) -> tuple[Any, Any, str]:
+    """(train, validation, how): fold data.fold of the train split's data.folds held out."""
+    ids = labels_module.single_label_ids(train, labels, data_cfg)
+    training, validating = folds_module.held_out(folds_module.assign(len(train), data_cfg.folds, ids), data_cfg.fold)
+    how = "stratified by label" if ids is not None else "seeded"
+    return (train.select(training), train.select(validating),
+            f"fold {data_cfg.fold} of {data_cfg.folds} of data.train_split, {how}")
+
+
+def train_folds(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray | None]:
+    """(each train row's fold, its class id or None but for single_label): the folds that
+    data.folds holds out, for a sweep that checks them before its trials and gathers their
+    out-of-fold predictions after. In this process, no ranks."""
+    data_cfg = cfg.data
+    train = _readable_split(data_cfg, "train_split", list(_load(data_cfg, None).keys()), {})
+    ids = labels_module.single_label_ids(train, labels_module.resolve(train, data_cfg), data_cfg)
+    return folds_module.assign(len(train), data_cfg.folds, ids), ids
+
+
 _ROWS_PER_PROCESS = 10_000
 """Tokenizing with num_proc starts a process per share of the split (~0.1 s each: a fork,
 the tokenizer pickled, a shard written and joined); with at least this many rows (~0.6 s of
@@ -356,7 +376,9 @@ def load(cfg: DictConfig, dist_env: DistEnv, labels: Labels | None = None) -> Sp
         train = _readable_split(data_cfg, "train_split", available, dropped)
         labels = labels or labels_module.resolve(train, data_cfg)
         held_out = None
-        if split_name(data_cfg.eval_split) in available:
+        if data_cfg.folds is not None:
+            train, evaluated, held_out = _fold_out(train, labels, data_cfg)
+        elif split_name(data_cfg.eval_split) in available:
             evaluated = _readable_split(data_cfg, "eval_split", available, dropped)
         elif data_cfg.eval_split != DataConfig.eval_split and len(available) > 1:  # a mistyped split
             raise ConfigError(f"data.eval_split: {data_cfg.eval_split!r} is not a split of {data_cfg.path} (its "

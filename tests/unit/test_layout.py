@@ -96,7 +96,7 @@ def test_only_the_strategies_tell_the_strategies_apart():
 def test_subpackages_init_files_are_empty():
     inits = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
     assert inits == ["checkpoint/__init__.py", "faults/__init__.py", "preflight/__init__.py", "strategies/__init__.py",
-                     "tasks/__init__.py"]
+                     "sweep/__init__.py", "tasks/__init__.py"]
     assert all(not (PACKAGE / init).read_text().strip() for init in inits)
 
 

@@ -1,0 +1,82 @@
+"""The Optuna study behind a sweep: its sampler and pruner from sweep.method and sweep.pruner,
+kept in a journal file under output_dir (JournalFileBackend: appended records, no server, so
+the processes of a sweep on many nodes of one file system share it), and what a restart does
+with the trials a killed sweep left running.
+
+An Optuna trial is a setting; its runs (seeds x folds) are trainer runs (trainer/sweep/runs.py).
+A setting keeps the number of its first trial across restarts (`setting_number`), which names
+its runs' folders, so a retried setting finds its finished runs and its runs' checkpoints.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import optuna
+from optuna.storages import JournalStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import FrozenTrial, TrialState
+
+from trainer.sweep.space import Space
+
+JOURNAL = "sweep-journal.log"
+STUDY = "sweep"
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def open_study(output_dir: Path, space: Space, method: str, direction: str, seed: int, pruner: str) -> optuna.Study:
+    """The sweep's study in output_dir/sweep-journal.log, created or loaded."""
+    storage = JournalStorage(JournalFileBackend(str(output_dir / JOURNAL)))
+    # A sampler's random state is not in the journal: a restart seeds it past the trials
+    # already asked, so random sampling does not ask again what it asked before the kill.
+    existing = optuna.load_study(study_name=STUDY, storage=storage).trials if _exists(storage) else []
+    sampler: optuna.samplers.BaseSampler
+    if method == "grid":
+        sampler = optuna.samplers.GridSampler(space.grid(), seed=seed)
+    elif method == "random":
+        sampler = optuna.samplers.RandomSampler(seed=seed + len(existing))
+    else:
+        sampler = optuna.samplers.TPESampler(seed=seed + len(existing))
+    pruning = optuna.pruners.SuccessiveHalvingPruner(min_resource=1) if pruner == "halving" \
+        else optuna.pruners.NopPruner()
+    return optuna.create_study(study_name=STUDY, storage=storage, sampler=sampler, pruner=pruning,
+                               direction="maximize" if direction == "max" else "minimize", load_if_exists=True)
+
+
+def _exists(storage: JournalStorage) -> bool:
+    return any(s.study_name == STUDY for s in storage.get_all_studies())
+
+
+def retry_unfinished(study: optuna.Study) -> list[int]:
+    """Each trial a killed sweep left RUNNING, and each FAILED one not retried yet, asked
+    again: marked failed and enqueued with its parameters by Optuna's own retry callback
+    (RetryHeartbeatStaleTrialCallback), which keeps its grid point and its first number.
+    Only the sweep's one driver calls this, at its start: a trial still RUNNING then has no
+    process. Returns the settings asked again."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {n for t in trials for n in RetryHeartbeatStaleTrialCallback.retry_history(t)}
+    retry = RetryHeartbeatStaleTrialCallback()
+    again = []
+    for trial in trials:
+        if trial.state == TrialState.RUNNING:
+            study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        elif not (trial.state == TrialState.FAIL and trial.number not in retried):
+            continue
+        retry(study, study._storage.get_trial(trial._trial_id))
+        again.append(setting_number(trial))
+    return again
+
+
+def setting_number(trial: FrozenTrial | optuna.Trial) -> int:
+    """The number of the setting's first trial: its retries keep it."""
+    frozen = trial if isinstance(trial, FrozenTrial) else trial.study._storage.get_trial(trial._trial_id)
+    first = RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
+    return frozen.number if first is None else first
+
+
+def settled(study: optuna.Study) -> list[FrozenTrial]:
+    """The settings tried to the end: complete, or pruned."""
+    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
