@@ -124,7 +124,8 @@ def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, labels: Labe
     task = tasks.of(labels, cfg.data, cfg.train)
     guard = LossGuard(cfg.fault, dist_env, group)
     step = TrainStep(loaded.model, strategy, task, optimizer, scheduler, scaler, guard, cfg.train.max_grad_norm,
-                     device, non_blocking=data.pins_memory(cfg, device), sdpa_backend=cfg.model.sdpa_backend)
+                     device, non_blocking=data.pins_memory(cfg, device), sdpa_backend=cfg.model.sdpa_backend,
+                     recomputes=cfg.model.gradient_checkpointing)
     return Built(loaded.model, loaded.tokenizer, loaded.config, amp_dtype, strategy, step, task)
 
 

@@ -5,10 +5,14 @@ runs on a GPU (bf16, SDPA): the counts are deterministic, so they are asserted."
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import tiny_overrides
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer import build, config, labels
 from trainer.distributed import DistEnv
@@ -119,3 +123,46 @@ def test_the_mask_handed_to_the_model_gives_the_logits_of_its_2d_mask(run_config
             handed = model(input_ids=batch["input_ids"], attention_mask=made).logits
     assert (made is None) == (not padded) and (made is None or made.ndim == 4)
     assert torch.equal(as_2d, handed) and counts.totals()["syncs"] == 0
+
+
+class _WeightCasts(TorchDispatchMode):
+    """How often each trained weight is cast (autocast's `_to_copy` of the parameter itself)."""
+
+    def __init__(self, weights: dict[int, str]):
+        super().__init__()
+        self.weights, self.casts = weights, Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and id(args[0]) in self.weights:
+            self.casts[self.weights[id(args[0])]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recomputes", [False, True])
+def test_a_step_casts_each_trained_weight_once_whatever_its_micro_batches(run_config, recomputes):
+    """Under bf16 autocast, a step of 3 micro-batches casts each trained matrix to bf16 once,
+    not once a micro-batch (trainer/step.py, _casts_kept), and trains the same bits as one that
+    casts it anew each time. With activation checkpointing, each recompute casts again (the
+    copies are not kept: they would outlive each block's backward)."""
+    cfg = run_config(**{"model.gradient_checkpointing": recomputes})
+    micro_batches = [batches(padded=i == 1, seed=i)[0] for i in range(3)]
+
+    def run(keep: bool) -> tuple[Counter, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        built = build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=8)
+        if not keep:
+            built.step._casts_kept = lambda micro_batches: contextlib.nullcontext()  # each micro-batch casts anew
+        weights = {id(p): name for name, p in built.model.named_parameters() if p.requires_grad and p.dim() == 2}
+        with _WeightCasts(weights) as mode:
+            assert built.step(micro_batches, 1, StepObserver()).taken
+        return mode.casts, {name: p.detach().clone() for name, p in built.model.named_parameters()}
+
+    kept, kept_weights = run(keep=True)
+    anew, anew_weights = run(keep=False)
+    matmuls = {name for name in anew if "embeddings" not in name}  # lookups read fp32 rows: no cast
+    assert matmuls and set(kept) == matmuls
+    if recomputes:  # a block's weights: cast by its forward and by its recompute, each micro-batch
+        assert kept == anew and set(anew.values()) == {3, 6}
+    else:
+        assert set(anew.values()) == {3} and set(kept.values()) == {1}
+    assert all(torch.equal(kept_weights[name], anew_weights[name]) for name in kept_weights)
