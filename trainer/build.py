@@ -114,6 +114,8 @@ def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, labels: Labe
     amp_dtype = distributed.configure_compute(cfg.train, dist_env, device)
     loaded = load(cfg, dist_env, device, amp_dtype, labels)
     strategy = strategy or registry.of(cfg)
+    if model.compiles(cfg.train.compile, device, max_steps):  # before FSDP2 wraps the blocks, as torchtitan
+        model.compile_blocks(loaded.model)
     strategy.parallelize(loaded.model, dist_env, device, amp_dtype, group)
     # After the strategy: FSDP2 has made the parameters the optimizer holds into shards.
     optimizer = optim.optimizer(loaded.model, cfg.train)

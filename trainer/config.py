@@ -299,9 +299,10 @@ class TrainConfig:
     """ddp: DistributedDataParallel, one process per device. fsdp: FSDP2 (fully_shard), one
     process per device, each holding 1/N of the weights, gradients and optimizer state
     (docs/fsdp.md). dp: nn.DataParallel, one process. (trainer/strategies/registry.py)"""
-    compile: bool = key(False, FREE)
-    """torch.compile the model: 1.33x on an H100 for bert-base, but ~30 s more before the
-    first step, and recompiles as batch shapes change (benchmarks/RESULTS.md)."""
+    compile: bool | None = key(None, FREE)
+    """torch.compile each transformer block (any strategy): 1.33x on an H100 for bert-base,
+    but ~30 s more before the first step, and 2 graphs for training's batch lengths, 1 for
+    evaluation's (docs/speed.md). null (auto): on a GPU for runs of 2,000 steps or more."""
     eval_every: int | str = key(0, FIXED, STEPS_OR_EPOCH)
     """Evaluate every N steps, or at each epoch's end (`epoch`); 0 evaluates only at the
     end. The end of the run is always evaluated."""
@@ -689,8 +690,6 @@ def _check_cross_field(cfg: DictConfig) -> None:
     if cfg.ddp.comm_hook != "none" and train.strategy != "ddp":
         raise ConfigError(f"ddp.comm_hook: {cfg.ddp.comm_hook} compresses DDP's all-reduce, and "
                           f"train.strategy={train.strategy} has none; set ddp.comm_hook=none")
-    if train.strategy == "fsdp" and train.compile:
-        raise ConfigError("train.strategy: fsdp does not run with train.compile yet; use ddp with it")
     if cfg.model.sdpa_backend != "auto" and cfg.model.attn_implementation not in ("auto", "sdpa"):
         raise ConfigError(f"model.sdpa_backend: {cfg.model.sdpa_backend} picks an SDPA kernel, but "
                           f"model.attn_implementation is {cfg.model.attn_implementation}; set it to sdpa")

@@ -195,3 +195,27 @@ class StepCounts:
     def as_dict(self) -> dict[str, Any]:
         return {**self.totals(), "by_op": dict(self.ops.most_common()), "sync_sites": dict(self.syncs),
                 "copy_ops": dict(self.copies), "collective_ops": dict(self.collectives)}
+
+
+class CompileCounts:
+    """`with CompileCounts() as compiled: ...`: the graphs torch.compile made inside (each a
+    compile, the first ones included: a recompile is any graph after a code's first) and the
+    graph breaks it met, from torch._dynamo's own counters. Deterministic for the same code
+    and shapes, as the op counts are."""
+
+    def __init__(self) -> None:
+        self.graphs = self.graph_breaks = 0
+
+    @staticmethod
+    def _now() -> tuple[int, int]:
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+    def __enter__(self) -> CompileCounts:
+        self._start = self._now()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        graphs, breaks = self._now()
+        self.graphs, self.graph_breaks = graphs - self._start[0], breaks - self._start[1]

@@ -96,8 +96,6 @@ BAD_OVERRIDES = [
      "ddp.comm_hook: powersgd compresses DDP's all-reduce, and train.strategy=fsdp has none"),
     ("powersgd-rank-zero", ["ddp.powersgd_rank=0"], "ddp.powersgd_rank: must be >= 1"),
     ("unknown-hook", ["ddp.comm_hook=int8"], "ddp.comm_hook"),
-    ("fsdp-compiled", ["train.strategy=fsdp", "train.compile=true"],
-     "train.strategy: fsdp does not run with train.compile yet"),
 ]
 """The mistakes that only the model or the data show (max_length beyond the model's
 positions, a missing column, a missing split, labels out of range) are

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from omegaconf import DictConfig
@@ -47,8 +47,8 @@ class Strategy:
         self.logits: LogitsUnderAutocast | None = None
         """The bare model's logits in the run's precision, with no wrapper: what evaluation calls."""
         self.module: nn.Module | None = None
-        """What the training step calls for logits: the wrapped model (DDP, DataParallel,
-        compiled), or the logits themselves."""
+        """What the training step calls for logits: the wrapped model (DDP, DataParallel), or
+        the logits themselves."""
         self.comm_clock: CommClock | None = None
         """When the last gradient bucket became ready, for the exposed-communication phase."""
 
@@ -80,9 +80,7 @@ class Strategy:
         as the step needs it, over `group` (None: every rank): sets `logits` and `module`."""
         self.prepare(model, dist_env, device, amp_dtype)
         self.logits = LogitsUnderAutocast(model, device.type, amp_dtype)
-        module = self.wrap(self.logits, dist_env, device, group)
-        # Of a Module, torch.compile makes an OptimizedModule, a Module.
-        self.module = cast(nn.Module, torch.compile(module)) if self.cfg.train.compile else module
+        self.module = self.wrap(self.logits, dist_env, device, group)
 
     def prepare(self, model: PreTrainedModel, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype) -> None:
         """The bare model, before its logits are wrapped."""

@@ -22,22 +22,12 @@ from torch import nn
 from trainer import distributed
 from trainer.checkpoint import formats
 from trainer.errors import CheckpointError, ConfigError
+from trainer.model import transformer_blocks
 from trainer.strategies.base import Strategy
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
     from transformers import PreTrainedModel
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a transformer, FSDP's units: the children of the model's largest
-    ModuleList of same-class modules (BERT's encoder.layer, Llama's model.layers, GPT-2's h)."""
-    stacks = [stack for stack in model.modules() if isinstance(stack, nn.ModuleList) and len(stack) > 0
-              and len({type(block) for block in stack}) == 1]
-    if not stacks:
-        return []
-    largest = max(stacks, key=lambda stack: sum(p.numel() for p in stack.parameters()))
-    return list(largest)
 
 
 def fully_shard_model(model: nn.Module, reshard_after_forward: bool, amp_dtype: torch.dtype) -> None:
