@@ -1,4 +1,5 @@
 """`python -m trainer {train,check,doctor,evaluate,predict} -c CONFIG [key=value ...]`, plain or
+under torchrun; `python -m trainer sweep -c CONFIG [key=value ...]`, which launches its trials
 under torchrun; `python -m trainer {report,plot} RUN_DIR`; `python -m trainer push RUN_DIR
 --repo-id ORG/NAME [--public] [--revision BRANCH] [--adapter]`.
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if arguments.get("split"):
             overrides.append(f"data.eval_split={arguments['split']}")
         cfg = config.load(args.config, overrides)
+        arguments["config"], arguments["overrides"] = args.config, args.overrides  # sweep's: no command arguments
     except TrainerError as e:
         return errors.report(e)
     return COMMANDS[args.command](cfg, arguments)
@@ -375,8 +377,26 @@ def use_trained_model(cfg, dist_env, device, backend, one_pass: Callable[[], obj
         distributed.close()
 
 
+def run_sweep(cfg, arguments: dict) -> int:
+    """search the sweep section's settings, seeds and folds, each trial a run (docs/sweeps.md)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from trainer.sweep import command, plan
+
+    held = None
+    try:
+        checked = plan.check(cfg, lambda more: config.load(arguments["config"], [*arguments["overrides"], *more]))
+        held = hold_lease(cfg)  # one sweep per output_dir: the trials it left running have no process
+        return command.run(cfg, checked)
+    except TrainerError as e:
+        return errors.report(e)
+    finally:
+        if held is not None:
+            held.end()
+
+
 COMMANDS: dict[str, Callable[..., int]] = {
     "train": run_train, "check": run_check, "doctor": run_doctor, "evaluate": run_evaluate, "predict": run_predict,
+    "sweep": run_sweep,
 }
 """Each command: (the resolved config, its arguments) -> exit code. Its function imports what
 it needs, so a config mistake is reported before torch is imported."""

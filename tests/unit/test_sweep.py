@@ -11,6 +11,7 @@ import pytest
 from scipy import stats
 
 from trainer import config
+from trainer.__main__ import main
 from trainer.errors import ConfigError
 from trainer.sweep import folds, plan, space
 from trainer.sweep.stats import t_interval
@@ -118,6 +119,8 @@ BAD_SWEEPS = [
     ("random-needs-trials", ["sweep.method=random"], "sweep.trials: sweep.method=random needs"),
     ("metric-of-another-task", ["sweep.metric=mse"], "sweep.metric: mse is not a metric of data.problem_type"),
     ("too-many-folds", ["sweep.folds=4"], "sweep.folds: 4 folds need 4 rows of each class in the train split; class 1"),
+    ("folds-of-a-subsample", ["sweep.folds=2", "data.max_eval_samples=4"],
+     "sweep.folds: out-of-fold predictions need every row of each fold, and data.max_eval_samples=4"),
     ("bad-method", ["sweep.method=bayes"], "sweep.method:"),
     ("bad-pruner", ["sweep.pruner=median"], "sweep.pruner:"),
     ("one-fold", ["sweep.folds=1"], "sweep.folds: must be >= 2 or null"),
@@ -168,3 +171,52 @@ def test_a_setting_cut_short_is_asked_again_with_its_grid_point_and_number(tmp_p
     assert len(study.settled(again)) == 1
     last = again.ask()  # the grid point never asked yet
     assert searched.suggest(last)["train.lr"] not in (done_params["train.lr"], cut_params["train.lr"])
+
+
+def test_the_cli_prints_a_bad_sweep_as_one_line_and_exits_2(data_file, tmp_path, capsys):
+    code = main(["sweep", f"data.path={data_file}", "model.name=org/model", "train.max_steps=2",
+                 f"output_dir={tmp_path / 'out'}", "sweep.parameters={train.bogus: [1, 2]}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().splitlines()[-1] == "error: sweep.parameters.train.bogus: train.bogus is not a config key"
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_out_of_fold_rows_map_back_to_the_train_split_once_each(tmp_path):
+    from trainer.sweep import results, runs
+
+    fold_of = folds.assign(10, 3, np.array([0, 1] * 5))
+    each = runs.runs_of(0, {}, 42, 1, 3)
+    for run in each:
+        held = np.flatnonzero(fold_of == run.fold)
+        final = tmp_path / runs.TRIALS / run.id / "final"
+        final.mkdir(parents=True)
+        # evaluate's rows: the fold's rows by their place in it; the answer names the train row
+        lines = ["row,true,label"] + [f"{i},t{train_row},p{train_row}" for i, train_row in enumerate(held)]
+        (final / "eval-test-rows.csv").write_text("\n".join(lines) + "\n")
+    setting = results.Setting(0, {}, "complete", [(r, {"final_eval": {"loss": 1.0}}) for r in each], "loss")
+    [written] = results.out_of_fold([setting], fold_of, tmp_path)
+    assert written == tmp_path / "oof" / "000-seed42.csv"
+    lines = written.read_text().splitlines()
+    assert lines[0] == "train_row,fold,true,label"
+    assert lines[1:] == [f"{row},{fold_of[row]},t{row},p{row}" for row in range(10)]
+
+
+def test_the_leaderboard_ranks_by_the_mean_in_the_metrics_direction():
+    from trainer.sweep import results, runs
+
+    def setting(number: int, lr: float, losses: list[float], state: str = "complete") -> results.Setting:
+        each = runs.runs_of(number, {"train.lr": lr}, 42, len(losses), None)
+        done = [(r, {"final_eval": {"loss": v}, "steps": 2}) for r, v in zip(each, losses, strict=True)]
+        return results.Setting(number, {"train.lr": lr}, state, done, "loss")
+
+    settings = [setting(0, 0.1, [0.9, 0.7]), setting(1, 0.2, [0.5, 0.6]), setting(2, 0.3, [0.1], "pruned")]
+    assert [s.number for s in results.ranked(settings, "min")] == [1, 0, 2]
+    assert [s.number for s in results.ranked(settings, "max")] == [0, 1, 2]
+    board = results.leaderboard(settings, "loss", "min")
+    interval = t_interval([0.5, 0.6])
+    assert f"| 1 | train.lr=0.2 | 0.5500 | [{interval.low:.4f}, {interval.high:.4f}] | 2 | complete |" in board
+    assert "| 3 | train.lr=0.3 | 0.1000 | (one run) | 1 | pruned |" in board
+    csv_rows = results.runs_csv(settings, ["train.lr"]).splitlines()
+    assert csv_rows[0] == "trial,setting,state,train.lr,seed,fold,loss,steps"
+    assert csv_rows[1] == "000-seed42,0,complete,0.1,42,,0.9,2" and len(csv_rows) == 6

@@ -40,6 +40,9 @@ def check(cfg: DictConfig, load: Callable[[list[str]], DictConfig]) -> Plan:
         raise ConfigError(f"sweep.metric: {metric} is not a metric of data.problem_type={cfg.data.problem_type} "
                           f"({', '.join(metrics)})")
     fold_of = None
+    if sweep.folds is not None and cfg.data.max_eval_samples is not None:
+        raise ConfigError(f"sweep.folds: out-of-fold predictions need every row of each fold, and "
+                          f"data.max_eval_samples={cfg.data.max_eval_samples} keeps some; set it to null")
     if sweep.folds is not None:
         fold_of = _check_folds(load([space.override("data.folds", sweep.folds)]), sweep.folds)
     return Plan(searched, settings, metric, metrics[metric], fold_of)

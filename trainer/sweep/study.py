@@ -23,7 +23,9 @@ from trainer.sweep.space import Space
 JOURNAL = "sweep-journal.log"
 STUDY = "sweep"
 
-optuna.logging.set_verbosity(optuna.logging.WARNING)
+# A trial whose run failed is the sweep's one `error:` line (runs.RunFailed); Optuna would log it
+# again at WARNING, with its traceback.
+optuna.logging.set_verbosity(optuna.logging.ERROR)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 

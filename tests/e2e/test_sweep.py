@@ -1,0 +1,141 @@
+"""`python -m trainer sweep` end to end on the tiny model: trials are ordinary runs under
+torchrun, two at a time; a sweep killed mid-way (SIGKILL to its process group and every
+process under it, as a scheduler cancels a job) and started again reruns no finished trial and
+ranks as an uninterrupted sweep does; 3-fold cross-validation writes each train row's
+out-of-fold prediction once."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import BASE_ENV, PYTHON, REPO, failure_output, launch, tiny_overrides
+from support import kill_tree
+
+from trainer.launch import trainer_program
+from trainer.sweep.stats import t_interval
+
+GRID = "sweep.parameters={train.lr: [0.001, 0.01], train.warmup_ratio: [0.0, 0.5]}"
+
+
+def sweep_overrides(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    """Tiny trials: 2 steps, a checkpoint at each (so a killed trial resumes from one), a
+    small validation split; ranked by validation loss, which every setting moves."""
+    return [*tiny_overrides(model, data, out, **{"train.max_steps": 2, "train.batch_size": 8, "checkpoint.every": 1,
+                                                 "data.max_eval_samples": 48, "data.max_length": 32}),
+            "sweep.seeds=2", "sweep.parallel=2", "sweep.metric=loss", *extra]
+
+
+def sweep_command(overrides: list[str]) -> list[str]:
+    return [PYTHON, *trainer_program("sweep", None, overrides)]
+
+
+def trials(out: Path) -> dict[str, Path]:
+    return {p.name: p for p in sorted((out / "trials").iterdir())}
+
+
+def spans(out: Path) -> list[tuple[float, float]]:
+    """Each trial's (start, end): its config.yaml written at its start, its summary.json at its end."""
+    return [((p / "config.yaml").stat().st_mtime, (p / "summary.json").stat().st_mtime) for p in trials(out).values()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, reviews, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sweep") / "out"
+    result = launch(sweep_command(sweep_overrides(tiny_model, reviews, out, GRID)), timeout=400)
+    assert result.returncode == 0, failure_output(result.output)
+    return out
+
+
+def test_a_grid_of_settings_and_seeds_runs_two_trials_at_a_time(uninterrupted):
+    out = uninterrupted
+    assert sorted(trials(out)) == [f"{s:03d}-seed{seed}" for s in range(4) for seed in (42, 43)]
+    for folder in trials(out).values():  # each an ordinary run: its summary, its final model, its config
+        assert (folder / "summary.json").is_file() and (folder / "final" / "model.safetensors").is_file()
+    starts_ends = sorted(spans(out))
+    assert any(b_start < a_end for (_, a_end), (b_start, _) in itertools.pairwise(starts_ends)), \
+        "no two trials ran at once"
+    with (out / "sweep.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 8 and {r["trial"] for r in rows} == set(trials(out))
+    by_setting: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        assert float(r["loss"]) == json.loads((out / "trials" / r["trial"] / "summary.json").read_text())[
+            "final_eval"]["loss"]
+        by_setting.setdefault((r["train.lr"], r["train.warmup_ratio"]), []).append(float(r["loss"]))
+    assert sorted(by_setting) == [("0.001", "0.0"), ("0.001", "0.5"), ("0.01", "0.0"), ("0.01", "0.5")]
+    board = (out / "sweep.md").read_text()
+    means = sorted((t_interval(v).mean, k) for k, v in by_setting.items())
+    lines = [line for line in board.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(lines) == 4
+    for line, (mean, (lr, warmup)) in zip(lines, means, strict=True):  # lowest loss first
+        interval = t_interval(by_setting[(lr, warmup)])
+        row = f"train.lr={lr}, train.warmup_ratio={warmup} | {mean:.4f} | [{interval.low:.4f}, {interval.high:.4f}]"
+        assert f"{row} | 2 | complete |" in line, board
+    assert (out / "sweep.png").stat().st_size > 0
+    best_lr, best_warmup = means[0][1]
+    card = (out / "final" / "README.md").read_text()
+    assert "## How this model was chosen" in card and f"train.lr={best_lr}, train.warmup_ratio={best_warmup}" in card
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_killed_sweep_started_again_reruns_no_finished_trial(uninterrupted, tiny_model, reviews, tmp_path):
+    out = tmp_path / "out"
+    command = sweep_command(sweep_overrides(tiny_model, reviews, out, GRID))
+    proc = subprocess.Popen(command, cwd=REPO, env=BASE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    seen = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # blocks until the sweep says a trial has finished
+            seen.append(line)
+            if ": finished: validation" in line:
+                break
+    finally:
+        kill_tree(proc)  # its process group and every process under it (torchrun's workers have sessions of their own)
+        proc.communicate()
+    assert any(": finished: validation" in line for line in seen), "".join(seen)[-4000:]
+    finished = {name: (p / "summary.json").read_bytes() for name, p in trials(out).items()
+                if (p / "summary.json").is_file()}
+    assert 1 <= len(finished) < 8, finished.keys()
+
+    again = launch(command, timeout=400)
+    assert again.returncode == 0, failure_output(again.output)
+    for name, summary in finished.items():
+        assert f"trial {name}: finished before, not run again" in again.output
+        assert f"trial {name}: training" not in again.output
+        assert (out / "trials" / name / "summary.json").read_bytes() == summary
+    assert sorted(trials(out)) == sorted(trials(uninterrupted))
+    assert (out / "sweep.md").read_text() == (uninterrupted / "sweep.md").read_text()
+
+
+def test_three_fold_cross_validation_predicts_every_train_row_once(tiny_model, reviews, tmp_path):
+    """And with sweep.refit, final/ is the chosen setting trained again on the whole train split."""
+    out = tmp_path / "out"
+    result = launch(sweep_command(sweep_overrides(tiny_model, reviews, out, "sweep.seeds=1", "sweep.folds=3",
+                                                  "data.max_eval_samples=null", "sweep.refit=true")), timeout=400)
+    assert result.returncode == 0, failure_output(result.output)
+    assert sorted(trials(out)) == ["000-seed42-fold0", "000-seed42-fold1", "000-seed42-fold2", "refit"]
+    card = (out / "final" / "README.md").read_text()
+    assert "rows: train 600, validation 203" in card and "trained again with seed 42" in card
+    assert f'from_pretrained("{out / "final"}")' in card  # its usage names final/, not the trial's copy
+    fold_card = (out / "trials" / "000-seed42-fold0" / "final" / "README.md").read_text()
+    assert "rows: train 400, validation 200" in fold_card
+    with (out / "oof" / "000-seed42.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    labels = [json.loads(line)["label"] for line in (reviews / "train.jsonl").read_text().splitlines()]
+    assert [int(r["train_row"]) for r in rows] == list(range(len(labels)))  # every row once, in order
+    assert [r["true"] for r in rows] == [f"LABEL_{label}" for label in labels]
+    folds = np.array([int(r["fold"]) for r in rows])
+    assert np.bincount(folds).tolist() == [200, 200, 200]
+    for fold in range(3):  # each fold's rows validated the run that did not train on them
+        summary = json.loads((out / "trials" / f"000-seed42-fold{fold}" / "summary.json").read_text())
+        predicted = [r for r in rows if int(r["fold"]) == fold]
+        assert len(predicted) == 200
+        accuracy = np.mean([r["true"] == r["label_name"] for r in predicted])
+        assert accuracy == pytest.approx(summary["final_eval"]["accuracy"])

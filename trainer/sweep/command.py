@@ -1,0 +1,116 @@
+"""`python -m trainer sweep -c CONFIG [key=value ...]`: the sweep.section of the config run as
+an Optuna study whose trials are ordinary runs; what it checks before any trial, how it
+places and resumes them, and what it leaves in output_dir (docs/sweeps.md)."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+from omegaconf import DictConfig
+
+from trainer import config, files
+from trainer.sweep import results, runs, study
+from trainer.sweep.plan import Plan
+
+log = logging.getLogger("trainer.sweep")
+
+CONFIG_FILE = "sweep.yaml"
+"""The sweep's config as loaded (file and overrides), which every trial is launched with."""
+
+
+def run(cfg: DictConfig, the_plan: Plan) -> int:
+    """Every setting's runs to the end (those finished before read, not run again), then the
+    results. Returns 0."""
+    out = Path(cfg.output_dir)
+    sweep = cfg.sweep
+    config_file = out / CONFIG_FILE
+    files.write_text(config_file, config.to_yaml(cfg))
+    trials_dir = out / runs.TRIALS
+    slots = runs.Slots.plan(sweep.parallel, sweep.ranks, cfg.train.threads is not None)
+    the_study = study.open_study(out, the_plan.space, sweep.method, the_plan.direction, cfg.seed, sweep.pruner)
+    again = study.retry_unfinished(the_study)
+    if again:
+        log.info("sweep: settings %s were cut short: running them again, their runs resumed", again)
+    remaining = the_plan.settings - len(study.settled(the_study))
+    log.info("sweep: %d settings x %d seeds%s by %s, %d left, %d at a time on %d rank(s) each", the_plan.settings,
+             sweep.seeds, f" x {sweep.folds} folds" if sweep.folds else "", the_plan.metric, remaining,
+             sweep.parallel, slots.nproc)
+
+    def objective(trial) -> float:
+        setting = the_plan.space.suggest(trial)
+        number = setting_number(cfg, the_plan, trial, setting)
+        each = runs.runs_of(number, setting, cfg.seed, sweep.seeds, sweep.folds)
+        if sweep.pruner == "none":  # the setting's runs side by side too, as slots free up
+            with ThreadPoolExecutor(max_workers=sweep.parallel) as pool:
+                summaries = list(pool.map(lambda r: runs.execute(r, trials_dir, config_file, slots), each))
+            return float(np.mean([s["final_eval"][the_plan.metric] for s in summaries]))
+        values: list[float] = []  # in order: the pruner judges the mean of the runs so far
+        for step, one in enumerate(each):
+            values.append(float(runs.execute(one, trials_dir, config_file, slots)["final_eval"][the_plan.metric]))
+            trial.report(float(np.mean(values)), step)
+            if trial.should_prune():
+                log.info("sweep: setting %d (%s) pruned after %d runs", number, setting, len(values))
+                raise optuna.TrialPruned
+        return float(np.mean(values))
+
+    if remaining > 0:
+        the_study.optimize(objective, n_trials=remaining, n_jobs=sweep.parallel)
+    return report(cfg, the_plan, the_study, config_file, slots)
+
+
+def setting_number(cfg: DictConfig, the_plan: Plan, trial: Any, setting: dict) -> int:
+    """What names a setting's runs' folders: on a grid, its place in the grid (the same folders
+    however the sweep ran, or was killed and started again); else its first trial's number."""
+    if cfg.sweep.method == "grid":
+        return the_plan.space.settings().index(setting)
+    return study.setting_number(trial)
+
+
+def report(cfg: DictConfig, the_plan: Plan, the_study: Any, config_file: Path, slots: runs.Slots) -> int:
+    out, sweep = Path(cfg.output_dir), cfg.sweep
+    settings = []
+    for trial in study.settled(the_study):
+        number = setting_number(cfg, the_plan, trial, dict(trial.params))
+        done = []
+        for each in runs.runs_of(number, dict(trial.params), cfg.seed, sweep.seeds, sweep.folds):
+            summary = runs.finished(out / runs.TRIALS / each.id, needs_rows=each.fold is not None)
+            if summary is not None:
+                done.append((each, summary))
+        settings.append(results.Setting(number, {k: trial.params[k] for k in the_plan.space.choices},
+                                        trial.state.name.lower(), done, the_plan.metric))
+    keys = list(the_plan.space.choices)
+    board = results.leaderboard(settings, the_plan.metric, the_plan.direction)
+    files.write_text(out / "sweep.md", board)
+    files.write_text(out / "sweep.csv", results.runs_csv(settings, keys))
+    results.figure(settings, keys, the_plan.metric, out / "sweep.png")
+    log.info("sweep: leaderboard (%s)\n%s", out / "sweep.md", board)
+    if the_plan.fold_of is not None:
+        written = results.out_of_fold(settings, the_plan.fold_of, out)
+        log.info("sweep: out-of-fold predictions in %s (%d files)", out / "oof", len(written))
+    complete = [s for s in results.ranked(settings, the_plan.direction) if s.state == "complete"]
+    if not complete:
+        log.warning("sweep: no setting ran to the end; no final/")
+        return 0
+    best = complete[0]
+    if sweep.refit:
+        refit = runs.Run(best.number, best.params, cfg.seed, None, None, name="refit")
+        runs.execute(refit, out / runs.TRIALS, config_file, slots)
+        folder, source = out / runs.TRIALS / "refit" / "final", (
+            f"the chosen setting trained again with seed {cfg.seed} on the train split, no fold held out "
+            f"(`sweep.refit`; validation: data.eval_split or its held-out share), in trials/refit/")
+    else:
+        sign = 1 if the_plan.direction == "max" else -1
+        run_, summary = max(best.runs, key=lambda r: sign * float(r[1]["final_eval"][the_plan.metric]))
+        folder, source = out / runs.TRIALS / run_.id / "final", (
+            f"the best run of the chosen setting, trials/{run_.id}/ ({the_plan.metric} "
+            f"{summary['final_eval'][the_plan.metric]:.4f}), copied")
+    how = results.how_chosen(best, settings, the_plan.metric, the_plan.direction, sweep.method, sweep.seeds,
+                             sweep.folds, source)
+    results.publish_final(folder, out, how)
+    log.info("sweep: final/ holds %s", source)
+    return 0

@@ -1,0 +1,168 @@
+"""A sweep's runs: each an ordinary trainer run in output_dir/trials/<id>/, launched as its own
+torchrun (trainer/launch.py) with the sweep's config and the run's overrides (its setting, its
+seed, its fold), in the sweep's process group: a scheduler that kills the sweep kills them.
+
+A run is finished when its summary.json exists (and, with folds, its out-of-fold rows): a
+restarted sweep reads it and does not train again. An unfinished run is launched again into
+the same folder, where the trainer resumes from its newest checkpoint, as any run does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer import exit_codes, launch
+from trainer.errors import TrainerError
+from trainer.sweep.space import Scalar, override
+
+log = logging.getLogger(__name__)
+
+TRIALS = "trials"
+
+
+class RunFailed(TrainerError):
+    """A run of the sweep exited non-zero: the sweep stops with its exit code (75, a
+    preemption, asks the launcher to requeue the whole sweep, which resumes it)."""
+
+    def __init__(self, message: str, exit_code: int):
+        """`exit_code`: the run's, as a verdict (trainer/exit_codes.py)."""
+        super().__init__(message)
+        self.exit_code = exit_codes.of(exit_code)
+
+
+@dataclass(frozen=True)
+class Run:
+    setting_number: int
+    setting: dict[str, Scalar]
+    seed: int
+    fold: int | None
+    folds: int | None
+    name: str | None = None
+    """A folder name of its own (the refit), instead of setting, seed and fold."""
+
+    @property
+    def id(self) -> str:
+        if self.name is not None:
+            return self.name
+        return f"{self.setting_number:03d}-seed{self.seed}" + ("" if self.fold is None else f"-fold{self.fold}")
+
+    def overrides(self, folder: Path) -> list[str]:
+        folds = [] if self.fold is None else [override("data.folds", self.folds), override("data.fold", self.fold)]
+        return [*(override(k, v) for k, v in self.setting.items()), override("seed", self.seed), *folds,
+                override("output_dir", str(folder))]
+
+
+def runs_of(setting_number: int, setting: dict[str, Scalar], first_seed: int, seeds: int,
+            folds: int | None) -> list[Run]:
+    """A setting's runs: each seed, and with folds each fold of each seed."""
+    return [Run(setting_number, setting, first_seed + s, fold, folds)
+            for s in range(seeds) for fold in ([None] if folds is None else range(folds))]
+
+
+def rows_file(folder: Path) -> Path | None:
+    """The out-of-fold rows `evaluate` wrote into the run's final/ (eval-SPLIT-rows.csv)."""
+    found = sorted((folder / "final").glob("eval-*-rows.csv"))
+    return found[0] if found else None
+
+
+def finished(folder: Path, needs_rows: bool) -> dict[str, Any] | None:
+    """The run's summary.json if it ran to the end (and its rows, where they are needed)."""
+    summary = folder / "summary.json"
+    if not summary.is_file() or (needs_rows and rows_file(folder) is None):
+        return None
+    return json.loads(summary.read_text())
+
+
+@dataclass
+class Slots:
+    """Where the runs side by side go: `parallel` slots, each `nproc` ranks, on CPU or on
+    its share of the GPUs (CUDA_VISIBLE_DEVICES)."""
+
+    parallel: int
+    nproc: int
+    gpus: list[str]
+    extra: tuple[str, ...] = ()
+    """Overrides every run gets from the sweep (train.threads on CPU)."""
+
+    def __post_init__(self) -> None:
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(self.parallel):
+            self._free.put(slot)
+
+    @classmethod
+    def plan(cls, parallel: int, ranks: int | None, threads_set: bool) -> Slots:
+        """sweep.parallel slots sharing sweep.ranks (null: the GPUs, or one rank per slot)."""
+        gpus = _visible_gpus()
+        total = ranks or len(gpus) or parallel
+        nproc = total // parallel
+        if nproc < 1:
+            raise TrainerError(f"sweep.parallel: {parallel} trials at once need {parallel} ranks or more, and "
+                               f"sweep.ranks (or the GPUs) give {total}")
+        extra: tuple[str, ...] = ()
+        if not gpus and not threads_set:  # the node's cores split between every rank of every slot
+            extra = (override("train.threads", max(1, len(os.sched_getaffinity(0)) // total)),)
+        return cls(parallel, nproc, gpus, extra)
+
+    @contextmanager
+    def take(self) -> Iterator[dict[str, str]]:
+        """A free slot for a run: the environment that places it."""
+        slot = self._free.get()
+        try:
+            env = dict(os.environ)
+            if self.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[slot * self.nproc:(slot + 1) * self.nproc])
+            yield env
+        finally:
+            self._free.put(slot)
+
+
+def _visible_gpus() -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return names[:torch.cuda.device_count()]
+
+
+def execute(run: Run, trials_dir: Path, config_file: Path, slots: Slots) -> dict[str, Any]:
+    """The run's summary: read where it finished before, else trained (resuming from its
+    checkpoints) and, with folds, its validation fold's rows written by `evaluate`."""
+    folder = trials_dir / run.id
+    done = finished(folder, needs_rows=run.fold is not None)
+    if done is not None:
+        log.info("trial %s: finished before, not run again", run.id)
+        return done
+    overrides = [*run.overrides(folder), *slots.extra]
+    with slots.take() as env:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not (folder / "summary.json").is_file():
+            log.info("trial %s: training (%s)", run.id, " ".join(overrides[:-1 - len(slots.extra)]) or "defaults")
+            argv = launch.torchrun_argv(slots.nproc, launch.trainer_program("train", str(config_file), overrides))
+            _launch(argv, env, folder / "trial.log", run.id)
+        if run.fold is not None:  # its validation fold's rows, each with the model's answer
+            argv = [sys.executable, *launch.trainer_program("evaluate", str(config_file),
+                                                            [*overrides, "checkpoint=final"])]
+            _launch(argv, env, folder / "evaluate.log", run.id)
+    summary = json.loads((folder / "summary.json").read_text())
+    log.info("trial %s: finished: validation %s", run.id,
+             ", ".join(f"{k} {v:.4f}" for k, v in summary["final_eval"].items() if isinstance(v, float)))
+    return summary
+
+
+def _launch(argv: list[str], env: dict[str, str], log_file: Path, run_id: str) -> None:
+    with log_file.open("a") as out:
+        code = subprocess.run(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    if code != 0:
+        raise RunFailed(f"trial {run_id}: exited with {code}; its log: {log_file}", code)
