@@ -129,8 +129,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="bert-base", choices=sorted(SHAPES))
     parser.add_argument("--grad-accum", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results") / "casts.json")
+    parser.add_argument("--out", type=Path, help="default: results/casts-SHAPE.json")
     args = parser.parse_args()
+    out = args.out or Path(__file__).with_name("results") / f"casts-{args.shape}.json"
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -146,7 +147,7 @@ def main() -> None:
                       flush=True)
     finally:
         dist.destroy_process_group()
-    args.out.write_text(json.dumps({"shape": args.shape, "torch": torch.__version__, "counts": results}, indent=1)
+    out.write_text(json.dumps({"shape": args.shape, "torch": torch.__version__, "counts": results}, indent=1)
                         + "\n")
 
 
