@@ -2,6 +2,7 @@
 
     python slurm/submit.py -c CONFIG --nodes 2 [--gpus-per-node 8] [key=value ...]
     python slurm/submit.py -c configs/demo.yaml --nodes 2 --gpus-per-node 0 --wait   # CPUs, gloo
+    python slurm/submit.py --sweep -c my.yaml --nodes 1 [key=value ...]   # a job array: a task per trial
 
 The job runs the same entry point as `sbatch slurm/ddp.sh` (`python -m trainer train`'s
 `main`) with the same config and overrides. What differs is who starts the processes:
@@ -24,6 +25,12 @@ requeues the job without the nodes the ranks named (slurm/requeue.py, which slur
 runs too; within --max-fault-requeues); a crash (1), a usage error (2) and no progress (77)
 fail the job.
 Config errors are caught here, before submitting.
+
+--sweep: the config's sweep section (a grid) as a job array (submitit's map_array), each array
+task one trial run of `python -m trainer sweep` (docs/sweeps.md), on --nodes nodes, in its own
+folder, with everything above: requeued at its time limit or without a faulty node, resumed
+from its checkpoints. `python -m trainer sweep` with the same config then finds the trials
+finished and writes the leaderboard and final/.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import cloudpickle
 import submitit
 
 from trainer.__main__ import main as trainer_main
-from trainer.errors import report
+from trainer.errors import TrainerError, report
 from trainer.exit_codes import MEANING, NODE_FAULTS_ENV, RETRYABLE_ENV, Exit
 from trainer.faults.preemption import received_signals
 
@@ -135,6 +142,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wait", action="store_true", help="wait for the job and exit with its result")
     parser.add_argument("--no-data", action="store_true",
                         help="check the config before submitting, but not the data (that this host can't read)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="a job array of the sweep section's trials (a grid), a task per trial run")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser.parse_intermixed_args(argv)
 
@@ -170,17 +179,47 @@ def main(argv: list[str] | None = None) -> int:
         # collective until the timeout. --requeue: allowed even where the cluster's default is not.
         slurm_srun_args=["--kill-on-bad-exit=1"], slurm_additional_parameters={"requeue": True, **extra},
     )
+    if args.sweep:
+        try:
+            tasks = sweep_tasks(args)
+        except TrainerError as e:
+            return report(e)
+        jobs = executor.map_array(TrainJob(args.signal_delay_s, args.max_fault_requeues), tasks)
+        print(f"submitted job array {jobs[0].job_id.split('_')[0]}: {len(jobs)} trials; logs in "
+              f"{Path(jobs[0].paths.stdout).parent}; then `python -m trainer sweep` with the same config")
+        return 0 if not args.wait else _wait(jobs)
     job = executor.submit(TrainJob(args.signal_delay_s, args.max_fault_requeues), trainer_args)
     print(f"submitted job {job.job_id}; logs in {Path(job.paths.stdout).parent}")
     if not args.wait:
         return 0
-    try:
-        job.results()
-    except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as e:
-        print(f"error: job {job.job_id} failed: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
-    print(f"job {job.job_id} completed")
+    return _wait([job])
+
+
+def _wait(jobs: list) -> int:
+    for job in jobs:
+        try:
+            job.results()
+        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as e:
+            print(f"error: job {job.job_id} failed: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 1
+        print(f"job {job.job_id} completed")
     return 0
+
+
+def sweep_tasks(args: argparse.Namespace) -> list[list[str]]:
+    """Each array task's `python -m trainer train` arguments: the sweep's config file (written
+    into output_dir) and the trial run's overrides, every run of the grid, checked first as
+    `python -m trainer sweep` checks them."""
+    from trainer import config
+    from trainer.sweep import command, plan, runs
+
+    def load(more: list[str]):
+        return config.load(args.config, [PREEMPT_SIGNALS, *args.overrides, *more])
+
+    cfg = load([])
+    config_file, each = command.array_runs(cfg, plan.check(cfg, load))
+    trials = Path(cfg.output_dir) / runs.TRIALS
+    return [["-c", str(config_file), *one.overrides(trials / one.id)] for one in each]
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import optuna
 from omegaconf import DictConfig
 
 from trainer import config, files
+from trainer.errors import ConfigError
 from trainer.sweep import results, runs, study
 from trainer.sweep.plan import Plan
 
@@ -23,13 +24,33 @@ CONFIG_FILE = "sweep.yaml"
 """The sweep's config as loaded (file and overrides), which every trial is launched with."""
 
 
+def write_config(cfg: DictConfig) -> Path:
+    """output_dir/sweep.yaml: the config as the sweep loaded it, which every run is launched with."""
+    config_file = Path(cfg.output_dir) / CONFIG_FILE
+    config_file.parent.mkdir(parents=True, exist_ok=True)
+    files.write_text(config_file, config.to_yaml(cfg))
+    return config_file
+
+
+def array_runs(cfg: DictConfig, the_plan: Plan) -> tuple[Path, list[runs.Run]]:
+    """A job array's tasks (slurm/submit.py --sweep): every run of the grid, in grid order,
+    each named as `run` names it, and the config file they are launched with. After the array,
+    `python -m trainer sweep` with the same config finds them finished and reports (with
+    folds, it first evaluates each fold's run on its fold)."""
+    if cfg.sweep.method != "grid":
+        raise ConfigError(f"sweep.method: a job array runs a grid; {cfg.sweep.method} asks Optuna for each "
+                          "setting as the last ones end: run `python -m trainer sweep` instead")
+    each = [one for number, setting in enumerate(the_plan.space.settings())
+            for one in runs.runs_of(number, setting, cfg.seed, cfg.sweep.seeds, cfg.sweep.folds)]
+    return write_config(cfg), each
+
+
 def run(cfg: DictConfig, the_plan: Plan) -> int:
     """Every setting's runs to the end (those finished before read, not run again), then the
     results. Returns 0."""
     out = Path(cfg.output_dir)
     sweep = cfg.sweep
-    config_file = out / CONFIG_FILE
-    files.write_text(config_file, config.to_yaml(cfg))
+    config_file = write_config(cfg)
     trials_dir = out / runs.TRIALS
     slots = runs.Slots.plan(sweep.parallel, sweep.ranks, cfg.train.threads is not None)
     the_study = study.open_study(out, the_plan.space, sweep.method, the_plan.direction, cfg.seed, sweep.pruner)
