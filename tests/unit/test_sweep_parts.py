@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -121,6 +122,7 @@ BAD_SWEEPS = [
     ("too-many-folds", ["sweep.folds=4"], "sweep.folds: 4 folds need 4 rows of each class in the train split; class 1"),
     ("folds-of-a-subsample", ["sweep.folds=2", "data.max_eval_samples=4"],
      "sweep.folds: out-of-fold predictions need every row of each fold, and data.max_eval_samples=4"),
+    ("ranks-below-parallel", ["sweep.parallel=3", "sweep.ranks=2"], "sweep.ranks: 3 trials at once"),
     ("bad-method", ["sweep.method=bayes"], "sweep.method:"),
     ("bad-pruner", ["sweep.pruner=median"], "sweep.pruner:"),
     ("one-fold", ["sweep.folds=1"], "sweep.folds: must be >= 2 or null"),
@@ -220,3 +222,19 @@ def test_the_leaderboard_ranks_by_the_mean_in_the_metrics_direction():
     csv_rows = results.runs_csv(settings, ["train.lr"]).splitlines()
     assert csv_rows[0] == "trial,setting,state,train.lr,seed,fold,loss,steps"
     assert csv_rows[1] == "000-seed42,0,complete,0.1,42,,0.9,2" and len(csv_rows) == 6
+
+
+def test_a_sweep_started_again_with_other_runs_is_refused(data_file, tmp_path):
+    """Its finished runs' folders would be read as runs of the new config."""
+    from trainer.sweep.command import write_config
+
+    base = [f"data.path={data_file}", "model.name=org/model", "train.max_steps=2", f"output_dir={tmp_path / 'out'}",
+            "sweep.parameters={train.lr: [0.001, 0.01]}", "sweep.seeds=2"]
+    previous = write_config(config.load(None, base)).parent / "sweep.yaml"
+    same = [*base, "sweep.parallel=2", "sweep.trials=5", "train.log_every=3", "checkpoint.keep=1"]
+    plan.check_same_sweep(previous, config.load(None, same))  # how it runs, not what: accepted
+    for changed, named in ((["sweep.parameters={train.lr: [0.001, 0.02]}"], "sweep.parameters.train.lr"),
+                           (["sweep.seeds=3"], "sweep.seeds"), (["train.max_steps=3"], "train.max_steps"),
+                           (["seed=1"], "seed"), (["sweep.metric=loss"], "sweep.metric")):
+        with pytest.raises(ConfigError, match=re.escape(f"holds a sweep of another config ({named} changed)")):
+            plan.check_same_sweep(previous, config.load(None, [*base, *changed]))

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from trainer import config, files
 from trainer.errors import ConfigError
 from trainer.sweep import results, runs, study
-from trainer.sweep.plan import Plan
+from trainer.sweep.plan import Plan, check_same_sweep
 
 log = logging.getLogger("trainer.sweep")
 
@@ -42,6 +42,7 @@ def array_runs(cfg: DictConfig, the_plan: Plan) -> tuple[Path, list[runs.Run]]:
                           "setting as the last ones end: run `python -m trainer sweep` instead")
     each = [one for number, setting in enumerate(the_plan.space.settings())
             for one in runs.runs_of(number, setting, cfg.seed, cfg.sweep.seeds, cfg.sweep.folds)]
+    check_same_sweep(Path(cfg.output_dir) / CONFIG_FILE, cfg)
     return write_config(cfg), each
 
 
@@ -50,6 +51,7 @@ def run(cfg: DictConfig, the_plan: Plan) -> int:
     results. Returns 0."""
     out = Path(cfg.output_dir)
     sweep = cfg.sweep
+    check_same_sweep(out / CONFIG_FILE, cfg)
     config_file = write_config(cfg)
     trials_dir = out / runs.TRIALS
     slots = runs.Slots.plan(sweep.parallel, sweep.ranks, cfg.train.threads is not None)

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import yaml
 from omegaconf import DictConfig
 
 from trainer import config
@@ -40,6 +43,9 @@ def check(cfg: DictConfig, load: Callable[[list[str]], DictConfig]) -> Plan:
         raise ConfigError(f"sweep.metric: {metric} is not a metric of data.problem_type={cfg.data.problem_type} "
                           f"({', '.join(metrics)})")
     fold_of = None
+    if sweep.ranks is not None and sweep.ranks < sweep.parallel:
+        raise ConfigError(f"sweep.ranks: {sweep.parallel} trials at once (sweep.parallel) need a rank each, and "
+                          f"sweep.ranks is {sweep.ranks}")
     if sweep.folds is not None and cfg.data.max_eval_samples is not None:
         raise ConfigError(f"sweep.folds: out-of-fold predictions need every row of each fold, and "
                           f"data.max_eval_samples={cfg.data.max_eval_samples} keeps some; set it to null")
@@ -62,3 +68,34 @@ def _check_folds(cfg: DictConfig, folds: int) -> np.ndarray:
         raise ConfigError(f"sweep.folds: {folds} folds need {folds} rows of each class in the train split; class "
                           f"{rarest} has {counts[rarest]}")
     return fold_of
+
+
+SWEEP_KEYS_FIXED = ("sweep.parameters", "sweep.method", "sweep.seeds", "sweep.folds", "sweep.metric", "sweep.pruner")
+"""What a restarted sweep may not change: its runs' folders would then hold other runs. How
+many settings (sweep.trials), how many at once and on how many ranks, and the refit may change."""
+
+
+def check_same_sweep(previous: Path, cfg: DictConfig) -> None:
+    """A sweep started again in an output_dir whose sweep.yaml (`previous`, as the first start
+    wrote it) differs in what its runs are, is refused: a finished run's folder would be read
+    as a run of the new config. Keys a run may change on resume (FREE) and the sweep's own
+    FREE ones may differ."""
+    if not previous.is_file():
+        return
+    old, new = _flat(yaml.safe_load(previous.read_text())), _flat(config.written_dict(cfg))
+    changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key) and _decides_runs(key))
+    if changed:
+        raise ConfigError(f"output_dir {previous.parent}: holds a sweep of another config ({', '.join(changed[:4])}"
+                          f"{' ...' if len(changed) > 4 else ''} changed); start it again with the same config, or "
+                          "give a new output_dir")
+
+
+def _decides_runs(key: str) -> bool:
+    if key.startswith("sweep."):
+        return key.startswith(SWEEP_KEYS_FIXED)
+    return key != "output_dir" and config.RESUME_RULES.get(key, config.FIXED) != config.FREE
+
+
+def _flat(nested: Any) -> dict[str, Any]:
+    return config.flatten(nested) if isinstance(nested, dict) else {}
+

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import exit_codes, launch
-from trainer.errors import TrainerError
+from trainer.errors import ConfigError, TrainerError
 from trainer.sweep.space import Scalar, override
 
 log = logging.getLogger(__name__)
@@ -106,8 +106,8 @@ class Slots:
         total = ranks or len(gpus) or parallel
         nproc = total // parallel
         if nproc < 1:
-            raise TrainerError(f"sweep.parallel: {parallel} trials at once need {parallel} ranks or more, and "
-                               f"sweep.ranks (or the GPUs) give {total}")
+            raise ConfigError(f"sweep.parallel: {parallel} trials at once need {parallel} ranks or more, and "
+                              f"the GPUs give {total}")
         extra: tuple[str, ...] = ()
         if not gpus and not threads_set:  # the node's cores split between every rank of every slot
             extra = (override("train.threads", max(1, len(os.sched_getaffinity(0)) // total)),)
