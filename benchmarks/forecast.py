@@ -7,6 +7,7 @@ summary.json: after the first step, evaluation and saves excluded).
 
     python -m benchmarks.forecast [--steps 50] [--nodes 2 3 4] [--rates 200 1000 5000]
                                   [--hooks none bf16 powersgd] [--buckets 25] [--data data/reviews]
+                                  [key=value ...]
 
 Root (network namespaces). Every node gets its share of the machine's cores, as
 tests/netns.py gives it. Writes results/cpu-minilm-forecast.json (or --out).
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--buckets", type=float, nargs="+", default=[25])
     parser.add_argument("--data", default=str(REPO / "data/reviews"))
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "cpu-minilm-forecast.json"))
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="for doctor and training alike")
     args = parser.parse_args()
     points = []
     for rate in args.rates:
@@ -93,7 +95,8 @@ def main() -> None:
                     # PowerSGD from the second step: its exact first steps would time another hook.
                     start = ["ddp.powersgd_start_step=2"] if hook == "powersgd" else []
                     point = one_point(args.data, args.steps, nodes, rate,
-                                      [f"ddp.comm_hook={hook}", f"ddp.bucket_cap_mb={bucket:g}", *start])
+                                      [f"ddp.comm_hook={hook}", f"ddp.bucket_cap_mb={bucket:g}", *start,
+                                       *args.overrides])
                     points.append(point)
                     print(json.dumps({k: v for k, v in point.items() if k != "doctor"}), flush=True)
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "steps": args.steps, "points": points,

@@ -346,7 +346,11 @@ def measure(cfg: DictConfig, dist_env, device: torch.device, alone: bool = True)
     group = dist.new_subgroups(group_size=1)[0] if alone else None  # collective: every rank makes its own
     try:
         built = build.build(timed, dist_env, device, splits.labels, max_steps=max_steps, group=group)
-        tokenized = data.build(cfg, dist_env, splits, built.tokenizer, device, plan)
+        # Without loader workers: they are not timed here, and their server's start-up (its
+        # imports, ~2 s of CPU a rank) would run beside the timed steps, on the cores the ranks
+        # share: at 4 ranks on 2 cores it doubled the compute timed (benchmarks/RESULTS.md).
+        loaderless = cast(DictConfig, OmegaConf.merge(cfg, {"data": {"num_workers": 0}}))
+        tokenized = data.build(loaderless, dist_env, splits, built.tokenizer, device, plan)
         try:
             batches = describe_batches(tokenized.train_loader.dataset, tokenized.train_sampler, plan.micro_batch,
                                        data.pad_multiple(cfg, device))
