@@ -28,12 +28,12 @@ from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from trainer import arrow, sources
+from trainer import folds as folds_module
 from trainer import labels as labels_module
 from trainer.config import DataConfig
 from trainer.distributed import DistEnv, local_rank_zero_first
 from trainer.errors import CheckpointError, ConfigError, DataError, TrainerError, describe, one_line
 from trainer.labels import Labels
-from trainer.sweep import folds as folds_module
 
 log = logging.getLogger(__name__)
 

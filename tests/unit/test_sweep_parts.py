@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from trainer import config
+from trainer import config, folds
 from trainer.__main__ import main
 from trainer.errors import ConfigError
-from trainer.sweep import folds, plan, space
+from trainer.sweep import plan, space
 from trainer.sweep.stats import t_interval
 
 
