@@ -320,12 +320,18 @@ def run_dir(command: str, args: argparse.Namespace) -> Path:
 
 def run_report(args: argparse.Namespace) -> int:
     """where a run's time went, across its attempts and restarts: goodput (RUN_DIR: its
-    output_dir), printed and written as RUN_DIR/goodput.json and goodput.png."""
+    output_dir), printed and written as RUN_DIR/goodput.json and goodput.png; of a sweep's
+    output_dir, each of its runs'."""
     try:
         folder = run_dir("report", args)
         from trainer import report
+        from trainer.sweep import runs
 
-        report.run(folder)
+        trials = folder / runs.TRIALS
+        if trials.is_dir():
+            report.run_sweep(folder, sorted(p for p in trials.iterdir() if p.is_dir()))
+        else:
+            report.run(folder)
         return 0
     except TrainerError as e:
         return errors.report(e)

@@ -16,6 +16,10 @@ last end:
 
 goodput = productive / wall. The numbers go to RUN_DIR/goodput.json (and to summary.json as a
 run ends), and a picture of the attempts to RUN_DIR/goodput.png.
+
+Of a sweep's output_dir (`python -m trainer sweep`), the same for each of its runs, in its own
+folder, and one line each; the sweep's goodput is their productive seconds over their wall
+seconds, summed over the runs (runs side by side each count their own).
 """
 
 from __future__ import annotations
@@ -209,3 +213,34 @@ def run(run_dir: Path) -> dict:
     print(describe(report))
     print(f"  {run_dir / 'goodput.json'}, {run_dir / PICTURE}")
     return report
+
+
+def run_sweep(sweep_dir: Path, run_dirs: list[Path]) -> dict:
+    """The report of a sweep's output_dir: each run's, written in its folder as `run` writes it,
+    a line each; and the sweep's, printed and written as sweep_dir/goodput.json."""
+    each: dict[str, dict | None] = {}
+    for folder in run_dirs:
+        if not (folder / attempts.FILE).is_file():
+            each[folder.name] = None  # not started yet
+            continue
+        report = draw(folder, folder / PICTURE)
+        files.write_text(folder / "goodput.json", json.dumps(report, indent=2) + "\n")
+        each[folder.name] = {k: report[k] for k in ("wall_s", "goodput", "restarts", "steps_kept", "steps_redone")} \
+            | {"productive_s": report["seconds"]["productive"]}
+    started = [r for r in each.values() if r is not None]
+    wall = sum(r["wall_s"] for r in started)
+    productive = sum(r["productive_s"] for r in started)
+    sweep = {"runs": each, "run_wall_s": wall, "goodput": productive / wall if wall > 0 else None}
+    files.write_text(sweep_dir / "goodput.json", json.dumps(sweep, indent=2) + "\n")
+    goodput = "unknown" if sweep["goodput"] is None else f"{100 * sweep['goodput']:.1f}%"
+    print(f"sweep of {len(each)} runs ({len(started)} started): {_duration(wall)} of run wall time, goodput {goodput}")
+    print(f"  {'run':<24}{'wall':>9}{'goodput':>9}{'restarts':>10}{'kept':>6}{'redone':>8}")
+    for name, r in each.items():
+        if r is None:
+            print(f"  {name:<24}{'not started':>9}")
+            continue
+        runs_goodput = "-" if r["goodput"] is None else f"{100 * r['goodput']:.1f}%"
+        print(f"  {name:<24}{_duration(r['wall_s']):>9}{runs_goodput:>9}{r['restarts']:>10}{r['steps_kept']:>6}"
+              f"{r['steps_redone']:>8}")
+    print(f"  {sweep_dir / 'goodput.json'}; each run's goodput.json and {PICTURE} in its folder")
+    return sweep

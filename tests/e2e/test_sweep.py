@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BASE_ENV, PYTHON, REPO, failure_output, launch, tiny_overrides
+from conftest import BASE_ENV, PYTHON, REPO, compare_weights, failure_output, launch, tiny_overrides, trainer_command
 from support import kill_tree
 
 from trainer.launch import trainer_program
@@ -52,6 +52,26 @@ def uninterrupted(tiny_model, reviews, tmp_path_factory) -> Path:
     return out
 
 
+
+@pytest.mark.parametrize("nproc", [None, 2], ids=["one-process", "two-ranks"])
+def test_a_trial_run_alone_trains_what_it_trained_in_the_sweep(uninterrupted, tmp_path, nproc):
+    """Trial 001-seed43 run by hand, as its trial.log says the sweep ran it: the sweep's config
+    (sweep.yaml), its setting and seed, and the sweep's train.threads. In one process (the
+    trial had one rank), the same bits; on 2 ranks of the same global batch, within 1e-6, as
+    any run at another world size."""
+    out = uninterrupted
+    with (out / "sweep.csv").open() as f:
+        row = next(r for r in csv.DictReader(f) if r["trial"] == "001-seed43")
+    alone = tmp_path / "alone"
+    overrides = [f"train.lr={row['train.lr']}", f"train.warmup_ratio={row['train.warmup_ratio']}", "seed=43",
+                 "train.threads=1", f"output_dir={alone}"]
+    if nproc == 2:
+        overrides += ["train.global_batch=8", "train.batch_size=4"]
+    result = launch(trainer_command(overrides, nproc, config=str(out / "sweep.yaml")))
+    assert result.returncode == 0, failure_output(result.output)
+    diff = compare_weights(out / "trials" / "001-seed43", alone, 2)
+    assert diff.max_abs <= 1e-6 and (nproc == 2 or not diff.differing), diff
+
 def test_a_grid_of_settings_and_seeds_runs_two_trials_at_a_time(uninterrupted):
     out = uninterrupted
     assert sorted(trials(out)) == [f"{s:03d}-seed{seed}" for s in range(4) for seed in (42, 43)]
@@ -78,6 +98,19 @@ def test_a_grid_of_settings_and_seeds_runs_two_trials_at_a_time(uninterrupted):
         row = f"train.lr={lr}, train.warmup_ratio={warmup} | {mean:.4f} | [{interval.low:.4f}, {interval.high:.4f}]"
         assert f"{row} | 2 | complete |" in line, board
     assert (out / "sweep.png").stat().st_size > 0
+    # `report` of the sweep: each run's goodput, in its folder and a line each, and the sweep's.
+    reported = subprocess.run([PYTHON, "-m", "trainer", "report", str(out)], cwd=REPO, env=BASE_ENV,
+                              capture_output=True, text=True, timeout=120)
+    assert reported.returncode == 0, reported.stderr[-3000:]
+    sweep_goodput = json.loads((out / "goodput.json").read_text())
+    assert sorted(sweep_goodput["runs"]) == sorted(trials(out))
+    for name, folder in trials(out).items():
+        own = json.loads((folder / "goodput.json").read_text())
+        assert sweep_goodput["runs"][name]["goodput"] == own["goodput"] and own["steps_kept"] == 2
+        assert (folder / "goodput.png").is_file() and f"  {name} " in reported.stdout
+    productive = sum(r["productive_s"] for r in sweep_goodput["runs"].values())
+    assert sweep_goodput["goodput"] == pytest.approx(productive / sweep_goodput["run_wall_s"])
+    assert reported.stdout.startswith("sweep of 8 runs (8 started)")
     best_lr, best_warmup = means[0][1]
     card = (out / "final" / "README.md").read_text()
     assert "## How this model was chosen" in card and f"train.lr={best_lr}, train.warmup_ratio={best_warmup}" in card
