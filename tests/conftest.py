@@ -260,6 +260,19 @@ def decoder_models(tmp_path_factory) -> Callable[[str, float], Path]:
     return model
 
 
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank, in this process (no address): DDP, FSDP2 and their
+    collectives are built as under torchrun. Yields that rank's DistEnv."""
+    import torch.distributed as dist
+
+    from trainer.distributed import DistEnv
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield DistEnv(master_addr="localhost", master_port=1)
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def reviews(tmp_path_factory) -> Path:
     """600 train / 203 eval reviews: 203 is odd, so 2 ranks get unequal eval shards."""

@@ -6,22 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import tiny_overrides
 
 from trainer import build, config, labels
 from trainer.distributed import DistEnv
 from trainer.preflight import forecast
 from trainer.step import StepObserver, TrainStep
-
-
-@pytest.fixture
-def one_rank_group():
-    """A gloo process group of one rank, in this process: DDP and its comm hook are built as
-    under torchrun."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield DistEnv(master_addr="localhost", master_port=1)
-    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import tiny_overrides
 
 from trainer import build, config, labels, model
@@ -61,16 +60,9 @@ def train(cfg, dist_env) -> tuple[dict[str, torch.Tensor], torch.Tensor, Compile
     return weights, logits, compiled
 
 
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield DistEnv(master_addr="localhost", master_port=1)
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_compiled_blocks_take_three_graphs_for_any_lengths_and_train_the_same_bits(
-        tiny_model, reviews, tmp_path, eager_backend, one_rank_group, strategy):
+        tiny_model, reviews, tmp_path, eager_backend, request, strategy):
     """A static graph for the first length, a dynamic one from the second on, one for evaluation:
     3 graphs for 5 lengths, none broken, the blocks sharing them; the same weights and logits
     as the uncompiled step's."""
@@ -79,7 +71,7 @@ def test_compiled_blocks_take_three_graphs_for_any_lengths_and_train_the_same_bi
             "train.batch_size": 4, "train.precision": "fp32", "train.strategy": strategy,
             "train.compile": compile_}))
 
-    dist_env = one_rank_group if strategy == "fsdp" else DistEnv()
+    dist_env = request.getfixturevalue("one_rank_group") if strategy == "fsdp" else DistEnv()
     eager_weights, eager_logits, none = train(cfg(False), dist_env)
     weights, logits, compiled = train(cfg(True), dist_env)
     assert none.graphs == 0

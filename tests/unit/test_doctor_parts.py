@@ -46,12 +46,11 @@ def test_a_failed_save_check_is_a_problem_of_the_report():
 
 
 def test_the_forecast_times_the_step_with_no_loader_worker_server_starting_beside_it(tiny_model, reviews, tmp_path,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, one_rank_group):
     """The loader workers' server imports for ~2 s of CPU a rank as it starts: started by the
     forecast's data, it ran beside the timed steps, on the cores that ranks on one host share,
     and at 4 ranks on 2 cores doubled the compute doctor timed (+20% on the step, +97% with
     PowerSGD; benchmarks/RESULTS.md, 2026-11-28). The forecast builds its data without workers."""
-    import torch.distributed as dist
     from conftest import tiny_overrides
 
     from trainer import data
@@ -60,10 +59,6 @@ def test_the_forecast_times_the_step_with_no_loader_worker_server_starting_besid
     started = []
     monkeypatch.setattr(data, "start_worker_server", lambda cfg: started.append(cfg.data.num_workers))
     cfg = config.load(None, tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"data.num_workers": 1}))
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        measured = forecast.measure(cfg, DistEnv(master_addr="localhost", master_port=1), torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
+    measured = forecast.measure(cfg, one_rank_group, torch.device("cpu"))
     assert measured.compute.forward_s > 0
     assert started in ([], [0])  # asked for none, or for a server of no workers: a no-op

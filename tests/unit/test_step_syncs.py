@@ -10,7 +10,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import tiny_overrides
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -37,13 +36,6 @@ def run_config(tiny_model, reviews, tmp_path):
             "train.batch_size": 4, "train.precision": "bf16", "model.attn_implementation": "sdpa", **extra}))
 
     return make
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield DistEnv(master_addr="localhost", master_port=1)
-    dist.destroy_process_group()
 
 
 def counted_steps(built, steps: int = 4) -> list[dict]:
