@@ -204,27 +204,32 @@ def draw(run_dir: Path, path: Path, ending: int | None = None) -> dict:
     return report
 
 
+def write(run_dir: Path) -> dict:
+    """The report of `run_dir`, written as goodput.json and goodput.png in it."""
+    report = draw(run_dir, run_dir / PICTURE)
+    files.write_text(run_dir / "goodput.json", json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def run(run_dir: Path) -> dict:
     """The report of `run_dir`: printed, and written as goodput.json and goodput.png in it."""
     if not run_dir.is_dir():
         raise ConfigError(f"report: {run_dir}: no such folder (give a run's output_dir)")
-    report = draw(run_dir, run_dir / PICTURE)
-    files.write_text(run_dir / "goodput.json", json.dumps(report, indent=2) + "\n")
+    report = write(run_dir)
     print(describe(report))
     print(f"  {run_dir / 'goodput.json'}, {run_dir / PICTURE}")
     return report
 
 
 def run_sweep(sweep_dir: Path, run_dirs: list[Path]) -> dict:
-    """The report of a sweep's output_dir: each run's, written in its folder as `run` writes it,
-    a line each; and the sweep's, printed and written as sweep_dir/goodput.json."""
+    """The report of a sweep's output_dir: each run's, written in its folder (`write`), a line
+    each; and the sweep's, printed and written as sweep_dir/goodput.json."""
     each: dict[str, dict | None] = {}
     for folder in run_dirs:
         if not (folder / attempts.FILE).is_file():
             each[folder.name] = None  # not started yet
             continue
-        report = draw(folder, folder / PICTURE)
-        files.write_text(folder / "goodput.json", json.dumps(report, indent=2) + "\n")
+        report = write(folder)
         each[folder.name] = {k: report[k] for k in ("wall_s", "goodput", "restarts", "steps_kept", "steps_redone")} \
             | {"productive_s": report["seconds"]["productive"]}
     started = [r for r in each.values() if r is not None]
