@@ -177,7 +177,6 @@ GPU_ABLATIONS = {
 # has "+ torch.compile"). SDPA math stands in for the GPU kernels in the CPU dry run.
 CHECK_VARIANTS = {
     "- loss check": ("fault.max_bad_steps=0", "fault.spike_factor=0"),
-    "+ SDPA flash": ("model.sdpa_backend=flash",),
     "+ SDPA efficient": ("model.sdpa_backend=efficient",),
     "+ SDPA cudnn": ("model.sdpa_backend=cudnn",),
     "+ SDPA math": ("model.attn_implementation=sdpa", "model.sdpa_backend=math"),

@@ -132,11 +132,12 @@ class ModelConfig:
     is ~1.9x slower than eager's (benchmarks/RESULTS.md)."""
     sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = key("auto", FREE)
     """Which kernel runs SDPA attention in the step's forward and backward and in evaluation
-    (torch.nn.attention.sdpa_kernel): flash (FlashAttention-2), efficient (memory-efficient),
-    cudnn (cuDNN's fused attention) or math (plain matmuls and softmax, any device). auto:
-    torch picks per call, as before. Other than auto it needs model.attn_implementation
-    sdpa, and flash, efficient and cudnn a GPU: they have no CPU kernels. A kernel that cannot
-    run a shape fails the step rather than falling back (docs/gpus.md)."""
+    (torch.nn.attention.sdpa_kernel): efficient (memory-efficient), cudnn (cuDNN's fused
+    attention) or math (plain matmuls and softmax, any device). auto: torch picks per call, as
+    before. Other than auto it needs model.attn_implementation sdpa, and efficient and cudnn a
+    GPU: they have no CPU kernels. flash (FlashAttention-2) is refused: it takes no mask, and
+    every padded batch carries one. A kernel that cannot run a shape fails the step rather
+    than falling back (docs/gpus.md)."""
     gradient_checkpointing: bool = key(False, FREE)
     """Activation checkpointing (transformers' own, non-reentrant): each layer's activations
     are recomputed in the backward instead of kept from the forward. A third less memory on
@@ -690,6 +691,10 @@ def _check_cross_field(cfg: DictConfig) -> None:
     if cfg.ddp.comm_hook != "none" and train.strategy != "ddp":
         raise ConfigError(f"ddp.comm_hook: {cfg.ddp.comm_hook} compresses DDP's all-reduce, and "
                           f"train.strategy={train.strategy} has none; set ddp.comm_hook=none")
+    if cfg.model.sdpa_backend == "flash":
+        # Seen on an H200 (benchmarks/RESULTS.md, 2026-11-28): "No available kernel" in the first step.
+        raise ConfigError("model.sdpa_backend: flash takes no attention mask, and every batch here carries "
+                          "one (its padding); use efficient or cudnn, which take masks, or auto")
     if cfg.model.sdpa_backend != "auto" and cfg.model.attn_implementation not in ("auto", "sdpa"):
         raise ConfigError(f"model.sdpa_backend: {cfg.model.sdpa_backend} picks an SDPA kernel, but "
                           f"model.attn_implementation is {cfg.model.attn_implementation}; set it to sdpa")

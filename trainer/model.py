@@ -136,7 +136,7 @@ def attention_for(model_cfg: DictConfig, device_type: str) -> str:
     return implementation
 
 
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+SDPA_BACKENDS = {"efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                  "math": "MATH"}
 """model.sdpa_backend's names for torch.nn.attention.SDPBackend's."""
 

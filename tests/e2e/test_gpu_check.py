@@ -25,7 +25,7 @@ def test_the_gpu_check_dry_run_runs_every_part_and_writes_its_report(tmp_path):
     assert summary["dry_run"] is True and summary["device"] == "cpu"
     assert summary["side_problems"] == []  # the GPU sides' overrides, checked as on a GPU
     parts = summary["parts"]
-    assert list(parts) == ["cuda", "variants", "profile", "saves"]
+    assert list(parts) == ["variants", "saves", "profile", "cuda"]
     assert all(part["status"] == "ok" for part in parts.values()), {k: v["status"] for k, v in parts.items()}
     variant = parts["variants"]["results"]["runs"]["trainer DDP bf16 + SDPA math"][0]
     assert variant["samples_per_s"] > 0

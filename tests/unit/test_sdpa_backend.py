@@ -77,13 +77,13 @@ def test_evaluation_runs_the_configured_kernel(dropout_model, reviews, tmp_path)
 
 
 @pytest.mark.parametrize(("settings", "device", "says"), [
-    ({"model.sdpa_backend": "flash", "model.attn_implementation": "sdpa"}, "cpu",
-     "model.sdpa_backend: flash has no CPU kernel (GPU only); use auto or math here"),
+    ({"model.sdpa_backend": "efficient", "model.attn_implementation": "sdpa"}, "cpu",
+     "model.sdpa_backend: efficient has no CPU kernel (GPU only); use auto or math here"),
     ({"model.sdpa_backend": "cudnn", "model.attn_implementation": "sdpa"}, "cpu", "cudnn has no CPU kernel"),
     ({"model.sdpa_backend": "efficient"}, "cpu",
      ("the model's attention is eager (model.attn_implementation auto is eager on CPU); set "
       "model.attn_implementation=sdpa")),
-    ({"model.sdpa_backend": "flash"}, "cuda", None),  # auto is sdpa on GPU
+    ({"model.sdpa_backend": "cudnn"}, "cuda", None),  # auto is sdpa on GPU
     ({"model.sdpa_backend": "math", "model.attn_implementation": "sdpa"}, "cpu", None),
 ])
 def test_a_backend_that_cannot_run_is_refused_before_the_weights_load(tiny_model, reviews, tmp_path, settings,
@@ -104,3 +104,12 @@ def test_the_config_refuses_a_backend_with_eager_attention(tiny_model, reviews, 
             "model.sdpa_backend": "math", "model.attn_implementation": "eager"}))
     with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: "):
         config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{"model.sdpa_backend": "fastest"}))
+
+
+def test_flash_is_refused_on_every_device_for_it_takes_no_mask(tiny_model, reviews, tmp_path):
+    """torch's FlashAttention kernel takes no attention mask, and every batch the trainer feeds
+    carries one (its padding): on an H200 the first step failed with "No available kernel"."""
+    with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: flash takes no attention mask, and every "
+                                          r"batch here carries one \(its padding\); use efficient or cudnn"):
+        config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{
+            "model.sdpa_backend": "flash", "model.attn_implementation": "sdpa"}))
