@@ -9,6 +9,7 @@ Two properties matter and are tested:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -600,8 +601,14 @@ def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -
 
 
 class Collate:
-    """transformers' DataCollatorWithPadding, on the tokenizer's own padding side, plus
-    position ids where that side is the left (Llama's tokenizers).
+    """A batch of tokenized rows padded to its longest (rounded up to `pad_to_multiple_of`), on
+    the tokenizer's own padding side, as tensors: what transformers' DataCollatorWithPadding
+    returns, bit for bit (tests/unit/test_loader_internals.py), plus position ids where that
+    side is the left (Llama's tokenizers).
+
+    In numpy, not through `tokenizer.pad`, whose per-row Python costs the loader worker 32 ms
+    for a batch of 512 rows of ~90 tokens (2 ms here): at a GPU's 75 ms a step, one worker
+    padding that way could barely keep up (benchmarks/RESULTS.md, 2026-11-28).
 
     Left padding shifts each row's real tokens right by however much its batch pads, and
     decoder-only models count positions from column 0: a sample's logits would depend on
@@ -610,19 +617,37 @@ class Collate:
     """
 
     def __init__(self, tokenizer, pad_to_multiple_of: int | None):
-        from transformers import DataCollatorWithPadding
-
-        self.pad = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+        # tokenizer.pad's padding values; any other column (the labels) is stacked as it is.
+        self.pad_values = {"input_ids": tokenizer.pad_token_id, "token_type_ids": tokenizer.pad_token_type_id,
+                           "attention_mask": 0, "special_tokens_mask": 1}
+        self.with_mask = "attention_mask" in tokenizer.model_input_names
+        self.multiple = pad_to_multiple_of
         self.left = tokenizer.padding_side == "left"
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        batch = self.pad(features)
+        lengths = np.fromiter((len(f["input_ids"]) for f in features), np.int64, len(features))
+        width = int(lengths.max())
+        if self.multiple:
+            width = -(-width // self.multiple) * self.multiple
+        columns = np.arange(width)
+        real = columns >= (width - lengths)[:, None] if self.left else columns < lengths[:, None]
+        batch = {}
+        for key in features[0]:
+            values = [f[key] for f in features]
+            if key in self.pad_values:
+                padded = np.full((len(features), width), self.pad_values[key], np.int64)
+                padded[real] = np.fromiter(itertools.chain.from_iterable(values), np.int64, int(lengths.sum()))
+                batch[key] = torch.from_numpy(padded)
+            else:
+                batch["labels" if key in ("label", "label_ids") else key] = torch.tensor(values)
+        if self.with_mask and "attention_mask" not in batch:
+            batch["attention_mask"] = torch.from_numpy(real.astype(np.int64))
         if self.left:
             batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         return batch
 
 
-WORKER_SERVER_PRELOAD = ["trainer.loader_server", "trainer.data", "datasets", "transformers.data.data_collator"]
+WORKER_SERVER_PRELOAD = ["trainer.loader_server", "trainer.data", "datasets"]
 """The server's set-up (trainer/loader_server.py), then what a worker unpickles its loader
 with: imported once by the server, each worker, its fork, starts with it imported."""
 
