@@ -198,3 +198,47 @@ def test_a_save_whose_folder_is_gone_names_the_room_left_where_it_is_known(tmp_p
         ckpt.save(1, {**make_states(), "comm_hook": Vanishing()}, "seed: 1\n")
     assert re.fullmatch(rf"checkpoint step-1: save failed: rank 0: FileNotFoundError: .*per-rank' "
                         rf"\([\d.]+ MB free in {re.escape(str(tmp_path))}\)", str(raised.value)), str(raised.value)
+
+
+def test_background_sharded_saves_stage_through_one_kept_stager(tmp_path, one_rank_group, monkeypatch):
+    """FSDP's background saves (DCP) copy the state to host memory through one stager kept for
+    the run (formats.kept_stager: page-locked once, on a GPU). The second save overwrites the
+    host copies of the first, once its write has finished: each checkpoint still holds its own
+    step's weights and AdamW moments."""
+    from torch.distributed.fsdp import fully_shard
+
+    made = []
+    monkeypatch.setattr(formats, "kept_stager", lambda model, kept=formats.kept_stager: made.append(kept(model))
+                        or made[-1])
+
+    def sharded_states(seed: int) -> dict:
+        states = make_states(seed)
+        fully_shard(states["model"])
+        states["optimizer"] = torch.optim.AdamW(states["model"].parameters(), lr=0.1)
+        states["scheduler"] = torch.optim.lr_scheduler.LambdaLR(states["optimizer"], lambda step: 1 / (step + 1))
+        return states
+
+    def snapshot(states: dict) -> dict:
+        moments = states["optimizer"].state_dict()["state"]
+        return {**{name: t.full_tensor().clone() for name, t in states["model"].state_dict().items()},
+                **{f"{i}.exp_avg": m["exp_avg"].full_tensor().clone() for i, m in moments.items()}}
+
+    ckpt = Checkpointer(str(tmp_path), keep=3, dist_env=one_rank_group, async_save=True,
+                        checkpoint_format=formats.SHARDED)
+    states, expected = sharded_states(0), {}
+    for step in (1, 2):
+        train_one_step(states)
+        ckpt.save(step, states, "seed: 1\n")
+        expected[step] = snapshot(states)
+    ckpt.finish()
+    assert len(made) == 1  # made at the first save, reused by the second
+    assert not all(torch.equal(expected[1][k], expected[2][k]) for k in expected[1])
+
+    for step in (1, 2):
+        path = ckpt.root / f"step-{step}"
+        assert verify(path) is None
+        fresh = sharded_states(seed=1)
+        ckpt.load(path, fresh, read_state(path), seed=0)
+        loaded = snapshot(fresh)
+        assert sorted(loaded) == sorted(expected[step])
+        assert all(torch.equal(loaded[k], expected[step][k]) for k in loaded), step

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from trainer.errors import CheckpointError, describe
 from trainer.faults import inject
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs half a second to import
+    from torch.distributed.checkpoint.staging import AsyncStager
     from torch.distributed.checkpoint.stateful import Stateful
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,9 @@ class Checkpointer:
         """Rank 0's write of the checkpoint's files."""
         self._shards: Future | None = None
         """This rank's part of DCP's background write of the shards (sharded and async_save)."""
+        self._stager: AsyncStager | None = None
+        """DCP's stager of those writes (formats.kept_stager), made at the first: its host
+        copies are reused by each save after it, which waits for the write before (`finish`)."""
         self.write_seconds: list[float] = []
         """How long each finished write took (rank 0): in the background, training ran meanwhile."""
 
@@ -165,10 +169,13 @@ class Checkpointer:
     def _start_shards(self, step: int, tmp: Path, states: dict[str, Stateful]) -> None:
         """Collective, in the sharded format: each rank writes its shards (DCP gathers every
         rank's outcome, so a failure is raised on all), or starts writing them in the background."""
-        group = distributed.checkpoint_group(self.dist_env) if self.async_save and self.format.collective else None
+        group, background = None, self.async_save and self.format.collective
+        if background:
+            group = distributed.checkpoint_group(self.dist_env)
+            self._stager = self._stager or formats.kept_stager(cast(nn.Module, states["model"]))
         with self._failing_save(tmp):
             try:
-                self._shards = self.format.start_save(tmp, states, self.async_save, group)
+                self._shards = self.format.start_save(tmp, states, self.async_save, group, self._stager)
             except Exception as e:  # a full disk on any rank: every rank fails with why  # noqa: BLE001
                 raise CheckpointError(self._save_failed(step, describe(e))) from None
 

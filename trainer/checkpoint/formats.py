@@ -27,6 +27,7 @@ from trainer.errors import CheckpointError, describe
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs half a second to import
     import torch.distributed as dist
+    from torch.distributed.checkpoint.staging import AsyncStager
     from torch.distributed.checkpoint.stateful import Stateful
 
 COMMON = ("optimizer.pt", "rng.pt", "state.json", "config.yaml")
@@ -51,6 +52,21 @@ def dcp_failures() -> Iterator[None]:
         raise ShardsError(f"rank {rank}: {describe(error)}") from None
 
 
+def kept_stager(model: nn.Module) -> AsyncStager:
+    """DCP's stager for a run's background saves, kept from save to save (DCP's default is a
+    new one each time): the host copies it makes of the state at the first save are
+    overwritten at the next, so on a GPU they are page-locked once and for all. Into pageable
+    memory the copy ran at ~1 GB/s, 1.4 s of training paused per bert-base save on an H200
+    (benchmarks/RESULTS.md, 2026-11-28). The copies stay held between saves: the host memory
+    each save's peak took anyway. Only the Checkpointer reuses it, after the previous
+    background write has finished, so no write reads a copy being overwritten."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=on_gpu))
+
+
 class Whole:
     name = "whole"
     required = ("model.safetensors", *COMMON)
@@ -60,7 +76,7 @@ class Whole:
     """Whether every rank writes part of it (start_save)."""
 
     def start_save(self, tmp: Path, states: dict[str, Stateful], in_background: bool,
-                   group: dist.ProcessGroup | None) -> Future | None:
+                   group: dist.ProcessGroup | None, stager: AsyncStager | None = None) -> Future | None:
         """Collective: what every rank writes of the model itself. Nothing: rank 0 writes it."""
         return None
 
@@ -97,14 +113,14 @@ class Sharded:
     collective = True
 
     def start_save(self, tmp: Path, states: dict[str, Stateful], in_background: bool,
-                   group: dist.ProcessGroup | None) -> Future | None:
+                   group: dist.ProcessGroup | None, stager: AsyncStager | None = None) -> Future | None:
         """Collective: the state of what trains (the model's trained weights, the optimizer's
         state) into tmp/sharded with DCP, each rank writing its own shards. A frozen weight
         (LoRA's base) is model.name's, loaded again on resume, as in a whole checkpoint.
 
-        `in_background`: only the copy into host memory happens now. DCP's async save writes
-        in a thread, its collectives on `group` (a gloo group of its own), and returns a
-        future for `wait`."""
+        `in_background`: only the copy into host memory happens now, by `stager` (kept_stager).
+        DCP's async save writes in a thread, its collectives on `group` (a gloo group of its
+        own), and returns a future for `wait`."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -115,7 +131,7 @@ class Sharded:
             if not in_background:
                 dcp.save(state, checkpoint_id=where)
                 return None
-            return cast(Future, dcp.async_save(state, checkpoint_id=where, process_group=group))
+            return cast(Future, dcp.async_save(state, checkpoint_id=where, process_group=group, async_stager=stager))
 
     @staticmethod
     def wait(write: Future) -> None:
