@@ -693,8 +693,8 @@ def _check_cross_field(cfg: DictConfig) -> None:
                           f"train.strategy={train.strategy} has none; set ddp.comm_hook=none")
     if cfg.model.sdpa_backend == "flash":
         # Seen on an H200 (benchmarks/RESULTS.md, 2026-11-28): "No available kernel" in the first step.
-        raise ConfigError("model.sdpa_backend: flash takes no attention mask, and every batch here carries "
-                          "one (its padding); use efficient or cudnn, which take masks, or auto")
+        raise ConfigError("model.sdpa_backend: flash takes no attention mask, and every padded batch "
+                          "carries one; use efficient or cudnn, which take masks, or auto")
     if cfg.model.sdpa_backend != "auto" and cfg.model.attn_implementation not in ("auto", "sdpa"):
         raise ConfigError(f"model.sdpa_backend: {cfg.model.sdpa_backend} picks an SDPA kernel, but "
                           f"model.attn_implementation is {cfg.model.attn_implementation}; set it to sdpa")

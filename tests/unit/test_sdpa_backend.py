@@ -107,9 +107,9 @@ def test_the_config_refuses_a_backend_with_eager_attention(tiny_model, reviews, 
 
 
 def test_flash_is_refused_on_every_device_for_it_takes_no_mask(tiny_model, reviews, tmp_path):
-    """torch's FlashAttention kernel takes no attention mask, and every batch the trainer feeds
-    carries one (its padding): on an H200 the first step failed with "No available kernel"."""
+    """torch's FlashAttention kernel takes no attention mask, and every padded batch carries one:
+    on an H200 the first step failed with "No available kernel"."""
     with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: flash takes no attention mask, and every "
-                                          r"batch here carries one \(its padding\); use efficient or cudnn"):
+                                          r"padded batch carries one; use efficient or cudnn"):
         config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{
             "model.sdpa_backend": "flash", "model.attn_implementation": "sdpa"}))
