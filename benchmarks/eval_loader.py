@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer import build, config, data, distributed, evaluation
+from trainer.batch_plan import BatchPlan
 
 RESULTS = Path(__file__).with_name("results") / "cpu-minilm-eval-loader.json"
 
@@ -38,7 +39,7 @@ def main() -> None:
     built_run = build.build(cfg, dist_env, device, splits.labels, max_steps=1)  # the model as training evaluates it
     logits_of, tokenizer = built_run.strategy.logits, built_run.tokenizer
     assert logits_of is not None, "build() parallelized the model"
-    built = data.build(cfg, dist_env, splits, tokenizer, device, data.BatchPlan.of(cfg.train, 1))
+    built = data.build(cfg, dist_env, splits, tokenizer, device, BatchPlan.of(cfg.train, 1))
     in_process = built.eval_loader
     worker = DataLoader(in_process.dataset, batch_size=in_process.batch_size, sampler=in_process.sampler,
                         **data._loader_options(cfg, tokenizer, device))

@@ -26,8 +26,9 @@ from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
 from trainer.faults.numerics import LossGuard
 from trainer.labels import Labels
-from trainer.step import LogitsUnderAutocast, TrainStep
+from trainer.step import TrainStep
 from trainer.strategies import registry
+from trainer.strategies.base import LogitsUnderAutocast
 from trainer.tasks import registry as tasks
 
 log = logging.getLogger(__name__)

@@ -76,7 +76,7 @@ class Meter(StepObserver):
     The step reports its micro-batches' tokens and losses and its end; `with meter.paused():`
     keeps eval and checkpoint time out of every rate; `take_window()` closes a window with one
     all-reduce of its totals, the only host sync per window, and returns global figures.
-    Every time is on `clock`'s scale, a phase's `at` too (CommClock's: time.perf_counter's).
+    Every time is on `clock`'s scale, a phase's `at` too (DDP's BucketClock's: time.perf_counter's).
     """
 
     def __init__(self, dist_env: DistEnv, device: torch.device, global_batch: int, flop_model: FlopModel,

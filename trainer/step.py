@@ -26,26 +26,6 @@ if TYPE_CHECKING:
     from trainer.tasks.base import Task
 
 
-class LogitsUnderAutocast(nn.Module):
-    """The classifier's logits, computed under autocast with the configured dtype in
-    whichever thread runs the forward.
-
-    Autocast is thread-local, and nn.DataParallel runs each replica in a thread of its
-    own, where it re-enters autocast without a dtype: the device's default, fp16 on CUDA.
-    A bf16 run would silently compute in fp16, with no loss scaler. Entered here, inside
-    each replica's forward, it is the configured dtype. Logits rather than transformers'
-    loss: DataParallel gathers them, and the loss is then taken over the whole batch.
-    """
-
-    def __init__(self, model: nn.Module, device_type: str, dtype: torch.dtype):
-        super().__init__()
-        self.model, self.device_type, self.dtype = model, device_type, dtype
-
-    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            return self.model(**inputs).logits
-
-
 class AttentionMasks:
     """The attention mask a micro-batch hands the model, made so that the model need not read it.
 

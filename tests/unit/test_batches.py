@@ -13,8 +13,9 @@ import pytest
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
+from trainer.batch_plan import BatchPlan
 from trainer.config import TrainConfig
-from trainer.data import BatchPlan, Data, GlobalBatchSampler, check_position, micro_batches, position
+from trainer.data import Data, GlobalBatchSampler, check_position, micro_batches, position
 from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError, ConfigError
 from trainer.labels import IDS, Labels, placeholder_names

@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_overrides
 
 from trainer import build, config, labels
+from trainer.batch_plan import BatchPlan
 from trainer.distributed import DistEnv
 from trainer.preflight import forecast
 from trainer.step import StepObserver, TrainStep
@@ -91,7 +92,7 @@ def test_doctor_times_the_runs_own_save(run_config, tmp_path, monkeypatch):
     cfg = run_config(**{"model.lora.r": 4})
     env, cpu = DistEnv(), torch.device("cpu")
     built = build.build(cfg, env, cpu, labels.from_config(cfg.data), max_steps=1)
-    run_data = data.build(cfg, env, data.load(cfg, env), built.tokenizer, cpu, data.BatchPlan.of(cfg.train, 1))
+    run_data = data.build(cfg, env, data.load(cfg, env), built.tokenizer, cpu, BatchPlan.of(cfg.train, 1))
     saved = []
     real_save = Checkpointer.save
     monkeypatch.setattr(Checkpointer, "save", lambda self, step, states, config_yaml, keep_also=None: (

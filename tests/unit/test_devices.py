@@ -19,7 +19,7 @@ from trainer.distributed import DistEnv, granted_gpus, has_native_bf16, pick_dev
 from trainer.errors import LaunchError
 from trainer.flops import peak_flops
 from trainer.labels import Labels
-from trainer.step import LogitsUnderAutocast
+from trainer.strategies.base import LogitsUnderAutocast
 from trainer.tasks import registry as tasks
 
 TWO_LOCAL_RANKS = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1",
@@ -126,8 +126,9 @@ def test_explicit_bf16_on_a_cpu_without_it_warns_naming_what_is_missing(monkeypa
     monkeypatch.setattr(platform, "machine", lambda: arch)
     assert resolve_precision("bf16", a_cpu(monkeypatch, native)) == torch.bfloat16
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warnings == ([] if native else [f"train.precision: bf16 is emulated on this CPU ({missing}), about 15x "
-                                           "slower than fp32; fp32 (or auto) is fast here"])
+    said = (f"train.precision: bf16 is emulated on this CPU ({missing}), about 15x slower than fp32; "
+            "fp32 (or auto) is fast here")
+    assert warnings == ([] if native else [said])
 
 
 @pytest.mark.parametrize("precision, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16),

@@ -11,9 +11,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from trainer.batch_plan import BatchPlan
 from trainer.checkpoint.rng import ProcessRNG
 from trainer.config import TrainConfig
-from trainer.data import BatchPlan, GlobalBatchSampler
+from trainer.data import GlobalBatchSampler
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
 

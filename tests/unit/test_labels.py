@@ -14,10 +14,11 @@ from conftest import LABEL_NAMES
 
 from trainer import config, data
 from trainer import labels as labels_module
+from trainer.batch_plan import BatchPlan
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError, DataError
 
-ONE_BATCH = data.BatchPlan(16, 16, 1)
+ONE_BATCH = BatchPlan(16, 16, 1)
 TEXTS = ["the food was great", "rude staff", "it was fine", "slow but tasty", "never again", "lovely place"]
 
 

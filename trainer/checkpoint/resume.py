@@ -18,10 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer import config, distributed
+from trainer.batch_plan import BatchPlan
 from trainer.checkpoint import formats
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.store import Store, read_state, verify
-from trainer.data import BatchPlan
 from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError, ConfigError
 from trainer.labels import SPACE, Labels

@@ -11,7 +11,8 @@ saved beside the optimizer.
 from __future__ import annotations
 
 from trainer import data
-from trainer.data import BatchPlan, Data
+from trainer.batch_plan import BatchPlan
+from trainer.data import Data
 from trainer.distributed import DistEnv
 from trainer.faults.numerics import BadSteps
 from trainer.labels import Labels

@@ -14,7 +14,8 @@ import numpy as np
 from omegaconf import DictConfig
 
 from trainer import data, model
-from trainer.data import BatchPlan, Splits
+from trainer.batch_plan import BatchPlan
+from trainer.data import Splits
 from trainer.distributed import DistEnv
 from trainer.errors import ConfigError
 from trainer.labels import Labels

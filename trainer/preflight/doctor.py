@@ -37,6 +37,7 @@ from omegaconf import DictConfig
 
 from trainer import data, distributed, errors
 from trainer import labels as labels_module
+from trainer.batch_plan import BatchPlan
 from trainer.distributed import DistEnv
 from trainer.errors import TrainerError, describe
 from trainer.preflight import forecast, grace, memory, network
@@ -320,7 +321,7 @@ def _grace(cfg, dist_env: DistEnv, computes: list,
     if save_s is None:
         reason = next((m for m in computes if isinstance(m, str)), "output_dir is not writable")
         return [], [f"preemption grace not checked: no save timed ({reason})"], []
-    batch = data.BatchPlan.of(cfg.train, dist_env.world_size)
+    batch = BatchPlan.of(cfg.train, dist_env.world_size)
     steps = [c.at(batch.micro_batch) for c, _ in computes]
     step_s = max((c.forward_s + c.backward_s) * batch.grad_accum + c.optimizer_s for c in steps)
     return (*grace.check(step_s, save_s), [])

@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from trainer.batch_plan import BatchPlan
 from trainer.step import StepObserver, TrainStep
 
 if TYPE_CHECKING:
@@ -338,7 +339,7 @@ def measure(cfg: DictConfig, dist_env, device: torch.device, alone: bool = True)
     from trainer import build, data
     from trainer.policy import Policy
 
-    plan = data.BatchPlan.of(cfg.train, dist_env.world_size)
+    plan = BatchPlan.of(cfg.train, dist_env.world_size)
     splits = data.load(cfg, dist_env)
     max_steps = Policy.from_config(cfg, splits.steps_per_epoch(plan, cfg.train)).max_steps
     # PowerSGD compresses from the first timed step: the two before it warm up.
@@ -430,7 +431,6 @@ def table(found: list[Row]) -> list[str]:
 def section(cfg: DictConfig, backend: str, link: Link, compute: Compute, batches: Batches, params: list[Param],
             world: int, ranks_per_node: int) -> list[str]:
     """doctor's "Scaling forecast": what it was made from, the table, and what would help."""
-    from trainer.data import BatchPlan
     from trainer.errors import ConfigError
 
     nodes = world // ranks_per_node

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from trainer import config, distributed
-from trainer.data import BatchPlan
+from trainer.batch_plan import BatchPlan
 from trainer.distributed import DistEnv
 
 if TYPE_CHECKING:

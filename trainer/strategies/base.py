@@ -12,24 +12,48 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
 from trainer import distributed
+from trainer.batch_plan import BatchPlan
 from trainer.checkpoint import formats
-from trainer.data import BatchPlan
 from trainer.distributed import DistEnv
-from trainer.step import LogitsUnderAutocast
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.checkpoint.stateful import Stateful
     from transformers import PreTrainedModel
 
-    from trainer.strategies.ddp import CommClock
+
+class LogitsUnderAutocast(nn.Module):
+    """The classifier's logits, computed under autocast with the configured dtype in
+    whichever thread runs the forward.
+
+    Autocast is thread-local, and nn.DataParallel runs each replica in a thread of its
+    own, where it re-enters autocast without a dtype: the device's default, fp16 on CUDA.
+    A bf16 run would silently compute in fp16, with no loss scaler. Entered here, inside
+    each replica's forward, it is the configured dtype. Logits rather than transformers'
+    loss: DataParallel gathers them, and the loss is then taken over the whole batch.
+    """
+
+    def __init__(self, model: nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.model, self.device_type, self.dtype = model, device_type, dtype
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            return self.model(**inputs).logits
+
+
+class CommClock(Protocol):
+    """When the last gradient bucket of the latest backward became ready (None without one):
+    whatever backward() took after it is communication that no compute hid (DDP's, ddp.py)."""
+
+    def take(self) -> float | None: ...
 
 
 class Strategy:

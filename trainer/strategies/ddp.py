@@ -110,7 +110,7 @@ def _skip_frozen_at_start(model: nn.Module) -> None:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
 
 
-class CommClock:
+class BucketClock:
     """A DDP comm hook: ddp.comm_hook's (trainer/compression.py), noting when each bucket
     became ready.
 
@@ -126,7 +126,7 @@ class CommClock:
         self.last_ready: float | None = None
 
     @classmethod
-    def attach(cls, ddp: torch.nn.parallel.DistributedDataParallel, hook_state, hook) -> CommClock:
+    def attach(cls, ddp: torch.nn.parallel.DistributedDataParallel, hook_state, hook) -> BucketClock:
         clock = cls(hook)
         ddp.register_comm_hook(hook_state, clock._hook)
         return clock
@@ -163,7 +163,7 @@ class DDP(Strategy):
             return logits
         self.ddp = ddp_wrap(logits, self.cfg.ddp, device, group)
         hook_state, hook, self.powersgd = compression.make(self.cfg.ddp, distributed.backend(dist_env), group)
-        self.comm_clock = CommClock.attach(self.ddp, hook_state, hook)
+        self.comm_clock = BucketClock.attach(self.ddp, hook_state, hook)
         return self.ddp
 
     def sync_gradients(self, now: bool) -> AbstractContextManager:
