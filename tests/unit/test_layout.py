@@ -7,6 +7,8 @@
   by comparing train.strategy with a name elsewhere: a new strategy is a module and a line
   of registration.
 - Subpackages' __init__ files are empty: importing one of their modules imports nothing else.
+- No import cycle between modules, counting every import: lazy ones and those under
+  TYPE_CHECKING too, which readers and type checkers follow as well.
 - Test files have unique names across the tiers: pytest imports them by basename (the tiers
   are not packages), so a second tests/*/test_x.py stops collection of the whole suite.
 """
@@ -91,6 +93,31 @@ def test_only_the_strategies_tell_the_strategies_apart():
                 if names and strings:
                     compared.append(f"{relative}:{node.lineno}")
     assert not compared, f"train.strategy compared with a name: {compared}"
+
+
+def module_name(file: Path) -> str:
+    parts = file.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(("trainer", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def test_no_import_cycle_between_modules():
+    graph = {module_name(file): imported_by(ast.parse(file.read_text())) for file in sorted(PACKAGE.rglob("*.py"))}
+    assert len(graph) > 60 and "trainer.strategies.base" in graph["trainer.build"]  # the walk sees the package
+    cycles, state = [], {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "on the path"
+        for imported in sorted(graph[module] - {module}):
+            if state.get(imported) == "on the path":
+                cycles.append(" -> ".join([*path[path.index(imported):], imported]))
+            elif imported not in state:
+                visit(imported, [*path, imported])
+        state[module] = "done"
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
 def test_subpackages_init_files_are_empty():
