@@ -54,6 +54,12 @@ class Model:
     """The autocast dtype the run computes in (float32: none)."""
 
 
+PREFETCHED = ("transformers", "torch._dynamo", "transformers.modeling_utils")
+"""What `load` imports whatever the model, ~2 s of CPU: transformers' PreTrainedModel, and
+torch._dynamo, which transformers imports with it (as torch.optim's step and DDP do). A rank
+imports them while it waits for local rank 0's data (Trainer, startup.Prefetch)."""
+
+
 def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype, labels: Labels, *,
          on_meta: bool = False, trained: Path | None = None) -> Model:
     """model.name's classifier for `labels` as training builds it: its tokenizer,

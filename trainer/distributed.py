@@ -372,12 +372,39 @@ def local_rank_zero_first(dist_env: DistEnv) -> Iterator[None]:
     until the init timeout.
     """
     if dist_env.is_distributed and not dist_env.is_local_rank_zero:
-        dist.barrier()
+        _barrier()
     try:
         yield
     finally:
         if dist_env.is_distributed and dist_env.is_local_rank_zero:
-            dist.barrier()
+            _barrier()
+
+
+_meanwhile: list[Callable[[], bool]] = []
+
+
+@contextmanager
+def meanwhile(work: Callable[[], bool]) -> Iterator[None]:
+    """In the body, a rank that waits at local_rank_zero_first's barrier (the others for
+    local rank 0's data) calls `work()` while it waits, again until the barrier is passed or
+    `work()` returns False (none left): for work the rank would do after the barrier anyway,
+    such as its next imports (startup.Prefetch). The barrier itself is the same one, with the
+    same timeout; a `work()` call that outlasts the wait delays this rank by what is left of it."""
+    _meanwhile.append(work)
+    try:
+        yield
+    finally:
+        _meanwhile.remove(work)
+
+
+def _barrier() -> None:
+    if not _meanwhile:
+        dist.barrier()
+        return
+    passed = dist.barrier(async_op=True)
+    while not passed.is_completed() and _meanwhile[-1]():
+        pass
+    passed.wait()
 
 
 # --- collectives that are the identity in a single process -------------------------------

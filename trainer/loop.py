@@ -41,7 +41,7 @@ from trainer.export import export_final
 from trainer.faults import inject, numerics, preemption, replicas, timeline, watchdog
 from trainer.faults.attempts import Attempt
 from trainer.policy import Policy, Selection
-from trainer.startup import StartupClock
+from trainer.startup import Prefetch, StartupClock
 from trainer.strategies import registry
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,10 @@ class Trainer:
         self.batch = self.resume_plan.batch
         """The global batch, split over this run's ranks."""
 
-        splits = data.load(cfg, dist_env)  # checked first: a data mistake costs no model download
+        # Checked first: a data mistake costs no model download. The ranks that wait for local
+        # rank 0's data meanwhile import what the model needs.
+        with distributed.meanwhile(Prefetch(build.PREFETCHED)):
+            splits = data.load(cfg, dist_env)
         for warning in splits.warnings:
             log.warning("%s", warning)
         self.dropped_rows = splits.dropped

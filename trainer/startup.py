@@ -1,12 +1,19 @@
 """`StartupClock`: launch to first optimizer step, phase by phase, from the processes' start
-times in /proc."""
+times in /proc. `Prefetch`: imports a rank needs later, done while it waits for its peers."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import logging
 import os
+import sys
 import time
+from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class StartupClock:
@@ -43,6 +50,32 @@ class StartupClock:
             for (_, start), (phase, end) in itertools.pairwise(self.marks)
             if start is not None and end is not None
         }
+
+
+class Prefetch:
+    """Imports a rank will need later, one module a call: work for the time it would spend
+    waiting at a barrier for its peers (distributed.meanwhile). A module imported there is not
+    imported again when the code that needs it runs, so the rank gets there sooner; the
+    modules must be ones the run imports anyway, or the wait buys nothing."""
+
+    def __init__(self, modules: Iterable[str]) -> None:
+        self.pending = deque(modules)
+
+    def __call__(self) -> bool:
+        """Import the next module not imported yet; False when none is left, or one failed
+        (its error is left to the import that needs it, where it says what needed it)."""
+        while self.pending:
+            name = self.pending.popleft()
+            if name in sys.modules:
+                continue
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # noqa: BLE001 (not ours to report: the import that needs it will)
+                log.debug("prefetching %s: %s", name, e)
+                self.pending.clear()
+                return False
+            return True
+        return False
 
 
 def _process_start(pid: int) -> float | None:
