@@ -4,6 +4,7 @@ places and resumes them, and what it leaves in output_dir (docs/sweeps.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import optuna
 from omegaconf import DictConfig
 
-from trainer import config, files
+from trainer import config, exit_codes, files
 from trainer.errors import ConfigError
 from trainer.sweep import results, runs, study
 from trainer.sweep.plan import Plan, check_same_sweep
@@ -48,7 +49,8 @@ def array_runs(cfg: DictConfig, the_plan: Plan) -> tuple[Path, list[runs.Run]]:
 
 def run(cfg: DictConfig, the_plan: Plan) -> int:
     """Every setting's runs to the end (those finished before read, not run again), then the
-    results. Returns 0."""
+    results. Returns 0; a preemption signal (fault.preempt_signals) stops it with RunFailed,
+    exit 75, once every run alive has saved and ended."""
     out = Path(cfg.output_dir)
     sweep = cfg.sweep
     check_same_sweep(out / CONFIG_FILE, cfg)
@@ -64,7 +66,16 @@ def run(cfg: DictConfig, the_plan: Plan) -> int:
              sweep.seeds, f" x {sweep.folds} folds" if sweep.folds else "", the_plan.metric, remaining,
              sweep.parallel, slots.nproc)
 
+    failed: list[runs.RunFailed] = []
+
     def objective(trial) -> float:
+        try:
+            return setting_value(trial)
+        except runs.RunFailed as e:
+            failed.append(e)
+            raise
+
+    def setting_value(trial) -> float:
         setting = the_plan.space.suggest(trial)
         number = setting_number(cfg, the_plan, trial, setting)
         each = runs.runs_of(number, setting, cfg.seed, sweep.seeds, sweep.folds)
@@ -81,9 +92,14 @@ def run(cfg: DictConfig, the_plan: Plan) -> int:
                 raise optuna.TrialPruned
         return float(np.mean(values))
 
-    if remaining > 0:
-        the_study.optimize(objective, n_trials=remaining, n_jobs=sweep.parallel)
-    return report(cfg, the_plan, the_study, config_file, slots)
+    with runs.passing_on(list(cfg.fault.preempt_signals)):  # to the runs, which save: the sweep then exits 75
+        if remaining > 0:
+            with contextlib.suppress(runs.RunFailed):  # each one is in `failed`
+                the_study.optimize(objective, n_trials=remaining, n_jobs=sweep.parallel)
+        if failed:  # Optuna raises a trial's error only when another is due: the last ones' it drops
+            verdict = exit_codes.worst(e.exit_code for e in failed)
+            raise next(e for e in failed if e.exit_code == verdict)
+        return report(cfg, the_plan, the_study, config_file, slots)
 
 
 def setting_number(cfg: DictConfig, the_plan: Plan, trial: Any, setting: dict) -> int:

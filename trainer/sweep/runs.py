@@ -5,6 +5,12 @@ seed, its fold), in the sweep's process group: a scheduler that kills the sweep 
 A run is finished when its summary.json exists (and, with folds, its out-of-fold rows): a
 restarted sweep reads it and does not train again. An unfinished run is launched again into
 the same folder, where the trainer resumes from its newest checkpoint, as any run does.
+
+A preemption signal sent to the sweep's process alone (Kubernetes signals a container's first
+process; `sbatch --signal=B:...` the batch shell, which execs the sweep) is passed on to every
+run it launched, which saves and exits 75; no run starts after it, and the sweep exits 75 once
+they have all ended (`passing_on`). Without that, the runs would train on with no sweep, and
+hold their folders' leases against the sweep started again.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +31,7 @@ from typing import Any
 
 from trainer import exit_codes, launch
 from trainer.errors import ConfigError, TrainerError
+from trainer.exit_codes import Exit
 from trainer.sweep.space import Scalar, override
 
 log = logging.getLogger(__name__)
@@ -161,8 +170,60 @@ def execute(run: Run, trials_dir: Path, config_file: Path, slots: Slots) -> dict
     return summary
 
 
+class _Launched:
+    """The runs' processes alive now (each run's torchrun, or its evaluate), and the signal
+    that stops the sweep, once one has come."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+        self.stopped_by: str | None = None
+
+    @contextmanager
+    def start(self, argv: list[str], env: dict[str, str], out, run_id: str) -> Iterator[subprocess.Popen]:
+        with self._lock:  # the signal handler takes it too: no run starts after it has passed the signal on
+            if self.stopped_by is not None:
+                raise RunFailed(f"trial {run_id}: not started: the sweep was stopped by {self.stopped_by}",
+                                Exit.PREEMPTED)
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self._running.add(proc)
+        try:
+            yield proc
+        finally:
+            with self._lock:
+                self._running.discard(proc)
+
+    def stop(self, signum: int) -> None:
+        """`signum` to every run alive, and none started after it."""
+        with self._lock:
+            self.stopped_by = self.stopped_by or signal.Signals(signum).name
+            for proc in self._running:
+                proc.send_signal(signum)  # torchrun passes it to its workers, which save and exit 75
+
+
+_launched = _Launched()
+
+
+@contextmanager
+def passing_on(signal_names: list[str]) -> Iterator[None]:
+    """While the sweep runs its runs: each of `signal_names` (fault.preempt_signals) that the
+    sweep's process receives is passed on to every run alive, and no run starts after it."""
+    def on_signal(signum: int, frame) -> None:
+        threading.Thread(target=_launched.stop, args=(signum,), daemon=True).start()  # not under a held lock
+
+    previous = {name: signal.signal(getattr(signal, name), on_signal) for name in signal_names}
+    try:
+        yield
+    finally:
+        for name, handler in previous.items():
+            signal.signal(getattr(signal, name), handler)
+
+
 def _launch(argv: list[str], env: dict[str, str], log_file: Path, run_id: str) -> None:
-    with log_file.open("a") as out:
-        code = subprocess.run(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    with log_file.open("a") as out, _launched.start(argv, env, out, run_id) as proc:
+        code = proc.wait()
+    if code != 0 and _launched.stopped_by is not None:
+        raise RunFailed(f"trial {run_id}: stopped by {_launched.stopped_by} (exit {code}); its log: {log_file}",
+                        Exit.PREEMPTED)
     if code != 0:
         raise RunFailed(f"trial {run_id}: exited with {code}; its log: {log_file}", code)
