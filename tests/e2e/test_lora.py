@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from conftest import (
     compare_weights,
+    failure_output,
     kill_then_resume,
-    launch,
     tiny_overrides,
-    train,
+    together,
     train_together,
     trainer_command,
     weights,
@@ -34,18 +34,25 @@ TEXTS = ["The food was good and the staff kind.", "Rude, slow, and cold soup.", 
 
 def logits_without_peft(model_dir: Path) -> list[list[float]]:
     """final/'s logits on TEXTS from plain transformers, in a process where peft can't be imported."""
+    return logits_without_peft_of(model_dir)[0]
+
+
+def logits_without_peft_of(*model_dirs: Path) -> list[list[list[float]]]:
+    """logits_without_peft of each of `model_dirs`, in one process: one interpreter's start
+    and imports (seconds) for all of them."""
     code = f"""
 import json, sys, torch
 sys.modules["peft"] = None  # an import of peft now fails: final/ must not need it
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
-tokenizer = AutoTokenizer.from_pretrained({str(model_dir)!r})
-model = AutoModelForSequenceClassification.from_pretrained({str(model_dir)!r}).eval()
-with torch.no_grad():
-    print(json.dumps(model(**tokenizer({TEXTS!r}, padding=True, return_tensors="pt")).logits.tolist()))
+for model_dir in {[str(d) for d in model_dirs]!r}:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        print(json.dumps(model(**tokenizer({TEXTS!r}, padding=True, return_tensors="pt")).logits.tolist()))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.splitlines()[-1])
+    return [json.loads(line) for line in result.stdout.splitlines()[-len(model_dirs):]]
 
 
 def adapter_logits(base: Path, adapter: Path):
@@ -65,10 +72,16 @@ def test_lora_is_exact_at_any_world_size_and_final_holds_the_merged_model(tiny_m
     import torch
 
     single, ranks, elastic = tmp_path / "single", tmp_path / "ranks", tmp_path / "elastic"
-    _, trained = train_together(
-        (tiny_overrides(tiny_model, reviews, single, **LORA, **{"train.batch_size": 16}), None),
-        (tiny_overrides(tiny_model, reviews, ranks, **LORA, **{"train.batch_size": 8,
-                                                                 "checkpoint.export_adapter": True}), 2))
+    elastic_overrides = tiny_overrides(tiny_model, reviews, elastic, **LORA, **{"train.batch_size": 8})
+    # The 1-process run, the 2-rank run and a third killed at step 13, all at once: independent.
+    first, trained, killed = together(
+        (trainer_command(tiny_overrides(tiny_model, reviews, single, **LORA, **{"train.batch_size": 16}), None), {}),
+        (trainer_command(tiny_overrides(tiny_model, reviews, ranks, **LORA, **{"train.batch_size": 8,
+                                                                                "checkpoint.export_adapter": True}),
+                         2), {}),
+        (trainer_command(elastic_overrides, nproc=2), {"TRAINER_FAULT_SIGKILL": "1:13"}))
+    assert first.returncode == 0, failure_output(first.output)
+    assert trained.returncode == 0, failure_output(trained.output)
     assert ("trains 1,189 of 1,000,261 parameters (0.12%: LoRA adapters and the head), kept in fp32, the frozen "
             "rest in fp32; computes in fp32") in trained.output
 
@@ -81,11 +94,15 @@ def test_lora_is_exact_at_any_world_size_and_final_holds_the_merged_model(tiny_m
     # ... the same way in 2 ranks as in 1 process.
     assert compare_weights(single, ranks, STEPS).max_abs <= 1e-6
 
-    # Killed at step 13 on 2 ranks, resumed from step 10 on 1: the same trajectory.
-    elastic_overrides = tiny_overrides(tiny_model, reviews, elastic, **LORA, **{"train.batch_size": 8})
-    killed = launch(trainer_command(elastic_overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
+    # Killed at step 13 on 2 ranks, resumed from step 10 on 1: the same trajectory. At once
+    # with it, `evaluate` of the 2-rank run's last checkpoint (below): independent too.
     assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
-    resumed = train(elastic_overrides, nproc=None)
+    checkpoint = ranks / "checkpoints" / f"step-{STEPS}"
+    resumed, evaluated = together(
+        (trainer_command(elastic_overrides, nproc=None), {}),
+        (trainer_command([*tiny_overrides(tiny_model, reviews, ranks, **LORA), f"checkpoint={checkpoint}"], nproc=2,
+                         command="evaluate"), {}))
+    assert resumed.returncode == 0, failure_output(resumed.output)
     assert f"resumed from {elastic / 'checkpoints' / 'step-10'}" in resumed.output
     assert compare_weights(single, elastic, STEPS).max_abs <= 1e-6
 
@@ -101,9 +118,6 @@ def test_lora_is_exact_at_any_world_size_and_final_holds_the_merged_model(tiny_m
 
     # `evaluate` of a LoRA checkpoint: the base, the adapters from the checkpoint, and the
     # validation the run reported for it.
-    checkpoint = ranks / "checkpoints" / f"step-{STEPS}"
-    evaluated = launch(trainer_command([*tiny_overrides(tiny_model, reviews, ranks, **LORA),
-                                        f"checkpoint={checkpoint}"], nproc=2, command="evaluate"))
     assert evaluated.returncode == 0, evaluated.output[-3000:]
     report = json.loads((checkpoint / "eval-test.json").read_text())
     assert report["accuracy"] == read_summary(ranks)["final_eval"]["accuracy"]
