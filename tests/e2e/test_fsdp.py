@@ -16,8 +16,10 @@ from conftest import (
     BASE_ENV,
     REPO,
     compare_weights,
+    failure_output,
     kill_then_resume,
     launch,
+    locally,
     run,
     sharded_checkpoint,
     tiny_overrides,
@@ -38,71 +40,88 @@ FSDP = {"train.strategy": "fsdp", "train.max_steps": STEPS, "train.global_batch"
 batches and 1. A sharded forward is a collective, so the rank with 1 must run a filler
 forward, or the other waits for ever."""
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.dropout": 0.0}
+SHARDED = {**FSDP, "train.batch_size": 8}
+"""2 ranks x 8: the run that the matches, damaged-shard and activation-checkpointing tests
+each need uninterrupted, trained once a module (`sharded_run`)."""
+PREEMPTIBLE = {**SHARDED, "train.max_steps": 40}
+"""Long enough that a SIGTERM after checkpoint step-10 still lands mid-run; the SIGKILL and
+SIGTERM tests both compare with its uninterrupted run on dropout_model (`dropout_run`)."""
 
 
-def test_fsdp_matches_one_process_and_ddp_with_and_without_accumulation(tiny_model, reviews, tmp_path):
+@pytest.fixture(scope="module")
+def sharded_run(reference_run, tiny_model):
+    """tiny_model, SHARDED, to the end; `launched` is its Run (the output)."""
+    return reference_run(locally(2), tiny_model, **SHARDED)
+
+
+@pytest.fixture(scope="module")
+def dropout_run(reference_run, dropout_model):
+    """dropout_model, PREEMPTIBLE, to the end, checkpoints saved synchronously."""
+    return reference_run(locally(2), dropout_model, **PREEMPTIBLE).run
+
+
+def test_fsdp_matches_one_process_and_ddp_with_and_without_accumulation(sharded_run, tiny_model, reviews,
+                                                                        tmp_path):
+    """The 2 sharded ranks (sharded_run), with 2 micro-batches each and as 2 DDP ranks, end
+    with the weights and scores of 1 process on the same global batches."""
     runs = {
         "single": ({"train.batch_size": 16}, None),
-        "fsdp": ({"train.batch_size": 8}, 2),
         "fsdp-accum": ({"train.batch_size": 4}, 2),  # 2 micro-batches: the reduce-scatter waits for the last
         "ddp": ({"train.batch_size": 8, "train.strategy": "ddp"}, 2),
     }
-    pairs = [list(runs.items())[:2], list(runs.items())[2:]]
-    for pair in pairs:
-        results = train_together(*((tiny_overrides(tiny_model, reviews, tmp_path / name, **{**FSDP, **options}), nproc)
-                                   for name, (options, nproc) in pair))
-        assert all("trains all 999,237 parameters, kept in fp32" in result.output for result in results)
-    single = tmp_path / "single"
+    results = train_together(*((tiny_overrides(tiny_model, reviews, tmp_path / name, **{**FSDP, **options}), nproc)
+                               for name, (options, nproc) in runs.items()))
+    dirs = {"fsdp": sharded_run.run, **{name: tmp_path / name for name in runs}}
+    for name, result in zip(["fsdp", *runs], [sharded_run.launched, *results], strict=True):
+        assert "trains all 999,237 parameters, kept in fp32" in result.output, name
+    single = dirs["single"]
     assert compare_weights(weights(tiny_model), weights(single, STEPS)).max_abs > 1e-3  # it trained
     for name in ("fsdp", "fsdp-accum", "ddp"):
-        assert compare_weights(single, tmp_path / name, STEPS).max_abs <= 1e-6, name
-        scores, reference = read_summary(tmp_path / name)["final_eval"], read_summary(single)["final_eval"]
+        assert compare_weights(single, dirs[name], STEPS).max_abs <= 1e-6, name
+        scores, reference = read_summary(dirs[name])["final_eval"], read_summary(single)["final_eval"]
         assert {k: scores[k] for k in ("accuracy", "f1_macro")} == {k: reference[k] for k in ("accuracy", "f1_macro")}
         assert abs(scores["loss"] - reference["loss"]) <= 1e-5, name  # from weights within 1e-6
-    assert compare_weights(tmp_path / "ddp", tmp_path / "fsdp", STEPS).max_abs <= 1e-6
+    assert compare_weights(dirs["ddp"], dirs["fsdp"], STEPS).max_abs <= 1e-6
     # final/, written shard by shard and merged by DCP's Hugging Face writer: plain
     # transformers loads it, with the last step's weights.
     from transformers import AutoModelForSequenceClassification
 
-    final = AutoModelForSequenceClassification.from_pretrained(tmp_path / "fsdp" / "final").state_dict()
-    last = weights(tmp_path / "fsdp", STEPS)
+    final = AutoModelForSequenceClassification.from_pretrained(dirs["fsdp"] / "final").state_dict()
+    last = weights(dirs["fsdp"], STEPS)
     assert not compare_weights(last, {name: final[name] for name in last}).differing
     # Each final/ has its model card, from the one export path: final/'s own validation results.
     for name, ranks in (("single", 1), ("fsdp", 2), ("ddp", 2)):
-        card = model_card(tmp_path / name / "final")
-        final_eval = read_summary(tmp_path / name)["final_eval"]
+        card = model_card(dirs[name] / "final")
+        final_eval = read_summary(dirs[name])["final_eval"]
         assert {r.metric_type: r.metric_value for r in card.data.eval_results} == \
             {k: v for k, v in final_eval.items() if k != "loss"}, name
         assert f"{ranks} rank(s) on CPU" in card.text and card.data.library_name == "transformers"
 
 
-def test_fsdp_sigkill_then_resume_is_bitwise(dropout_model, reviews, tmp_path):
+def test_fsdp_sigkill_then_resume_is_bitwise(dropout_run, dropout_model, reviews, tmp_path):
     """Dropout on, so a resume that lost any rank's RNG state is not bitwise: rank 1
     SIGKILLed at step 13, relaunched, ends as the uninterrupted run did, its AdamW moments
     included. The checkpoint is DCP's: each rank wrote its own shards, with async_save in a
     thread of its own while training went on (the GPU default; the uninterrupted run saved
     synchronously, as the resumes at another world size do)."""
-    options = {**FSDP, "train.batch_size": 8}
-    uninterrupted, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
-    overrides = tiny_overrides(dropout_model, reviews, resumed, **{**options, "checkpoint.async_save": True})
-    killed, first = together((trainer_command(overrides, nproc=2), {"TRAINER_FAULT_SIGKILL": "1:13"}),
-                             (trainer_command(tiny_overrides(dropout_model, reviews, uninterrupted, **options), 2), {}))
-    assert first.returncode == 0, first.output[-3000:]
+    uninterrupted, resumed, last = dropout_run, tmp_path / "resumed", PREEMPTIBLE["train.max_steps"]
+    overrides = tiny_overrides(dropout_model, reviews, resumed, **{**PREEMPTIBLE, "checkpoint.async_save": True})
+    killed = launch(trainer_command(overrides, nproc=2), env={"TRAINER_FAULT_SIGKILL": "1:13"})
     assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
     assert "saved " in killed.output and " (in the background)" in killed.output
     train(overrides)
     # A background write of step 10 is complete only once rank 1 has written its shards too:
     # killed before that, the run resumes from step 5 (on this machine, rank 1 is 3 steps on).
     assert read_summary(resumed)["resumed_from_step"] in (5, 10)
-    assert not compare_weights(uninterrupted, resumed, STEPS).differing
+    assert not compare_weights(uninterrupted, resumed, last).differing
     import torch
 
-    saved = [sharded_checkpoint(d / "checkpoints" / f"step-{STEPS}")["optimizer"] for d in (uninterrupted, resumed)]
-    assert sorted(saved[0]["state"]) == sorted(weights(resumed, STEPS))  # every parameter, by name
+    saved = [sharded_checkpoint(d / "checkpoints" / f"step-{last}")["optimizer"] for d in (uninterrupted, resumed)]
+    assert sorted(saved[0]["state"]) == sorted(weights(resumed, last))  # every parameter, by name
     assert all(torch.equal(saved[0]["state"][n][k], saved[1]["state"][n][k])
                for n in saved[0]["state"] for k in ("exp_avg", "exp_avg_sq"))
     # Each rank wrote its own shard of the model and AdamW's state: about half each.
-    shards = sorted((resumed / "checkpoints" / f"step-{STEPS}" / "sharded").glob("*.distcp"))
+    shards = sorted((resumed / "checkpoints" / f"step-{last}" / "sharded").glob("*.distcp"))
     sizes = [f.stat().st_size for f in shards]
     assert len(sizes) == 2 and max(sizes) < 0.6 * sum(sizes), sizes
 
@@ -111,46 +130,53 @@ def test_fsdp_resumes_at_another_world_size_on_the_same_trajectory(tiny_model, r
     """Saved by 2 sharded ranks, continued by 3 and by 1 process (DCP reshards on load): the
     same global batches (12, which 1, 2 and 3 divide), so the same weights within 1e-5."""
     options = {**FSDP, "train.global_batch": 12, "train.batch_size": 6}
-    reference = tmp_path / "uninterrupted"
-    outs = {nproc: tmp_path / f"resumed-on-{nproc or 1}" for nproc in (3, None)}
-    # The uninterrupted run and the two killed ones at once: three independent launches.
-    uninterrupted, *killed = together(
+    reference, killed_dir = tmp_path / "uninterrupted", tmp_path / "killed"
+    # The uninterrupted run and the killed one at once: two independent launches. Each resume
+    # continues a copy of what the killed run left, so that neither changes what the other finds.
+    uninterrupted, killed = together(
         (trainer_command(tiny_overrides(tiny_model, reviews, reference, **options), 2), {}),
-        *((trainer_command(tiny_overrides(tiny_model, reviews, out, **options), 2),
-           {"TRAINER_FAULT_SIGKILL": "0:12"}) for out in outs.values()))
-    assert uninterrupted.returncode == 0, uninterrupted.output[-3000:]
-    assert all(k.returncode != 0 and "SIGKILL" in k.output for k in killed), [k.output[-3000:] for k in killed]
-    for nproc, batch_size in ((3, 4), (None, 12)):
-        out = outs[nproc]
-        overrides = tiny_overrides(tiny_model, reviews, out, **options)
-        resumed = train([*overrides, f"train.batch_size={batch_size}"], nproc=nproc)
+        (trainer_command(tiny_overrides(tiny_model, reviews, killed_dir, **options), 2),
+         {"TRAINER_FAULT_SIGKILL": "0:12"}))
+    assert uninterrupted.returncode == 0, failure_output(uninterrupted.output)
+    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+    resumes = {3: 4, None: 12}  # nproc: batch_size, of the same global batch
+    outs = {nproc: tmp_path / f"resumed-on-{nproc or 1}" for nproc in resumes}
+    for out in outs.values():
+        shutil.copytree(killed_dir, out)
+    results = together(*((trainer_command([*tiny_overrides(tiny_model, reviews, outs[nproc], **options),
+                                           f"train.batch_size={batch_size}"], nproc), {})
+                         for nproc, batch_size in resumes.items()))
+    for (nproc, out), resumed in zip(outs.items(), results, strict=True):
+        assert resumed.returncode == 0, (nproc, failure_output(resumed.output))
         assert f"resumed from {out / 'checkpoints' / 'step-10'}" in resumed.output, resumed.output[-3000:]
         assert compare_weights(reference, out, STEPS).max_abs <= 1e-5, nproc
         assert json.loads((out / "checkpoints" / f"step-{STEPS}" / "state.json").read_text())["step"] == STEPS
 
 
-def test_a_damaged_shard_is_skipped_and_evaluate_reads_a_sharded_checkpoint(tiny_model, reviews, tmp_path):
+def test_a_damaged_shard_is_skipped_and_evaluate_reads_a_sharded_checkpoint(sharded_run, tiny_model, reviews,
+                                                                             tmp_path):
     """One byte of rank 1's shard flipped in the newest checkpoint: its marker's checksum
     names the file, the run resumes from the one before and ends bitwise as the uninterrupted
     run. `evaluate` of a sharded checkpoint (one model, whole, per rank) reports what the run
-    reported for that step."""
-    options = {**FSDP, "train.batch_size": 8}
-    uninterrupted, out = tmp_path / "uninterrupted", tmp_path / "damaged"
-    train(tiny_overrides(tiny_model, reviews, uninterrupted, **options))
+    reported for that step. Both on copies of sharded_run, which other tests read, at once."""
+    uninterrupted, out, evaluated_run = sharded_run.run, tmp_path / "damaged", tmp_path / "evaluated"
     shutil.copytree(uninterrupted, out)
+    shutil.copytree(uninterrupted, evaluated_run)
     shard = out / "checkpoints" / f"step-{STEPS}" / "sharded" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    resumed = train(tiny_overrides(tiny_model, reviews, out, **options))
+    checkpoint = evaluated_run / "checkpoints" / f"step-{STEPS}"
+    resumed, evaluated = together(
+        (trainer_command(tiny_overrides(tiny_model, reviews, out, **SHARDED), nproc=2), {}),
+        (trainer_command([*tiny_overrides(tiny_model, reviews, evaluated_run, **SHARDED), f"checkpoint={checkpoint}"],
+                         nproc=2, command="evaluate"), {}))
+    assert resumed.returncode == 0, failure_output(resumed.output)
     assert (f"skipping checkpoint {out / 'checkpoints'}/step-{STEPS}: sharded/__1_0.distcp does not match its "
             "checksum") in resumed.output
     assert read_summary(out)["resumed_from_step"] == 10
     assert not compare_weights(uninterrupted, out, STEPS).differing
 
-    checkpoint = uninterrupted / "checkpoints" / f"step-{STEPS}"
-    evaluated = launch(trainer_command([*tiny_overrides(tiny_model, reviews, uninterrupted, **options),
-                                        f"checkpoint={checkpoint}"], nproc=2, command="evaluate"))
     assert evaluated.returncode == 0, evaluated.output[-3000:]
     assert json.loads((checkpoint / "eval-test.json").read_text())["accuracy"] == \
         read_summary(uninterrupted)["final_eval"]["accuracy"]
@@ -195,13 +221,12 @@ def test_a_rank_that_fails_or_freezes_inside_a_sharded_step_ends_every_rank(tiny
     assert re.search(r"rank 1 on \S+: NOT RESPONDING", output), output[-5000:]
 
 
-def test_sigterm_saves_every_rank_s_shards_and_the_run_resumes_bitwise(dropout_model, reviews, tmp_path):
+def test_sigterm_saves_every_rank_s_shards_and_the_run_resumes_bitwise(dropout_run, dropout_model, reviews,
+                                                                       tmp_path):
     """Preemption: SIGTERM to torchrun, which forwards it to its workers; they agree at a
     step boundary, save one sharded checkpoint together and exit 75. The workers are frozen
     while the signal is sent, so that it lands mid-run however fast this machine is."""
-    options = {**FSDP, "train.batch_size": 8, "train.max_steps": 40}
-    uninterrupted, out = tmp_path / "uninterrupted", tmp_path / "preempted"
-    train(tiny_overrides(dropout_model, reviews, uninterrupted, **options))
+    options, uninterrupted, out = PREEMPTIBLE, dropout_run, tmp_path / "preempted"
     proc = subprocess.Popen(trainer_command(tiny_overrides(dropout_model, reviews, out, **options), nproc=2),
                             cwd=REPO, env=BASE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -227,40 +252,43 @@ def test_sigterm_saves_every_rank_s_shards_and_the_run_resumes_bitwise(dropout_m
     assert not compare_weights(uninterrupted, out, 40).differing
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_each_rank_holds_its_share_and_the_memory_plan_is_rank_zero_s(tiny_model, reviews, tmp_path, lora):
+def test_each_rank_holds_its_share_and_the_memory_plan_is_rank_zero_s(tiny_model, reviews, tmp_path):
     """3 ranks, so that most weights split unevenly: from each rank's local shards after a
     step, the weights, gradients and AdamW state summed over the ranks are the whole model's
     (nothing held twice), no rank holds more than rank 0, and the memory plan, from
     config.json on the meta device, equals rank 0's to the byte. With LoRA, the frozen base
-    is sharded too, and only what trains has gradients."""
-    options = {**FSDP, "train.batch_size": 4, **(LORA if lora else {})}
-    overrides = tiny_overrides(tiny_model, reviews, tmp_path, **options)
-    result = run(torchrun_argv(3, ["tests/fsdp_shards.py", *overrides]), timeout=180)
+    is sharded too, and only what trains has gradients. Full fine-tuning and LoRA are two
+    cases of one launch (tests/fsdp_shards.py), each built, stepped and measured in turn."""
+    cases = {"full": {**FSDP, "train.batch_size": 4}, "lora": {**FSDP, "train.batch_size": 4, **LORA}}
+    args = [arg for case, options in cases.items()
+            for arg in (f"case={case}", *tiny_overrides(tiny_model, reviews, tmp_path / case, **options))]
+    result = run(torchrun_argv(3, ["tests/fsdp_shards.py", *args]), timeout=180)
     assert result.returncode == 0, result.output[-3000:]
-    ranks = sorted((json.loads(line) for line in result.output.splitlines() if line.startswith('{"rank"')),
-                   key=lambda r: r["rank"])
-    assert len(ranks) == 3, result.output[-3000:]
-    whole, buffers = ranks[0]["whole_weights"], ranks[0]["buffers"]
-    assert sum(r["weights"] - buffers for r in ranks) == whole
-    assert sum(r["gradients"] for r in ranks) == ranks[0]["whole_trained"]
-    assert (ranks[0]["whole_trained"] < whole / 100) == lora
-    assert all(r[kind] <= ranks[0][kind] for r in ranks for kind in ("weights", "gradients", "optimizer"))
-    assert ranks[0]["weights"] - buffers < whole / 3 * 1.01  # 1/3, within the rows' rounding
-    for kind in ("weights", "gradients", "optimizer"):
-        assert ranks[0]["plan"][kind] == ranks[0][kind], kind
+    lines = [json.loads(line) for line in result.output.splitlines() if line.startswith('{"case"')]
+    for case in cases:
+        lora = case == "lora"
+        ranks = sorted((r for r in lines if r["case"] == case), key=lambda r: r["rank"])
+        assert len(ranks) == 3, (case, result.output[-3000:])
+        whole, buffers = ranks[0]["whole_weights"], ranks[0]["buffers"]
+        assert sum(r["weights"] - buffers for r in ranks) == whole, case
+        assert sum(r["gradients"] for r in ranks) == ranks[0]["whole_trained"], case
+        assert (ranks[0]["whole_trained"] < whole / 100) == lora, case
+        assert all(r[kind] <= ranks[0][kind] for r in ranks for kind in ("weights", "gradients", "optimizer")), case
+        assert ranks[0]["weights"] - buffers < whole / 3 * 1.01, case  # 1/3, within the rows' rounding
+        for kind in ("weights", "gradients", "optimizer"):
+            assert ranks[0]["plan"][kind] == ranks[0][kind], (case, kind)
 
 
-def test_activation_checkpointing_and_the_best_step_under_fsdp(tiny_model, reviews, tmp_path):
-    """Activation checkpointing composes with FSDP and changes no weight; with
-    load_best_at_end the best step's sharded checkpoint is loaded back, and final/ holds it."""
-    # "Best" is the highest loss here: the earlier step, so that the load is exercised.
-    options = {**FSDP, "train.batch_size": 8, "train.lr": 3e-3, "checkpoint.every": 7,
-               "checkpoint.best_metric": "loss", "checkpoint.best_mode": "max", "checkpoint.load_best_at_end": True}
-    plain, checkpointed = tmp_path / "plain", tmp_path / "checkpointed"
-    recomputed = {**options, "model.gradient_checkpointing": True}
-    train_together((tiny_overrides(tiny_model, reviews, plain, **options), 2),
-                   (tiny_overrides(tiny_model, reviews, checkpointed, **recomputed), 2))
+def test_activation_checkpointing_and_the_best_step_under_fsdp(sharded_run, tiny_model, reviews, tmp_path):
+    """Activation checkpointing composes with FSDP and changes no weight (the plain run:
+    sharded_run); with load_best_at_end the best step's sharded checkpoint is loaded back,
+    and final/ holds it."""
+    # "Best" is the highest loss here: the earlier evaluation (step 7, of 7 and 14), so that
+    # the load is exercised. Every evaluation saves a checkpoint too, beside every 5 steps.
+    plain, checkpointed = sharded_run.run, tmp_path / "checkpointed"
+    recomputed = {**SHARDED, "model.gradient_checkpointing": True, "checkpoint.best_metric": "loss",
+                  "checkpoint.best_mode": "max", "checkpoint.load_best_at_end": True}
+    train(tiny_overrides(tiny_model, reviews, checkpointed, **recomputed))
     assert compare_weights(plain, checkpointed, STEPS).max_abs <= 1e-6
     summary = read_summary(checkpointed)
     best = summary["best"]["step"]
@@ -278,7 +306,7 @@ def test_lora_under_fsdp_matches_one_process_at_any_world_size_and_exports_merge
     checkpoint of step 10, the same trajectory. The checkpoint holds what trains alone, and
     final/ is the merged model, whose logits are the unsharded run's."""
     import torch
-    from test_lora import adapter_logits, logits_without_peft
+    from test_lora import adapter_logits, logits_without_peft_of
 
     options = {**FSDP, **LORA}
     single, ranks, elastic = tmp_path / "single", tmp_path / "ranks", tmp_path / "elastic"
@@ -297,8 +325,8 @@ def test_lora_under_fsdp_matches_one_process_at_any_world_size_and_exports_merge
     assert sum(t.numel() for t in saved.values()) == 1189, sorted(saved)  # nothing of the frozen base
     assert max(float(t.abs().max()) for name, t in saved.items() if "lora_B" in name) > 1e-3  # it trained
     assert compare_weights(single, ranks, STEPS).max_abs <= 1e-6
-    merged = torch.tensor(logits_without_peft(ranks / "final"))
-    assert float((merged - torch.tensor(logits_without_peft(single / "final"))).abs().max()) <= 1e-5
+    merged, unsharded = map(torch.tensor, logits_without_peft_of(ranks / "final", single / "final"))
+    assert float((merged - unsharded).abs().max()) <= 1e-5
     assert float((merged - adapter_logits(tiny_model, ranks / "final" / "adapter")).abs().max()) <= 1e-5
 
     resumed = train([*overrides, "train.batch_size=16"], nproc=None)
