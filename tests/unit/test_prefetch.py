@@ -38,6 +38,7 @@ def barriers(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(distributed.dist, "barrier", barrier)
+    monkeypatch.setattr(distributed, "_ALREADY_THERE_S", 0.0)
     return made
 
 
@@ -45,11 +46,19 @@ RANK_1 = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_
 
 
 def test_a_waiting_rank_works_until_the_barrier_is_passed_then_waits_on_it(barriers):
-    calls = []
-    with distributed.meanwhile(lambda: calls.append(1) or True), distributed.local_rank_zero_first(RANK_1):
+    passed_at_call = []
+
+    def work() -> bool:
+        barrier = barriers[-1]
+        assert barrier is not None
+        passed_at_call.append(barrier.polls < 0)
+        return True
+
+    with distributed.meanwhile(work), distributed.local_rank_zero_first(RANK_1):
         pass
     barrier = barriers[0]
-    assert len(calls) == 3 and barrier is not None and barrier.waited
+    assert passed_at_call and not any(passed_at_call)  # called while waiting, never after
+    assert barrier is not None and barrier.polls < 0 and barrier.waited
     assert not distributed._meanwhile
 
 
@@ -59,6 +68,15 @@ def test_work_that_runs_out_leaves_the_rank_waiting_on_the_barrier(barriers):
         pass
     barrier = barriers[0]
     assert left == [] and barrier is not None and barrier.waited
+
+
+def test_a_barrier_the_others_already_wait_at_is_passed_without_work(barriers, monkeypatch):
+    monkeypatch.setattr(distributed, "_ALREADY_THERE_S", 5.0)  # passed at the 4th poll, long before
+    calls = []
+    with distributed.meanwhile(lambda: calls.append(1) or True), distributed.local_rank_zero_first(RANK_1):
+        pass
+    barrier = barriers[0]
+    assert calls == [] and barrier is not None and barrier.waited
 
 
 def test_without_work_the_barrier_is_the_plain_one(barriers):
