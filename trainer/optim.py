@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import math
-from functools import partial
-
 import torch
 from omegaconf import DictConfig
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
 
 def decays(name: str, parameter: nn.Parameter, module: nn.Module) -> bool:
@@ -44,44 +40,22 @@ def lr_schedule(opt: torch.optim.Optimizer, train_cfg: DictConfig, max_steps: in
                 last_step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup from 0 (warmup_steps), then train.lr_scheduler: linear decay to 0 at
     max_steps, a cosine to 0, or constant; at `last_step`, the schedule's value there (a
-    resume). transformers' schedules, as its Trainer builds them: the lambdas below are
-    transformers.optimization's (tests/unit/test_optim_schedules.py holds them equal), not
-    imported from it: that module imports transformers.trainer_utils and with it peft, a
-    tenth of a second or more in each rank of a run that has no adapter."""
+    resume). transformers' own schedules, as its Trainer builds them."""
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
+
     if last_step:  # a schedule that starts part-way reads each group's starting lr from here
         for group in opt.param_groups:
             group["initial_lr"] = train_cfg.lr
     warmup, last_epoch = warmup_steps(train_cfg, max_steps), last_step - 1
     if train_cfg.lr_scheduler == "constant":
-        return LambdaLR(opt, partial(constant_with_warmup, num_warmup_steps=warmup), last_epoch=last_epoch)
-    if train_cfg.lr_scheduler == "cosine":  # transformers' default num_cycles: a half cosine, to 0
-        return LambdaLR(opt, partial(cosine_with_warmup, num_warmup_steps=warmup, num_training_steps=max_steps,
-                                     num_cycles=0.5), last_epoch)
-    return LambdaLR(opt, partial(linear_with_warmup, num_warmup_steps=warmup, num_training_steps=max_steps),
-                    last_epoch)
-
-
-# transformers.optimization's lr lambdas (_get_{constant,linear,cosine}_schedule_with_warmup_lr_lambda),
-# the same arithmetic in the same order: the same floats at every step.
-
-def constant_with_warmup(current_step: int, *, num_warmup_steps: int) -> float:
-    if current_step < num_warmup_steps:
-        return float(current_step) / float(max(1.0, num_warmup_steps))
-    return 1.0
-
-
-def linear_with_warmup(current_step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
-    if current_step < num_warmup_steps:
-        return float(current_step) / float(max(1, num_warmup_steps))
-    return max(0.0, float(num_training_steps - current_step) / float(max(1, num_training_steps - num_warmup_steps)))
-
-
-def cosine_with_warmup(current_step: int, *, num_warmup_steps: int, num_training_steps: int,
-                       num_cycles: float) -> float:
-    if current_step < num_warmup_steps:
-        return float(current_step) / float(max(1, num_warmup_steps))
-    progress = float(current_step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
+        return get_constant_schedule_with_warmup(opt, warmup, last_epoch=last_epoch)
+    schedule = get_cosine_schedule_with_warmup if train_cfg.lr_scheduler == "cosine" else \
+        get_linear_schedule_with_warmup
+    return schedule(opt, warmup, max_steps, last_epoch=last_epoch)
 
 
 def reconfigure(opt: torch.optim.Optimizer, train_cfg: DictConfig, max_steps: int,
