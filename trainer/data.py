@@ -571,9 +571,10 @@ class Collate:
     returns, bit for bit (tests/unit/test_loader_internals.py), plus position ids where that
     side is the left (Llama's tokenizers).
 
-    In numpy, not through `tokenizer.pad`, whose per-row Python costs the loader worker 32 ms
-    for a batch of 512 rows of ~90 tokens (2 ms here): at a GPU's 75 ms a step, one worker
-    padding that way could barely keep up (benchmarks/RESULTS.md, 2026-11-28).
+    In numpy, not through `tokenizer.pad`, whose per-row Python cost the loader worker 35 ms
+    for a batch of 512 rows of ~90 tokens on a quiet 2-core Xeon (2 ms this way): against a
+    GPU's 75 ms step, one worker on a slower or busier core would leave the step waiting
+    (benchmarks/RESULTS.md, 2026-11-28).
 
     Left padding shifts each row's real tokens right by however much its batch pads, and
     decoder-only models count positions from column 0: a sample's logits would depend on
