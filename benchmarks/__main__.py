@@ -174,7 +174,8 @@ GPU_ABLATIONS = {
     "+ checkpoint every 10 steps, sync": ("checkpoint.every=10", "checkpoint.async_save=false"),
 }
 # benchmarks/gpu.sh check: issue 58's switches, each against "trainer DDP bf16" (GPU_ABLATIONS
-# has "+ torch.compile"). SDPA math stands in for the GPU kernels in the CPU dry run.
+# has "+ torch.compile", CPU_ABLATIONS "+ 2 loader workers"). SDPA math stands in for the GPU
+# kernels in the CPU dry run.
 CHECK_VARIANTS = {
     "- loss check": ("fault.max_bad_steps=0", "fault.spike_factor=0"),
     "+ SDPA efficient": ("model.sdpa_backend=efficient",),
