@@ -1,7 +1,8 @@
 """Fixtures: a tiny random-init BERT, small generated data, and the real entry point.
 
 The tests are in tiers, one folder each, marked by it (pytest -m unit|e2e|system):
-- tests/unit: in process, seconds in all, no root (`make test-unit`);
+- tests/unit: in process (no Python program started: `_unit_tests_start_no_program`), seconds
+  in all, no root (`make test-unit`);
 - tests/e2e: `python -m trainer` as a subprocess, under real torchrun with gloo ranks where
   it says so, exactly as a user would;
 - tests/system: Slurm, container images, network namespaces and pods (root, `make system`).
@@ -74,6 +75,26 @@ def tier(item: pytest.Item) -> str:
 
 def needs_image(item: pytest.Item) -> bool:
     return "app_image" in getattr(item, "fixturenames", ())
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_program(request, monkeypatch):
+    """The unit tier runs in process: a test that starts a Python program (a trainer command,
+    torchrun, a script) fails here, and belongs in tests/e2e. A tool the product itself runs
+    (git for the card's commit, Slurm's sinfo) may run, and forks are not programs: a
+    DataLoader's worker, or multiprocessing's forkserver, which does not go through Popen."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    start = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def refuse_python(self, args, *rest, **kwargs):
+        program = args if isinstance(args, (str, bytes, os.PathLike)) else args[0]
+        name = Path(os.fsdecode(program).split()[0]).name
+        if name.startswith("python") or name == "torchrun" or os.fsdecode(program) == sys.executable:
+            raise AssertionError(f"a unit test starts a Python program ({args}): it belongs in tests/e2e")
+        return start(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse_python)
 
 
 def pytest_collection_modifyitems(items):

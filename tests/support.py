@@ -1,5 +1,6 @@
-"""What tests of every tier do alike: read a run's outputs, wait against a deadline, and end a
-process group. Plain functions, no fixtures (those are conftest.py's)."""
+"""What tests of every tier do alike: read a run's outputs, wait against a deadline, end a
+process group, serve files over loopback HTTP. Plain functions, no fixtures (those are
+conftest.py's)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
@@ -98,3 +103,47 @@ def kill_tree(proc: subprocess.Popen) -> None:
     for child in descendants:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
+
+
+CSV = "text,label\n" + "".join(f"review {i},{i % 3}\n" for i in range(30))
+
+
+@contextmanager
+def web(files: dict[str, bytes | Callable[[BaseHTTPRequestHandler], None]], cut_short: str | None = None,
+        asked: list[str] | None = None):
+    """An HTTP server on loopback serving `files` by name (a callable answers the request
+    itself); 404 for others, 503 for `/busy`, and `cut_short` sent with a Content-Length it
+    never fills, as a dropped connection ends. The paths asked for are appended to `asked`."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            name = self.path.lstrip("/")
+            if asked is not None:
+                asked.append(self.path)
+            if callable(files.get(name)):
+                files[name](self)  # type: ignore[operator]
+                return
+            if name == "busy":
+                self.send_error(503)
+                return
+            if name not in files:
+                self.send_error(404)
+                return
+            body = files[name]
+            assert isinstance(body, bytes)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body) * (10 if name == cut_short else 1)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -233,12 +230,3 @@ def test_ddp_sh_refuses_a_budget_that_is_not_a_number_in_its_first_seconds(job, 
                                        "requeues (0 or more)\n")
     monkeypatch.setenv("TRAINER_MAX_FAULT_REQUEUES", "0")
     assert requeue.main(["check"]) == Exit.DONE
-
-
-def test_the_script_runs_on_a_bare_python_without_the_package(tmp_path):
-    """ddp.sh runs it with the batch host's python3: no site-packages (-S), no trainer."""
-    (tmp_path / "exit.node1").write_text("77\n")
-    done = subprocess.run([sys.executable, "-I", "-S", str(SCRIPT), "end", "--state", str(tmp_path),
-                           "--srun-status", "77"], capture_output=True, text=True, cwd=tmp_path,
-                          env={"SLURM_JOB_ID": "7", "PATH": os.environ["PATH"]}, timeout=60)
-    assert (done.returncode, done.stderr) == (77, "slurm/ddp.sh: exit 77: not requeueing\n")

@@ -5,66 +5,19 @@ fails leaves no folder behind, with the exit code that says whether a retry can 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import shutil
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable
-from contextlib import contextmanager, suppress
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from contextlib import suppress
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import quote, unquote
 
 import datasets
 import pytest
+from support import CSV, web
 
 from trainer import stage
-
-CSV = "text,label\n" + "".join(f"review {i},{i % 3}\n" for i in range(30))
-
-
-@contextmanager
-def web(files: dict[str, bytes | Callable[[BaseHTTPRequestHandler], None]], cut_short: str | None = None,
-        asked: list[str] | None = None):
-    """An HTTP server on loopback serving `files` by name (a callable answers the request
-    itself); 404 for others, 503 for `/busy`, and `cut_short` sent with a Content-Length it
-    never fills, as a dropped connection ends. The paths asked for are appended to `asked`."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            name = self.path.lstrip("/")
-            if asked is not None:
-                asked.append(self.path)
-            if callable(files.get(name)):
-                files[name](self)  # type: ignore[operator]
-                return
-            if name == "busy":
-                self.send_error(503)
-                return
-            if name not in files:
-                self.send_error(404)
-                return
-            body = files[name]
-            assert isinstance(body, bytes)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body) * (10 if name == cut_short else 1)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_urls_and_a_mounted_folder_become_one_data_folder_staged_once(tmp_path, capsys):
@@ -274,80 +227,3 @@ def test_a_server_that_trickles_is_stopped_by_the_deadline(tmp_path, capsys):
                         r"a server sending too slowly\? \(--deadline-s\)\n", capsys.readouterr().err)
     assert time.monotonic() - start < 1 + stage.TIMEOUT_S / 2  # by the deadline, not by a read's timeout
     assert files_under(tmp_path) == []
-
-
-def in_small_disk(small: Path, command: list[str], **env) -> subprocess.CompletedProcess:
-    """`command` with `small` a 64 KB tmpfs, in a mount namespace of its own (no root needed)."""
-    if not shutil.which("unshare"):
-        pytest.skip("needs unshare(1) for a tmpfs of the test's own")
-    return subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c",
-                           'mount -t tmpfs -o size=64k tmpfs "$1" && shift && exec "$@"', "sh", str(small), *command],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, **env})
-
-
-def test_a_full_disk_is_reported_as_one_and_not_retried(tmp_path):
-    """A real ENOSPC, DEST (then HF_HOME) on a tmpfs too small for the file: exit 2, a line that
-    says the volume is full, not "unreachable" with exit 1, which the Job would retry."""
-    from fake_hub import FakeHub
-
-    small = tmp_path / "small"
-    small.mkdir()
-    dest = small / "data"
-    with web({"train.csv": CSV.encode() * 1000}) as url:  # 361 KB
-        result = in_small_disk(small, [sys.executable, "-m", "trainer.stage", "--allow-http", "--to", str(dest),
-                                       f"{url}/train.csv"])
-    assert result.returncode == 2, result.stderr
-    assert result.stderr == (f"error: {dest}: its volume is full (OSError: [Errno 28] No space left on device): "
-                             "free space there, or stage to a larger volume\n")
-
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"w" * 300_000)
-    with FakeHub({"acme/big": model}) as hub:
-        result = in_small_disk(small, [sys.executable, "-m", "trainer.stage", "--model", "acme/big"],
-                               HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.endpoint, HF_HOME=str(small / "hf"))
-    assert result.returncode == 2, result.stderr
-    # huggingface_hub's progress bars and its warning share stderr: the error is one line of it.
-    said = ("error: --model acme/big: the HF cache's volume is full (OSError: [Errno 28] No space left on device): "
-            "free space there (HF_HOME), or give it a larger volume")
-    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [said], result.stderr
-
-
-def stage_command(args: list[str], hub, hf_home: Path, **env) -> subprocess.CompletedProcess:
-    """`python -m trainer.stage` in a process of its own: huggingface_hub reads HF_ENDPOINT and
-    HF_HOME once, when imported."""
-    return subprocess.run([sys.executable, "-m", "trainer.stage", *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.endpoint,
-                               "HF_HOME": str(hf_home), **env})
-
-
-def test_a_hub_model_is_cached_at_its_revision_for_offline_pods_with_the_token(tmp_path):
-    """--model: what `from_pretrained` reads offline (the revision's files, not other
-    frameworks' weights), for a gated model only with HF_TOKEN; a refusal is one line, exit 2."""
-    from fake_hub import FakeHub, commit
-
-    repos = {}
-    for branch in ("main", "v2"):
-        folder = tmp_path / branch
-        folder.mkdir()
-        (folder / "config.json").write_text(f'{{"branch": "{branch}"}}')
-        (folder / "model.safetensors").write_bytes(b"weights")
-        (folder / "model.onnx").write_bytes(b"other weights")
-        repos[branch] = folder
-    hf_home = tmp_path / "hf"
-    with FakeHub({"acme/gated": repos}, tokens={"acme/gated": "hf_Secret"}) as hub:
-        refused = stage_command(["--model", "acme/gated", "--revision", "v2"], hub, hf_home)
-        missing = stage_command(["--model", "acme/gated", "--revision", "v3"], hub, hf_home, HF_TOKEN="hf_Secret")
-        cached = stage_command(["--model", "acme/gated", "--revision", "v2"], hub, hf_home, HF_TOKEN="hf_Secret")
-    assert refused.returncode == 2 and refused.stderr == (
-        "error: --model acme/gated: the Hub refused access (a gated or private model): set HF_TOKEN to a token that "
-        "has been granted access to it\n")
-    assert missing.returncode == 2
-    assert missing.stderr == "error: --revision v3: not a branch, tag or commit of acme/gated\n"
-    assert cached.returncode == 0, cached.stderr
-    assert cached.stdout == f"cached acme/gated at commit {commit('v2')}: model.name: acme/gated, model.revision: v2\n"
-    snapshot = hf_home / "hub/models--acme--gated/snapshots" / commit("v2")
-    assert sorted(path.name for path in snapshot.iterdir()) == ["config.json", "model.safetensors"]
-    assert (snapshot / "config.json").read_text() == '{"branch": "v2"}'
-    assert (hf_home / "hub/models--acme--gated/refs/v2").read_text() == commit("v2")  # how offline finds "v2"
