@@ -301,9 +301,10 @@ class TrainConfig:
     process per device, each holding 1/N of the weights, gradients and optimizer state
     (docs/fsdp.md). dp: nn.DataParallel, one process. (trainer/strategies/registry.py)"""
     compile: bool | None = key(None, FREE)
-    """torch.compile each transformer block (any strategy): 1.33x on an H100 for bert-base,
-    but ~30 s more before the first step, and 2 graphs for training's batch lengths, 1 for
-    evaluation's (docs/speed.md). null (auto): on a GPU for runs of 2,000 steps or more."""
+    """torch.compile each transformer block (any strategy): 1.33x on an H100 for bert-base (the
+    whole model; per block on an H200, 0.98x in one run gated by data), but ~30 s more before
+    the first step, and 2 graphs for training's batch lengths, 1 for evaluation's
+    (docs/speed.md). null (auto): on a GPU for runs of 2,000 steps or more."""
     eval_every: int | str = key(0, FIXED, STEPS_OR_EPOCH)
     """Evaluate every N steps, or at each epoch's end (`epoch`); 0 evaluates only at the
     end. The end of the run is always evaluated."""

@@ -568,7 +568,7 @@ def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -
 class Collate:
     """A batch of tokenized rows padded to its longest (rounded up to `pad_to_multiple_of`), on
     the tokenizer's own padding side, as tensors: what transformers' DataCollatorWithPadding
-    returns, bit for bit (tests/unit/test_loader_internals.py), plus position ids where that
+    returns, bit for bit (tests/unit/test_collate.py), plus position ids where that
     side is the left (Llama's tokenizers).
 
     In numpy, not through `tokenizer.pad`, whose per-row Python cost the loader worker 35 ms

@@ -11,7 +11,6 @@ without peft, whose logits equal the adapted model's.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -141,8 +140,6 @@ def trained_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def merged(model: PreTrainedModel) -> PreTrainedModel:
     """The plain transformers model with the adapters merged into its weights, for final/.
     In place: the adapted model is gone afterwards, so it is the run's last use of it."""
-    if "peft" not in sys.modules:  # no PeftModel without peft: a run without LoRA never imports it
-        return model
     from peft import PeftModel
 
     return cast("PreTrainedModel", model.merge_and_unload()) if isinstance(model, PeftModel) else model

@@ -216,8 +216,10 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 COMPILE_AFTER_STEPS = 2000
 """train.compile=null compiles on a GPU for runs of this many optimizer steps or more:
 compiling costs about 30 s before the first step (more with a cold cache) and saved about 20 ms
-a step for bert-base at batch 512 on an H100 (1.33x, benchmarks/RESULTS.md): it pays from
-about 1,500 steps."""
+a step for bert-base at batch 256 on an H100 (1.33x, the whole model compiled, 2026-11-23): it
+pays from about 1,500 steps. Compiled per block, on an H200 at batch 512 (2026-11-28), one run
+gave 0.98x while the step waited for its data (benchmarks/RESULTS.md): the rule stands on the
+H100's figure until a GPU check measures per-block compile without that wait."""
 COMPILE_BACKEND = "inductor"
 
 

@@ -169,8 +169,8 @@ class Checkpointer:
     def _start_shards(self, step: int, tmp: Path, states: dict[str, Stateful]) -> None:
         """Collective, in the sharded format: each rank writes its shards (DCP gathers every
         rank's outcome, so a failure is raised on all), or starts writing them in the background."""
-        group, background = None, self.async_save and self.format.collective
-        if background:
+        group = None
+        if self.async_save and self.format.collective:
             group = distributed.checkpoint_group(self.dist_env)
             self._stager = self._stager or formats.kept_stager(cast(nn.Module, states["model"]))
         with self._failing_save(tmp):

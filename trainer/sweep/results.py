@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from trainer import files
+from trainer import folds as folds_module
 from trainer.sweep import runs as runs_module
 from trainer.sweep.space import Scalar
 from trainer.sweep.stats import CONFIDENCE, Interval, t_interval
@@ -127,7 +128,7 @@ def out_of_fold(settings: list[Setting], fold_of: np.ndarray, out: Path) -> list
             header: list[str] = []
             rows: list[list[str]] = []
             for fold, run in sorted(folds.items()):
-                held = np.flatnonzero(fold_of == fold)
+                held = folds_module.held_out(fold_of, fold)[1]
                 rows_file = runs_module.rows_file(out / runs_module.TRIALS / run.id)
                 assert rows_file is not None, f"trial {run.id} finished with its rows"
                 with rows_file.open(newline="") as f:
