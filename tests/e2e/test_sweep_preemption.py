@@ -5,14 +5,12 @@ it resumes each trial from the checkpoint it saved at the signal."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import time
 
 import psutil
 from conftest import BASE_ENV, PYTHON, REPO, failure_output, launch, tiny_overrides
-from support import kill_tree, read_summary
+from support import kill_tree, read_metrics, read_summary, wait_for
 
 from trainer.launch import trainer_program
 
@@ -22,8 +20,7 @@ STEPS = 400
 
 def stepped(folder) -> bool:
     """Whether the trial has logged a training step (metrics.jsonl: train.log_every=1)."""
-    metrics = folder / "metrics.jsonl"
-    return metrics.is_file() and any("samples_per_s" in json.loads(line) for line in metrics.read_text().splitlines())
+    return (folder / "metrics.jsonl").is_file() and any("samples_per_s" in r for r in read_metrics(folder))
 
 
 def test_a_signal_to_the_sweep_alone_reaches_every_trial_which_saves(tiny_model, reviews, tmp_path):
@@ -37,10 +34,8 @@ def test_a_signal_to_the_sweep_alone_reaches_every_trial_which_saves(tiny_model,
                              text=True, start_new_session=True)
     trials = [out / "trials" / f"{n:03d}-seed42" for n in range(2)]
     try:
-        deadline = time.monotonic() + 300
-        while not all(stepped(t) for t in trials):  # both trials train: their ranks handle the signal
-            assert sweep.poll() is None and time.monotonic() < deadline, failure_output(sweep.communicate()[0])
-            time.sleep(0.1)
+        # Both trials train: their ranks handle the signal.
+        wait_for(lambda: all(stepped(t) for t in trials), 300, "both trials to log a step", {"sweep": sweep})
         under = psutil.Process(sweep.pid).children(recursive=True)
         sweep.send_signal(signal.SIGTERM)  # the sweep's process alone, not its group
         output = sweep.communicate(timeout=180)[0]
