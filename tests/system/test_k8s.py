@@ -17,7 +17,11 @@ No API server here, so each layer of acceptance is checked against the real thin
 - every pod the operators would create, init containers included, passes the "restricted"
   Pod Security Standard (tests/k8s_pss.py);
 - the restart contract (trainer/exit_codes.py) compiled into each job's restart rules: what
-  the operator, or the Job and JobSet controllers, do with each verdict's exit code.
+  the operator, or the Job and JobSet controllers, do with each verdict's exit code;
+- the Katib Experiment (k8s/kustomize/katib) against Katib's CRD, API types and webhook rules
+  (tests/katib.py), its trials equal to the base job but for Katib's parts, their pods under
+  our pod rules, their commands through the trainer's config check, and Katib's collector rule
+  on a real run's output.
 """
 
 from __future__ import annotations
@@ -900,3 +904,211 @@ def test_a_users_overlay_trains_on_data_and_a_model_a_staging_job_put_on_the_pvc
     card = (workspace / "runs/my-job/final/README.md").read_text()
     assert "`/workspace/data/sentiment`: text from `review`, labels from `sentiment`; rows: train 200, validation 32." \
         in card
+
+
+# --- The sweep on Katib: k8s/kustomize/katib --------------------------------------------------------
+
+EXPERIMENT_SCHEMA = crd_validator("kubeflow.org_experiments.yaml")
+
+
+def swagger_validator(file: str, definition: str) -> jsonschema.Validator:
+    """A definition of an OpenAPI v2 document (tests/schemas), closed as the CRDs are. The
+    Kubernetes types it names but does not hold (ObjectMeta, Container, the trial template's
+    Unstructured) are left open: the trial template is held to its own CRD below."""
+    document = json.loads((SCHEMAS / file).read_text())
+    definitions = closed(document["definitions"])
+    named = set(re.findall(r'"#/definitions/([^"]+)"', json.dumps(definitions)))
+    definitions.update({name: {} for name in named - set(definitions)})
+    return jsonschema.Draft4Validator({"$ref": f"#/definitions/{definition}", "definitions": definitions})
+
+
+EXPERIMENT_TYPES = swagger_validator("katib_v1beta1_swagger.json", "v1beta1.Experiment")
+TRIAL = "ddp-trainer-sweep-x7k2m9qz"  # a trial's name: the Experiment's and 8 random characters
+
+
+@pytest.fixture(scope="module")
+def katib() -> dict[str, dict]:
+    return by_kind(kustomize(KUSTOMIZE / "katib"))
+
+
+def sample_trial(experiment: dict, lr: str = "0.0001", seed: str = "2", name: str = TRIAL) -> dict:
+    from katib import trial_job
+
+    return trial_job(experiment, name, "team-a", {"lr": lr, "seed": seed})
+
+
+def test_katib_experiment_renders_and_validates(katib, renderings, tmp_path):
+    """`kubectl apply -k k8s/kustomize/katib`: the base's ConfigMap and PVC, the Experiment and
+    its trials' NetworkPolicy, and not the base's job. The Experiment against Katib's CRD (which
+    holds no schema: `x-kubernetes-preserve-unknown-fields`), against Katib's own API types
+    (its OpenAPI document, closed) and Katib's validating webhook; a grid that repeats every
+    learning rate with every seed, and exactly as many trials as the grid has points."""
+    from katib import experiment_violations, grid
+
+    from trainer.tasks.registry import METRICS
+
+    assert set(katib) == {"ConfigMap", "PersistentVolumeClaim", "Experiment", "NetworkPolicy"}
+    for kind in ("ConfigMap", "PersistentVolumeClaim"):
+        assert katib[kind] == renderings["base"][kind]
+    experiment = katib["Experiment"]
+    assert experiment["apiVersion"] == "kubeflow.org/v1beta1"
+    EXPERIMENT_SCHEMA.validate(experiment)
+    EXPERIMENT_TYPES.validate(experiment)
+    assert experiment_violations(experiment) == []
+    spec = experiment["spec"]
+    # ... and they do reject what Katib would drop or refuse:
+    with pytest.raises(jsonschema.ValidationError, match="primaryContainer"):
+        EXPERIMENT_TYPES.validate(mutate("spec.trialTemplate.primaryContainer", "pytorch")(experiment))
+    broken = mutate("spec.trialTemplate.trialParameters.0.name", "lr")(experiment)
+    assert any("lr not found in the trial template" in p for p in experiment_violations(broken))
+    assert any("two top subexpressions" in p for p in experiment_violations(
+        mutate("spec.metricsCollectorSpec.source.filter.metricsFormat", ["accuracy ([0-9.]+)"])(experiment)))
+
+    config = yaml.safe_load(katib["ConfigMap"]["data"]["config.yaml"])
+    problem = config["data"].get("problem_type", "single_label")
+    objective = spec["objective"]
+    direction = METRICS[problem][objective["objectiveMetricName"]]
+    assert objective["type"] == {"max": "maximize", "min": "minimize"}[direction]
+    points = grid(experiment)
+    assert len(set(points["lr"])) == 4 and len(points["seed"]) == 3, points
+    assert spec["algorithm"]["algorithmName"] == "grid"
+    assert spec["maxTrialCount"] == len(points["lr"]) * len(points["seed"])
+    assert 0 < spec["maxFailedTrialCount"] < spec["maxTrialCount"]
+    file = tmp_path / "policy.yaml"
+    file.write_text(yaml.safe_dump(katib["NetworkPolicy"]))
+    result = subprocess.run([BIN / "kubernetes-validate", "--strict", file], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_katib_trials_are_the_base_job_but_for_katibs_parts(katib, renderings):
+    """A trial's PyTorchJob, as Katib's controller makes it from the template with a trial's
+    values, is the base rendering's PyTorchJob but for its name and namespace (the trial's)
+    and the overrides at the end of its command: the two cannot drift. It passes the
+    PyTorchJob CRD and the operator's webhook."""
+    job = sample_trial(katib["Experiment"])
+    expected = copy.deepcopy(renderings["base"]["PyTorchJob"])
+    expected["metadata"].update(name=TRIAL, namespace="team-a")
+    (container,) = expected["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    container["command"] += ["train.lr=0.0001", "seed=2", f"output_dir=/workspace/runs/katib/{TRIAL}"]
+    assert job == expected
+    PYTORCHJOB_SCHEMA.validate(job)
+    assert pytorchjob_webhook_violations(job) == []
+
+
+def test_katib_trial_pods_pass_our_pod_rules_and_worker_0_reports(katib, tmp_path):
+    """Every pod of a trial, as Katib's pod webhook leaves it, passes the "restricted" standard
+    (the metrics sidecar only with katib-config's injectSecurityContext: off, it has no
+    securityContext of its own), and the trials' NetworkPolicy selects each of them, renamed
+    too, and no pod of the base job or of another Experiment. The sidecar goes to worker-0, the
+    pod whose log holds rank 0's (torchrun ranks the nodes by host name), and Katib's default
+    (`job-role: master`) would have selected no pod; Katib's `sh -c` wrapper gives the command
+    back word for word."""
+    import shlex
+
+    from katib import DEFAULT_PRIMARY_POD_LABELS, METRICS_FILE, is_primary, trial_pods
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+    experiment = katib["Experiment"]
+    job = sample_trial(experiment)
+    pods = trial_pods(experiment, job, inject_security_context=True)
+    primary = [pod for pod in pods if len(pod.spec["containers"]) == 2]
+    assert [pod.name for pod in primary] == [f"{TRIAL}-worker-0"], [pod.name for pod in pods]
+    assert not [pod for pod in pytorchjob_pods(job) if is_primary(pod.labels, DEFAULT_PRIMARY_POD_LABELS)]
+    nodes = [_NodeDesc(pod.name, pid, 0) for pod, pid in zip(reversed(pods), (7, 9), strict=True)]
+    assert sorted(nodes)[0].addr == primary[0].name  # node rank 0: global rank 0's log
+    for pod in pods:
+        assert restricted_violations(pod.spec) == [], pod.name
+        assert "initContainers" not in pod.spec
+    (plain,) = [pod for pod in trial_pods(experiment, job) if len(pod.spec["containers"]) == 2]
+    assert "metrics-logger-and-collector: allowPrivilegeEscalation is not false" in restricted_violations(plain.spec)
+    (wrapped,) = primary[0].container["args"]
+    assert shlex.split(wrapped)[:-7] == job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"][
+        "containers"][0]["command"]
+    assert shlex.split(wrapped)[-7:-4] == [f"1>{METRICS_FILE}", "2>&1", "&&"]
+
+    spec = katib["NetworkPolicy"]["spec"]
+    (rule,) = spec["ingress"]
+    (peer,) = rule["from"]
+    assert spec["policyTypes"] == ["Ingress"] and "ports" not in rule and set(peer) == {"podSelector"}
+    for pod in pods:
+        assert selects(spec["podSelector"], pod.labels) and selects(peer["podSelector"], pod.labels), pod.name
+    other = {**experiment, "metadata": {**experiment["metadata"], "name": "another-sweep"}}
+    others = [*pytorchjob_pods(k8s_objects()["PyTorchJob"]), *trial_pods(other, sample_trial(other, name="x-1"))]
+    for pod in others:
+        assert not selects(spec["podSelector"], pod.labels), pod.name
+    # Renamed by an overlay, the trials still find their ConfigMap and PVC, and the fence its trials.
+    renamed = overlay(tmp_path / "renamed", [KUSTOMIZE / "katib"], [], namePrefix="team-a-")
+    experiment = renamed["Experiment"]
+    pods = trial_pods(experiment, sample_trial(experiment, name="team-a-ddp-trainer-sweep-x7k2m9qz"))
+    volumes = {v["name"]: v for v in pods[0].spec["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == renamed["ConfigMap"]["metadata"]["name"]
+    assert volumes["workspace"]["persistentVolumeClaim"]["claimName"] == \
+        renamed["PersistentVolumeClaim"]["metadata"]["name"]
+    assert all(selects(renamed["NetworkPolicy"]["spec"]["podSelector"], pod.labels) for pod in pods)
+
+
+def test_katib_trial_commands_pass_the_trainers_config_check(katib, reviews, tmp_path):
+    """Every grid point's command line, loaded as `python -m trainer check` loads it
+    (trainer.torchrun's TRAINER_CHECK runs it on the same arguments), with the ConfigMap's
+    config (its data.path, the image's demo data, here the test reviews): the trial's values
+    are the config's; a value the schema refuses fails here as it would in the pod."""
+    from katib import grid
+
+    from trainer import config
+    from trainer.__main__ import command_args, parse_args
+    from trainer.errors import ConfigError
+    from trainer.torchrun import training_args
+
+    file = tmp_path / "config.yaml"
+    file.write_text(katib["ConfigMap"]["data"]["config.yaml"].replace("/app/data/reviews", str(reviews)))
+    experiment = katib["Experiment"]
+    points = grid(experiment)
+
+    def load(job: dict):
+        (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+        argv = [str(file) if arg == "/etc/trainer/config.yaml" else arg for arg in container["command"]]
+        args = parse_args(["check", *training_args(argv)])
+        return config.load(args.config, command_args(args.command, args.overrides)[1])
+
+    dirs = set()
+    for i, (lr, seed) in enumerate((lr, seed) for lr in points["lr"] for seed in points["seed"]):
+        cfg = load(sample_trial(experiment, lr, seed, name=f"ddp-trainer-sweep-{i:08d}"))
+        assert (cfg.train.lr, cfg.seed) == (float(lr), int(seed))
+        dirs.add(cfg.output_dir)
+    assert len(dirs) == len(points["lr"]) * len(points["seed"])  # a folder per trial
+    with pytest.raises(ConfigError, match=r"train\.lr"):
+        load(sample_trial(experiment, lr="-1"))
+
+
+def test_katib_collector_reads_the_objective_the_run_reports(katib, tiny_model, reviews, tmp_path):
+    """A real run's output (stdout and stderr together, as Katib redirects the container's into
+    its metrics file), read by Katib's StdOut collector rule with the Experiment's filter: one
+    value, the validation accuracy of the model in final/ as summary.json has it (to the done
+    line's 4 decimals), which the sweep's leaderboard ranks. The done line of a run whose final/
+    is not its last step gives final/'s score, not the last step's. Katib's File collector in
+    JSON format would read nothing from metrics.jsonl: its values are numbers, not strings."""
+    from conftest import tiny_overrides, train
+    from katib import UNAVAILABLE, collect_json, collect_text
+    from support import read_summary
+
+    from trainer.summary import done_line
+    from trainer.tasks.base import Task
+    from trainer.tasks.single_label import SingleLabel
+
+    spec = katib["Experiment"]["spec"]
+    metric = spec["objective"]["objectiveMetricName"]
+    filters = spec["metricsCollectorSpec"]["source"]["filter"]["metricsFormat"]
+    out = tmp_path / "run"
+    result = train(tiny_overrides(tiny_model, reviews, out, **{"train.max_steps": 2}), nproc=None)
+    summary = read_summary(out)
+    assert collect_text(result.output, [metric], filters) == [(metric, f"{summary['final_eval'][metric]:.4f}")]
+
+    scores = lambda metrics: Task.scores(SingleLabel.__new__(SingleLabel), metrics)  # noqa: E731
+    best = {**summary, "final_model_step": 1, "best": {"metric": "loss"},
+            "final_eval": {**summary["final_eval"], metric: 0.25}, "last_step_eval": {**summary["final_eval"],
+                                                                                  metric: 0.75}}
+    assert collect_text(f"x INFO trainer.loop: {done_line(best, scores)}\n", [metric], filters) == [(metric, "0.2500")]
+
+    logged = (out / "metrics.jsonl").read_text()
+    assert f'"eval/{metric}": ' in logged
+    assert collect_json(logged, [f"eval/{metric}"]) == [(f"eval/{metric}", UNAVAILABLE)]
