@@ -16,7 +16,8 @@ preemption signal: its handler only sets a flag, all ranks agree at the next ste
 save and return 75. Then, and only after USR2, the time-limit signal is handed to submitit's
 own handler, which requeues the job (this callable is a submitit Checkpointable); the
 requeued job resumes from that checkpoint with the same wandb run. After TERM alone nothing
-is requeued: a cancelled job stays cancelled, and Slurm requeues a preempted one itself.
+is requeued: a cancelled job stays cancelled, and Slurm requeues a preempted one itself; rank
+0 exits 75 leaving no result, so that --wait does not take the attempt for the job's end.
 submitit gives up after `slurm_max_num_timeout` time limits (3 by default); --max-timeouts
 raises it, since a long run meets its time limit at every attempt.
 
@@ -95,7 +96,14 @@ class TrainJob(submitit.helpers.Checkpointable):
             signal.raise_signal(TIME_LIMIT_SIGNAL)
             return exit_code
         if exit_code == Exit.PREEMPTED:
-            return exit_code  # saved; not requeued by us
+            # Saved; not requeued by us. Rank 0 leaves no result, as submitit's own requeue
+            # leaves none (SystemExit passes its `except Exception`): the result file is what
+            # tells `--wait` (submitit's job.done()) that the job has ended, and a preempted job
+            # that Slurm requeues has not. Returning here ended --wait at the first attempt, and
+            # `python -m trainer sweep` after it trained that array task's run beside its second.
+            if job.global_rank == 0:
+                sys.exit(exit_code)
+            return exit_code
         if exit_code == Exit.NODE_FAULT and requeue.requeue_without_suspects(job.job_id, state, self.max_fault_requeues,
                                                                              "--max-fault-requeues"):
             return 0  # as after USR2: exiting 0 so that --kill-on-bad-exit leaves the requeue be

@@ -7,6 +7,8 @@ process per node, which trains on the CPU with gloo because no CUDA driver is be
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import json
 import os
 import pickle
@@ -17,6 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 import wandb_log
 from conftest import BASE_ENV, PYTHON, REPO, compare_weights, failure_output, tiny_overrides
@@ -252,6 +255,89 @@ def test_scancel_of_a_submitit_job_saves_and_stays_cancelled(cluster, dropout_mo
     assert (record["JobState"], record["Restarts"]) == ("CANCELLED", "0"), logs[-5000:]
     assert re.search(r"preempted by SIGTERM: saved the checkpoint of step \d+", logs), logs[-5000:]
     assert "requeu" not in logs.lower(), logs[-5000:]
+
+
+ARRAY_STEPS = 40
+
+
+def array_rank(array_id: str, task: int) -> psutil.Process:
+    """The rank of the job array's task `task` (one node, one rank): its submitit process. The
+    nodes are hosts of this machine (tests/slurm_cluster.py), their processes ours to see."""
+    def rank() -> psutil.Process | None:
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                env = proc.environ()
+                if ((env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")) == (array_id, str(task))
+                        and proc.cmdline()[1:4] == ["-u", "-m", "submitit.core._submit"]):  # not srun's
+                    return proc
+        return None
+    return wait_for(rank, 60, f"task {task}'s rank")
+
+
+def test_a_sweep_job_array_task_preempted_is_requeued_resumes_and_the_sweep_reports(cluster, dropout_model, reviews,
+                                                                                    tmp_path):
+    """`slurm/submit.py --sweep --wait`: a grid of two settings as a job array, a task each on
+    a node of its own. Slurm preempts task 0 after its first checkpoint (`scontrol requeue`, what
+    PreemptMode=REQUEUE does: SIGCONT, SIGTERM, back in the queue); it saves, runs again and
+    resumes, and --wait waits for that second attempt. The key swept, train.log_every, changes
+    no weight: task 1, never interrupted, is task 0's uninterrupted run. `python -m trainer
+    sweep` with the same config then trains nothing and reports."""
+    from omegaconf import OmegaConf
+
+    out = tmp_path / "sweep"
+    settings = tiny_overrides(dropout_model, reviews, out, **{
+        "train.max_steps": ARRAY_STEPS, "train.batch_size": 8, "checkpoint.every": 4, "data.max_eval_samples": 48,
+        "data.max_length": 32})
+    config = tmp_path / "my.yaml"
+    OmegaConf.save(OmegaConf.from_dotlist([*settings, "sweep.parameters={train.log_every: [1, 2]}",
+                                           "sweep.metric=loss"]), config)
+    folder, submit_out = tmp_path / "submitit", tmp_path / "submit.out"
+    submitter = cluster.popen([PYTHON, "slurm/submit.py", "--sweep", "-c", str(config), "--nodes", "1",
+                               "--gpus-per-node", "0", "--time", "10", "--folder", str(folder / "%j"), "--wait"],
+                              env=JOB_ENV, cwd=REPO, log=submit_out)
+    preempted, uninterrupted = out / "trials" / "000-seed42", out / "trials" / "001-seed42"
+    array_id = None
+    try:
+        array_id = wait_for(lambda: re.search(r"submitted job array (\d+): 2 trials", submit_out.read_text()), 120,
+                            "the array", {"submit.py": submitter}).group(1)
+        rank = array_rank(array_id, 0)
+        wait_for(lambda: complete_steps(preempted), 120, "task 0's first checkpoint", interval=0.05)
+        # Held still (SIGSTOP) from here to the preemption, so that it lands mid-run however
+        # loaded this machine is; Slurm's SIGCONT before its SIGTERM lets the rank go on to save.
+        rank.suspend()
+        wait_for(lambda: rank.status() == psutil.STATUS_STOPPED, 10, "task 0's rank to stop")
+        assert not (preempted / "summary.json").exists()
+        cluster.client(["scontrol", "requeue", f"{array_id}_0"])
+        assert submitter.wait(timeout=180) == 0, submit_out.read_text()[-3000:]
+        # --wait ended with every task's result: the preempted task's second attempt's, not the
+        # first attempt's return at the preemption.
+        assert (preempted / "summary.json").is_file(), submit_out.read_text()[-3000:]
+    finally:
+        submitter.kill()
+        if array_id is not None:  # a task left running (or held still) would hold its node for the next tests
+            cluster.client(["scancel", array_id], check=False)
+    assert {f"job {array_id}_{task} completed" for task in (0, 1)} <= set(submit_out.read_text().splitlines())
+    logs = {task: "\n".join(p.read_text() for p in sorted((folder / f"{array_id}_{task}").glob("*_log.*")))
+            for task in (0, 1)}
+    for task in (0, 1):  # its processes may still be exiting
+        record = cluster.wait_job(f"{array_id}_{task}", timeout=30)
+        assert (record["JobState"], record["Restarts"]) == ("COMPLETED", str(1 - task)), logs[task][-5000:]
+    saved = re.search(r"preempted by SIGTERM: saved the checkpoint of step (\d+)", logs[0])
+    assert saved, logs[0][-5000:]
+    assert f"resumed from {preempted / 'checkpoints' / f'step-{saved.group(1)}'}" in logs[0], logs[0][-5000:]
+    assert 0 < read_summary(preempted)["resumed_from_step"] == int(saved.group(1)) < ARRAY_STEPS
+    assert read_summary(uninterrupted)["resumed_from_step"] == 0
+    assert compare_weights(uninterrupted, preempted, ARRAY_STEPS).differing == []
+
+    # The login node, after the array: every run finished, nothing trained, the results.
+    reported = cluster.client([PYTHON, "-m", "trainer", "sweep", "-c", str(config)], env=JOB_ENV, cwd=REPO,
+                              timeout=120, check=False)
+    output = reported.stdout + reported.stderr
+    assert reported.returncode == 0, failure_output(output)
+    assert output.count("finished before, not run again") == 2 and ": training (" not in output, output[-3000:]
+    with (out / "sweep.csv").open() as f:
+        assert sorted(row["trial"] for row in csv.DictReader(f)) == ["000-seed42", "001-seed42"]
+    assert "train.log_every=1" in (out / "sweep.md").read_text()
 
 
 @pytest.mark.parametrize("args, expected", [
