@@ -524,8 +524,10 @@ class SweepConfig:
     """The validation metric settings are ranked by, its direction the task's. null:
     checkpoint.best_metric, or the task's first metric."""
     pruner: Literal["none", "halving"] = key("none", FREE)
-    """halving: Optuna's successive halving stops a setting whose runs so far (seeds, folds)
-    rank in the bottom of its rung."""
+    """halving: Optuna's successive halving on the runs' own evaluations (train.eval_every,
+    a step count): once every run of a setting has evaluated at a step, their mean there is
+    reported, and a setting in the bottom of its rung (the first evaluation, 4x, 16x its steps)
+    is stopped, its runs saving and exiting 75; the sweep goes on (docs/sweeps.md)."""
     parallel: int = key(1, FREE, at_least(1))
     """Trials run at once on this node, the ranks split between them."""
     ranks: int | None = key(None, FREE, at_least_or_null(1))

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import BASE_ENV, PYTHON, REPO, compare_weights, failure_output, launch, tiny_overrides, trainer_command
-from support import kill_tree
+from support import complete_steps, kill_tree, read_metrics, read_summary
 
 from trainer.launch import trainer_program
 from trainer.sweep.stats import t_interval
@@ -172,3 +172,44 @@ def test_three_fold_cross_validation_predicts_every_train_row_once(tiny_model, r
         assert len(predicted) == 200
         accuracy = np.mean([r["true"] == r["label_name"] for r in predicted])
         assert accuracy == pytest.approx(summary["final_eval"]["accuracy"])
+
+
+PRUNED_STEPS = 80
+"""The bad setting's run is judged at its first evaluation (step 5), once it has logged step 6;
+the steps after are margin for the sweep's signal (its reads FOLLOW_S apart) to find it training."""
+
+
+def test_halving_stops_a_bad_setting_at_its_first_evaluation(tiny_model, reviews, tmp_path):
+    """sweep.pruner=halving on the runs' own evaluations (every 5 steps): a learning rate of
+    0.3 throws the validation loss far above where it starts (2.7 at step 5, against 1.6),
+    and the grid (seeded) asks it after 0.001. Successive halving's first rung is the first
+    evaluation: the bad setting is stopped there, its run saving and exiting 75 (torchrun 143),
+    and the sweep ranks it after the good one, which runs to the end, and exits 0."""
+    out = tmp_path / "out"
+    overrides = [*tiny_overrides(tiny_model, reviews, out, **{
+        "train.max_steps": PRUNED_STEPS, "train.batch_size": 8, "train.eval_every": 5,
+        "checkpoint.every": 10 * PRUNED_STEPS, "data.max_eval_samples": 48, "data.max_length": 32}),
+        "sweep.parameters={train.lr: [0.3, 0.001]}", "sweep.pruner=halving", "sweep.parallel=1",
+        "sweep.metric=loss"]
+    result = launch(sweep_command(overrides), timeout=400)
+    assert result.returncode == 0, failure_output(result.output)
+    bad, good = out / "trials" / "000-seed42", out / "trials" / "001-seed42"
+    assert result.output.index("trial 001-seed42: training") < result.output.index("trial 000-seed42: training")
+    assert read_summary(good)["steps"] == PRUNED_STEPS
+    assert not (bad / "summary.json").exists()  # stopped, not finished
+    saved = complete_steps(bad)
+    assert len(saved) == 1 and 5 < saved[0] < PRUNED_STEPS, saved  # the save at the signal, the only one
+    bad_loss, good_at_5 = (next(r["eval/loss"] for r in read_metrics(t) if r["step"] == 5 and "eval/loss" in r)
+                           for t in (bad, good))
+    assert bad_loss > good_at_5 + 0.5
+    assert "setting 0 ({'train.lr': 0.3}) pruned at step 5" in result.output, failure_output(result.output)
+    assert "trial 000-seed42: stopped, its setting pruned (exit 143)" in result.output
+    board = (out / "sweep.md").read_text()
+    good_loss = read_summary(good)["final_eval"]["loss"]
+    assert f"| 1 | train.lr=0.001 | {good_loss:.4f} | (one run) | 1 | complete |" in board, board
+    assert f"| 2 | train.lr=0.3 | {bad_loss:.4f} | (at step 5) | 1 | pruned at step 5 |" in board, board
+    with (out / "sweep.csv").open() as f:
+        rows = {r["trial"]: r for r in csv.DictReader(f)}
+    assert (rows["000-seed42"]["state"], rows["000-seed42"]["steps"]) == ("pruned", "5")
+    assert float(rows["000-seed42"]["loss"]) == bad_loss
+    assert (out / "final" / "model.safetensors").is_file()

@@ -126,6 +126,10 @@ BAD_SWEEPS = [
     ("bad-method", ["sweep.method=bayes"], "sweep.method:"),
     ("bad-pruner", ["sweep.pruner=median"], "sweep.pruner:"),
     ("one-fold", ["sweep.folds=1"], "sweep.folds: must be >= 2 or null"),
+    ("halving-without-evaluations", ["sweep.pruner=halving"],
+     ("sweep.pruner: halving judges each setting by its runs' evaluations during training, at steps it knows "
+      "before they start; train.eval_every is 0: set it to a step count")),
+    ("halving-at-epochs", ["sweep.pruner=halving", "train.eval_every=epoch"], "train.eval_every is epoch"),
 ]
 
 
@@ -212,16 +216,145 @@ def test_the_leaderboard_ranks_by_the_mean_in_the_metrics_direction():
         done = [(r, {"final_eval": {"loss": v}, "steps": 2}) for r, v in zip(each, losses, strict=True)]
         return results.Setting(number, {"train.lr": lr}, state, done, "loss")
 
-    settings = [setting(0, 0.1, [0.9, 0.7]), setting(1, 0.2, [0.5, 0.6]), setting(2, 0.3, [0.1], "pruned")]
-    assert [s.number for s in results.ranked(settings, "min")] == [1, 0, 2]
-    assert [s.number for s in results.ranked(settings, "max")] == [0, 1, 2]
+    settings = [setting(0, 0.1, [0.9, 0.7]), setting(1, 0.2, [0.5, 0.6])]
+    assert [s.number for s in results.ranked(settings, "min")] == [1, 0]
+    assert [s.number for s in results.ranked(settings, "max")] == [0, 1]
     board = results.leaderboard(settings, "loss", "min")
     interval = t_interval([0.5, 0.6])
     assert f"| 1 | train.lr=0.2 | 0.5500 | [{interval.low:.4f}, {interval.high:.4f}] | 2 | complete |" in board
-    assert "| 3 | train.lr=0.3 | 0.1000 | (one run) | 1 | pruned |" in board
+    assert "pruned" not in board
     csv_rows = results.runs_csv(settings, ["train.lr"]).splitlines()
     assert csv_rows[0] == "trial,setting,state,train.lr,seed,fold,loss,steps"
-    assert csv_rows[1] == "000-seed42,0,complete,0.1,42,,0.9,2" and len(csv_rows) == 6
+    assert csv_rows[1] == "000-seed42,0,complete,0.1,42,,0.9,2" and len(csv_rows) == 5
+
+
+def test_a_pruned_setting_shows_where_it_was_stopped_after_the_complete_ones():
+    """Its runs have no summary.json: the leaderboard gives the step its pruner stopped it at and
+    the mean it reported there, sweep.csv each run's metric there; ranked after every complete
+    setting however good that mean, the later stopped first."""
+    from trainer.sweep import results, runs
+
+    complete_runs = runs.runs_of(0, {"train.lr": 0.1}, 42, 2, None)
+    complete = results.Setting(0, {"train.lr": 0.1}, "complete",
+                               [(r, {"final_eval": {"loss": v}, "steps": 40}) for r, v in zip(complete_runs, [0.9, 0.7],
+                                                                                               strict=True)], "loss")
+    early, late = (results.Setting(n, {"train.lr": lr}, "pruned", [], "loss", at, mean,
+                                   list(zip(runs.runs_of(n, {"train.lr": lr}, 42, 2, None), values, strict=True)))
+                   for n, lr, at, mean, values in ((1, 1e-9, 10, 0.05, [0.04, 0.06]),
+                                                   (2, 0.5, 20, 0.3, [0.2, 0.4])))
+    settings = [early, complete, late]
+    assert [s.number for s in results.ranked(settings, "min")] == [0, 2, 1]
+    board = results.leaderboard(settings, "loss", "min")
+    assert "| 2 | train.lr=0.5 | 0.3000 | (at step 20) | 2 | pruned at step 20 |" in board, board
+    assert "| 3 | train.lr=1e-09 | 0.0500 | (at step 10) | 2 | pruned at step 10 |" in board, board
+    assert "at the evaluation where sweep.pruner stopped them, not at their end" in board
+    assert results.runs_csv(settings, ["train.lr"]).splitlines()[3:] == [
+        "001-seed42,1,pruned,1e-09,42,,0.04,10", "001-seed43,1,pruned,1e-09,43,,0.06,10",
+        "002-seed42,2,pruned,0.5,42,,0.2,20", "002-seed43,2,pruned,0.5,43,,0.4,20"]
+
+
+class FakeTrial:
+    """What the judge asks of an Optuna trial, recorded; its pruner says yes from `prune_from` on."""
+
+    def __init__(self, prune_from: int | None = None):
+        self.reports: list[tuple[int, float]] = []
+        self.asked: list[int] = []
+        self.prune_from = prune_from
+
+    def report(self, value: float, step: int) -> None:
+        self.reports.append((step, value))
+
+    def should_prune(self) -> bool:
+        step = self.reports[-1][0]
+        self.asked.append(step)
+        return self.prune_from is not None and step >= self.prune_from
+
+
+def evaluated(step: int, loss: float) -> dict:
+    return {"step": step, "eval/loss": loss, "eval/accuracy": 0.5}
+
+
+def test_the_mean_at_a_step_is_reported_once_every_run_has_evaluated_there_and_gone_on():
+    from trainer.sweep import pruning
+
+    trial = FakeTrial()
+    judge = pruning.Judge(["a", "b"], "loss", trial)
+    judge.seen("a", [{"step": 2, "loss": 2.0}, evaluated(2, 1.0), {"step": 4, "loss": 1.9}, evaluated(4, 0.8),
+                     {"step": 6, "loss": 1.8}])
+    assert trial.reports == []  # b has not evaluated yet
+    judge.seen("b", [evaluated(2, 3.0)])
+    assert trial.reports == []  # b's evaluation at 2 may be its last: not judged until it goes on or ends
+    judge.seen("b", [{"step": 4, "loss": 1.5}])
+    assert trial.reports == [(2, 2.0)] and trial.asked == [2]
+    judge.seen("b", [evaluated(4, 0.4)])
+    assert trial.reports == [(2, 2.0)]
+    judge.seen("a", [evaluated(8, 0.7)], ended=True)  # a's last evaluation, its run ended
+    judge.seen("b", [{"step": 6, "loss": 1.0}, evaluated(8, 0.3)], ended=True)
+    assert trial.reports == [(2, 2.0), (4, pytest.approx(0.6)), (8, pytest.approx(0.5))]
+    assert trial.asked == [2, 4]  # the last step ends every run: nothing left to stop, the setting is complete
+    assert not judge.pruned
+
+
+def test_a_run_finished_before_counts_with_every_evaluation_it_wrote(tmp_path):
+    """A restarted sweep reads a finished run back: its metrics.jsonl feeds the judge as the
+    running one's records arrive, so the same means are reported at the same steps."""
+    from trainer.sweep import pruning
+
+    finished = tmp_path / "finished"
+    finished.mkdir()
+    (finished / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 2, "loss": 2.0}, evaluated(2, 1.0), evaluated(4, 0.6), {"step": 6, "loss": 1.0}, evaluated(6, 0.2),
+        {"step": 6, "test/loss": 0.1}]))
+    assert pruning.evaluations(finished, "loss") == {2: 1.0, 4: 0.6, 6: 0.2}
+    trial = FakeTrial(prune_from=4)
+    judge = pruning.Judge(["finished", "running"], "loss", trial)
+    judge.seen("finished", pruning.Records(finished).new(), ended=True)
+    judge.seen("running", [evaluated(2, 2.0), {"step": 3, "loss": 1.0}])
+    assert trial.reports == [(2, 1.5)] and not judge.pruned
+    judge.seen("running", [evaluated(4, 1.4), {"step": 5, "loss": 1.0}])
+    assert trial.reports[-1] == (4, pytest.approx(1.0)) and judge.pruned_at == 4 and judge.mean == pytest.approx(1.0)
+    judge.seen("running", [evaluated(6, 1.0), {"step": 7, "loss": 1.0}])
+    assert len(trial.reports) == 2  # pruned: nothing more is reported
+
+
+def test_a_runs_metrics_are_followed_as_they_are_written_and_read_again_when_rewritten(tmp_path):
+    from trainer import files
+    from trainer.sweep import pruning
+
+    records = pruning.Records(tmp_path)
+    assert records.new() == []  # not written yet
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(evaluated(2, 1.0)) + "\n" + '{"step": 3, "lo')  # a line half written
+    assert records.new() == [evaluated(2, 1.0)]
+    with path.open("a") as f:
+        f.write('ss": 1.5}\n')
+    assert records.new() == [{"step": 3, "loss": 1.5}] and records.new() == []
+    files.write_text(path, json.dumps(evaluated(2, 1.0)) + "\n")  # a resume from step 2 rewrites it
+    assert records.new() == [evaluated(2, 1.0)]
+
+
+def test_halving_rungs_fall_on_the_evaluations(tmp_path):
+    """Successive halving with its first rung at train.eval_every (3), then 12, 48: a setting
+    worse than the one before it at an evaluation between rungs (6) goes on to the next rung
+    (12), where it is stopped; one worse at the first evaluation (3) is stopped there."""
+    from optuna.trial import TrialState
+
+    from trainer.sweep import pruning, study
+
+    searched = space.parse({"train.lr": [0.1, 0.2, 0.3]}, config.KEYS)
+    sweep_study = study.open_study(tmp_path, searched, "random", "min", 0, "halving", 3)
+    verdicts = []
+    for losses in ({3: 1.0, 6: 0.5, 9: 0.4, 12: 0.3}, {3: 0.9, 6: 0.9, 9: 0.9, 12: 0.9}, {3: 2.0, 6: 0.1}):
+        trial = sweep_study.ask()
+        judge = pruning.Judge(["run"], "loss", trial)
+        for step, loss in losses.items():
+            judge.seen("run", [evaluated(step, loss), {"step": step + 1, "loss": loss}])
+        verdicts.append(judge.pruned_at)
+        if judge.pruned:
+            sweep_study.tell(trial, state=TrialState.PRUNED)
+        else:
+            sweep_study.tell(trial, judge.mean)
+    assert verdicts == [None, 12, 3]
 
 
 def test_a_sweep_started_again_with_other_runs_is_refused(data_file, tmp_path):

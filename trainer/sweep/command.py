@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -13,10 +15,11 @@ from typing import Any
 import numpy as np
 import optuna
 from omegaconf import DictConfig
+from optuna.trial import TrialState
 
 from trainer import config, exit_codes, files
 from trainer.errors import ConfigError
-from trainer.sweep import results, runs, study
+from trainer.sweep import pruning, results, runs, study
 from trainer.sweep.plan import Plan, check_same_sweep
 
 log = logging.getLogger("trainer.sweep")
@@ -57,7 +60,8 @@ def run(cfg: DictConfig, the_plan: Plan) -> int:
     config_file = write_config(cfg)
     trials_dir = out / runs.TRIALS
     slots = runs.Slots.plan(sweep.parallel, sweep.ranks, cfg.train.threads is not None)
-    the_study = study.open_study(out, the_plan.space, sweep.method, the_plan.direction, cfg.seed, sweep.pruner)
+    the_study = study.open_study(out, the_plan.space, sweep.method, the_plan.direction, cfg.seed, sweep.pruner,
+                                 cfg.train.eval_every)
     again = study.retry_unfinished(the_study)
     if again:
         log.info("sweep: settings %s were cut short: running them again, their runs resumed", again)
@@ -79,18 +83,17 @@ def run(cfg: DictConfig, the_plan: Plan) -> int:
         setting = the_plan.space.suggest(trial)
         number = setting_number(cfg, the_plan, trial, setting)
         each = runs.runs_of(number, setting, cfg.seed, sweep.seeds, sweep.folds)
-        if sweep.pruner == "none":  # the setting's runs side by side too, as slots free up
-            with ThreadPoolExecutor(max_workers=sweep.parallel) as pool:
-                summaries = list(pool.map(lambda r: runs.execute(r, trials_dir, config_file, slots), each))
-            return float(np.mean([s["final_eval"][the_plan.metric] for s in summaries]))
-        values: list[float] = []  # in order: the pruner judges the mean of the runs so far
-        for step, one in enumerate(each):
-            values.append(float(runs.execute(one, trials_dir, config_file, slots)["final_eval"][the_plan.metric]))
-            trial.report(float(np.mean(values)), step)
-            if trial.should_prune():
-                log.info("sweep: setting %d (%s) pruned after %d runs", number, setting, len(values))
-                raise optuna.TrialPruned
-        return float(np.mean(values))
+        judge = None
+        if sweep.pruner == "halving":  # judged on its runs' evaluations as they are written
+            stop_signal = getattr(signal, next(iter(cfg.fault.preempt_signals), "SIGTERM"))
+            judge = pruning.Judge([r.id for r in each], the_plan.metric, trial, stop_signal)
+        with ThreadPoolExecutor(max_workers=sweep.parallel) as pool:  # side by side, as slots free up
+            summaries = list(pool.map(lambda r: runs.execute(r, trials_dir, config_file, slots, judge), each))
+        if judge is not None and judge.pruned:
+            log.info("sweep: setting %d (%s) pruned at step %d (%s %.4f, the mean of its %d runs there)", number,
+                     setting, judge.pruned_at, the_plan.metric, judge.mean, len(each))
+            raise optuna.TrialPruned
+        return float(np.mean([s["final_eval"][the_plan.metric] for s in summaries if s is not None]))
 
     with runs.passing_on(list(cfg.fault.preempt_signals)):  # to the runs, which save: the sweep then exits 75
         if remaining > 0:
@@ -115,13 +118,19 @@ def report(cfg: DictConfig, the_plan: Plan, the_study: Any, config_file: Path, s
     settings = []
     for trial in study.settled(the_study):
         number = setting_number(cfg, the_plan, trial, dict(trial.params))
-        done = []
+        done, stopped = [], []
+        pruned_at = trial.last_step if trial.state == TrialState.PRUNED else None
         for each in runs.runs_of(number, dict(trial.params), cfg.seed, sweep.seeds, sweep.folds):
-            summary = runs.finished(out / runs.TRIALS / each.id, needs_rows=each.fold is not None)
+            folder = out / runs.TRIALS / each.id
+            summary = runs.finished(folder, needs_rows=each.fold is not None)
             if summary is not None:
                 done.append((each, summary))
-        settings.append(results.Setting(number, {k: trial.params[k] for k in the_plan.space.choices},
-                                        trial.state.name.lower(), done, the_plan.metric))
+            elif pruned_at is not None:  # stopped: its evaluation where the pruner judged it
+                stopped.append((each, pruning.evaluations(folder, the_plan.metric).get(pruned_at, math.nan)))
+        settings.append(results.Setting(
+            number, {k: trial.params[k] for k in the_plan.space.choices}, trial.state.name.lower(), done,
+            the_plan.metric, pruned_at, math.nan if pruned_at is None else trial.intermediate_values[pruned_at],
+            stopped))
     keys = list(the_plan.space.choices)
     board = results.leaderboard(settings, the_plan.metric, the_plan.direction)
     files.write_text(out / "sweep.md", board)

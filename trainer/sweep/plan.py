@@ -46,6 +46,11 @@ def check(cfg: DictConfig, load: Callable[[list[str]], DictConfig]) -> Plan:
     if sweep.ranks is not None and sweep.ranks < sweep.parallel:
         raise ConfigError(f"sweep.ranks: {sweep.parallel} trials at once (sweep.parallel) need a rank each, and "
                           f"sweep.ranks is {sweep.ranks}")
+    eval_every = cfg.train.eval_every
+    if sweep.pruner == "halving" and not (type(eval_every) is int and eval_every > 0):
+        raise ConfigError(f"sweep.pruner: halving judges each setting by its runs' evaluations during training, at "
+                          f"steps it knows before they start; train.eval_every is {eval_every}: set it to a step "
+                          "count")
     if sweep.folds is not None and cfg.data.max_eval_samples is not None:
         raise ConfigError(f"sweep.folds: out-of-fold predictions need every row of each fold, and "
                           f"data.max_eval_samples={cfg.data.max_eval_samples} keeps some; set it to null")

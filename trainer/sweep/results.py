@@ -11,7 +11,7 @@ import io
 import logging
 import math
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,12 @@ class Setting:
     runs: list[tuple[runs_module.Run, dict[str, Any]]]
     """Each finished run and its summary.json."""
     metric: str
+    pruned_at: int | None = None
+    """Pruned: the step of the evaluation at which the pruner stopped it."""
+    pruned_mean: float = math.nan
+    """Pruned: its runs' mean metric at pruned_at, as reported to the pruner."""
+    stopped: list[tuple[runs_module.Run, float]] = field(default_factory=list)
+    """Pruned: each run stopped before its end (no summary.json), with its metric at pruned_at."""
 
     def values(self) -> list[float]:
         return [float(summary["final_eval"][self.metric]) for _, summary in self.runs]
@@ -49,9 +55,16 @@ class Setting:
 
 def ranked(settings: list[Setting], direction: str) -> list[Setting]:
     """Complete settings best first by their mean (ties by their parameters, so the order is
-    the same however the sweep ran), then pruned ones."""
+    the same however the sweep ran), then pruned ones: the later stopped first (it passed more
+    rungs), then by their mean there."""
     sign = -1 if direction == "max" else 1
-    return sorted(settings, key=lambda s: (s.state != "complete", sign * s.interval.mean, s.label()))
+
+    def key(s: Setting) -> tuple:
+        if s.state == "complete":
+            return (0, 0, sign * s.interval.mean, s.label())
+        return (1, -(s.pruned_at or 0), sign * s.pruned_mean, s.label())
+
+    return sorted(settings, key=key)
 
 
 def _cell(value: float) -> str:
@@ -65,9 +78,17 @@ def leaderboard(settings: list[Setting], metric: str, direction: str) -> str:
              f"| rank | setting | {metric} mean | {CONFIDENCE:.0%} CI | runs | state |",
              "|---:|---|---:|---|---:|---|"]
     for place, s in enumerate(ranked(settings, direction), 1):
+        if s.pruned_at is not None:  # its mean where it was stopped, not at the end: no interval of final values
+            runs = len(s.runs) + len(s.stopped)
+            lines.append(f"| {place} | {s.label()} | {_cell(s.pruned_mean)} | (at step {s.pruned_at}) | {runs} | "
+                         f"pruned at step {s.pruned_at} |")
+            continue
         i = s.interval
         ci = f"[{_cell(i.low)}, {_cell(i.high)}]" if i.n > 1 else "(one run)"
         lines.append(f"| {place} | {s.label()} | {_cell(i.mean)} | {ci} | {i.n} | {s.state} |")
+    if any(s.pruned_at is not None for s in settings):
+        lines += ["", (f"A pruned setting's mean is its runs' {metric} at the evaluation where sweep.pruner "
+                       "stopped them, not at their end.")]
     return "\n".join(lines) + "\n"
 
 
@@ -78,9 +99,11 @@ def runs_csv(settings: list[Setting], keys: list[str]) -> str:
     metric = settings[0].metric if settings else "metric"
     writer.writerow(["trial", "setting", "state", *keys, "seed", "fold", metric, "steps"])
     for s in sorted(settings, key=lambda s: s.number):
-        for run, summary in s.runs:
+        rows = [(run, summary["final_eval"][s.metric], summary["steps"]) for run, summary in s.runs]
+        rows += [(run, value, s.pruned_at) for run, value in s.stopped]  # where the pruner stopped it
+        for run, value, steps in sorted(rows, key=lambda row: row[0].id):
             writer.writerow([run.id, s.number, s.state, *(s.params.get(k) for k in keys), run.seed,
-                             "" if run.fold is None else run.fold, summary["final_eval"][s.metric], summary["steps"]])
+                             "" if run.fold is None else run.fold, "" if math.isnan(value) else value, steps])
     return out.getvalue()
 
 

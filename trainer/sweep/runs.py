@@ -11,6 +11,10 @@ process; `sbatch --signal=B:...` the batch shell, which execs the sweep) is pass
 run it launched, which saves and exits 75; no run starts after it, and the sweep exits 75 once
 they have all ended (`passing_on`). Without that, the runs would train on with no sweep, and
 hold their folders' leases against the sweep started again.
+
+With sweep.pruner, the sweep reads each run's metrics.jsonl while it waits on it and feeds its
+evaluations to the setting's judge (trainer/sweep/pruning.py); a run of a pruned setting gets
+the same signal, alone, saves and exits 75, and that is no failure.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 from trainer import exit_codes, launch
 from trainer.errors import ConfigError, TrainerError
 from trainer.exit_codes import Exit
+from trainer.sweep import pruning
 from trainer.sweep.space import Scalar, override
 
 log = logging.getLogger(__name__)
@@ -145,21 +150,32 @@ def _visible_gpus() -> list[str]:
     return names[:torch.cuda.device_count()]
 
 
-def execute(run: Run, trials_dir: Path, config_file: Path, slots: Slots) -> dict[str, Any]:
+def execute(run: Run, trials_dir: Path, config_file: Path, slots: Slots,
+            judge: pruning.Judge | None = None) -> dict[str, Any] | None:
     """The run's summary: read where it finished before, else trained (resuming from its
-    checkpoints) and, with folds, its validation fold's rows written by `evaluate`."""
+    checkpoints) and, with folds, its validation fold's rows written by `evaluate`. With a
+    `judge` (sweep.pruner), its evaluations are fed to it as they are written; None when the
+    judge pruned its setting: the run was stopped (it saved, exit 75), or not started."""
     folder = trials_dir / run.id
     done = finished(folder, needs_rows=run.fold is not None)
     if done is not None:
         log.info("trial %s: finished before, not run again", run.id)
+        if judge is not None:  # its evaluations count as those of a run just ended
+            judge.seen(run.id, pruning.Records(folder).new(), ended=True)
         return done
     overrides = [*run.overrides(folder), *slots.extra]
     with slots.take() as env:
+        if judge is not None and judge.pruned:
+            return None  # its setting was pruned while it waited for a slot
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / "summary.json").is_file():
             log.info("trial %s: training (%s)", run.id, " ".join(overrides[:-1 - len(slots.extra)]) or "defaults")
             argv = launch.torchrun_argv(slots.nproc, launch.trainer_program("train", str(config_file), overrides))
-            _launch(argv, env, folder / "trial.log", run.id)
+            _launch(argv, env, folder / "trial.log", run.id, _Following(judge, run.id, folder) if judge else None)
+        elif judge is not None:  # trained, not yet evaluated on its fold
+            judge.seen(run.id, pruning.Records(folder).new(), ended=True)
+        if judge is not None and judge.pruned:
+            return None  # stopped, or ended before the signal came: its setting has no use for its rows
         if run.fold is not None:  # its validation fold's rows, each with the model's answer
             argv = [sys.executable, *launch.trainer_program("evaluate", str(config_file),
                                                             [*overrides, "checkpoint=final"])]
@@ -168,6 +184,23 @@ def execute(run: Run, trials_dir: Path, config_file: Path, slots: Slots) -> dict
     log.info("trial %s: finished: validation %s", run.id,
              ", ".join(f"{k} {v:.4f}" for k, v in summary["final_eval"].items() if isinstance(v, float)))
     return summary
+
+
+@dataclass
+class _Following:
+    """A run's metrics.jsonl read while the sweep waits on its training, fed to its setting's judge."""
+
+    judge: pruning.Judge
+    run_id: str
+    folder: Path
+
+    def __post_init__(self) -> None:
+        self.records = pruning.Records(self.folder)
+
+    def read(self, ended: bool = False) -> bool:
+        """The records written since the last read fed to the judge; whether the setting is pruned."""
+        self.judge.seen(self.run_id, self.records.new(), ended)
+        return self.judge.pruned
 
 
 class _Launched:
@@ -192,6 +225,12 @@ class _Launched:
         finally:
             with self._lock:
                 self._running.discard(proc)
+
+    def stop_one(self, proc: subprocess.Popen, signum: int) -> None:
+        """`signum` to one run (its setting pruned), if it is still alive; the others go on."""
+        with self._lock:
+            if proc in self._running and proc.poll() is None:
+                proc.send_signal(signum)  # torchrun passes it to its workers, which save and exit 75
 
     def stop(self, signum: int) -> None:
         """`signum` to every run alive, and none started after it."""
@@ -219,9 +258,35 @@ def passing_on(signal_names: list[str]) -> Iterator[None]:
             signal.signal(getattr(signal, name), handler)
 
 
-def _launch(argv: list[str], env: dict[str, str], log_file: Path, run_id: str) -> None:
+FOLLOW_S = 0.25
+"""How often the sweep reads a followed run's new evaluations while it waits on the run."""
+
+
+def _launch(argv: list[str], env: dict[str, str], log_file: Path, run_id: str,
+            following: _Following | None = None) -> None:
+    pruned = False
     with log_file.open("a") as out, _launched.start(argv, env, out, run_id) as proc:
-        code = proc.wait()
+        if following is None:
+            code = proc.wait()
+        else:
+            # Cannot hang where a plain wait() would not: each wait returns within FOLLOW_S, a
+            # read of a regular file does not block, and the loop ends when the process does.
+            while True:
+                try:
+                    code = proc.wait(timeout=FOLLOW_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if following.read() and not pruned:
+                        pruned = True
+                        _launched.stop_one(proc, following.judge.stop_signal)
+            following.read(ended=code == 0)  # what it wrote last, its final evaluation among them
+            pruned = pruned or following.judge.pruned
+    # Stopped by its signal, torchrun exits 128 + it once its workers have saved and exited 75
+    # (trainer/torchrun.py); a run that ended before the signal came exits 0.
+    if (pruned and following is not None and _launched.stopped_by is None
+            and code in (0, Exit.PREEMPTED, 128 + following.judge.stop_signal)):
+        log.info("trial %s: stopped, its setting pruned (exit %d); its checkpoints stay in its folder", run_id, code)
+        return
     if code != 0 and _launched.stopped_by is not None:
         raise RunFailed(f"trial {run_id}: stopped by {_launched.stopped_by} (exit {code}); its log: {log_file}",
                         Exit.PREEMPTED)

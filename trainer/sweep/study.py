@@ -29,8 +29,11 @@ optuna.logging.set_verbosity(optuna.logging.ERROR)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
-def open_study(output_dir: Path, space: Space, method: str, direction: str, seed: int, pruner: str) -> optuna.Study:
-    """The sweep's study in output_dir/sweep-journal.log, created or loaded."""
+def open_study(output_dir: Path, space: Space, method: str, direction: str, seed: int, pruner: str,
+               eval_every: int | str = 0) -> optuna.Study:
+    """The sweep's study in output_dir/sweep-journal.log, created or loaded. With pruner
+    halving, the trials report at the steps their runs evaluate (`eval_every`, a step count:
+    plan.check), and the first rung is the first evaluation."""
     storage = JournalStorage(JournalFileBackend(str(output_dir / JOURNAL)))
     # A sampler's random state is not in the journal: a restart seeds it past the trials
     # already asked, so random sampling does not ask again what it asked before the kill.
@@ -42,8 +45,16 @@ def open_study(output_dir: Path, space: Space, method: str, direction: str, seed
         sampler = optuna.samplers.RandomSampler(seed=seed + len(existing))
     else:
         sampler = optuna.samplers.TPESampler(seed=seed + len(existing))
-    pruning = optuna.pruners.SuccessiveHalvingPruner(min_resource=1) if pruner == "halving" \
-        else optuna.pruners.NopPruner()
+    pruning: optuna.pruners.BasePruner = optuna.pruners.NopPruner()
+    if pruner == "halving":
+        # Rungs at min_resource x 4^k steps: each is judged at the first evaluation at or past it
+        # (Optuna compares a trial's value at its latest reported step), the first at the first
+        # evaluation. Its default "auto" would wait for a complete setting and then put the first
+        # rung at 1/100 of its steps, between evaluations. reduction_factor stays Optuna's 4: at
+        # each rung about a quarter of the settings go on, and below 4 settings at a rung only one
+        # as good as every setting before it there.
+        assert isinstance(eval_every, int) and eval_every > 0, "plan.check: halving needs train.eval_every steps"
+        pruning = optuna.pruners.SuccessiveHalvingPruner(min_resource=eval_every)
     return optuna.create_study(study_name=STUDY, storage=storage, sampler=sampler, pruner=pruning,
                                direction="maximize" if direction == "max" else "minimize", load_if_exists=True)
 
