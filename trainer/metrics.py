@@ -84,7 +84,8 @@ class Meter(StepObserver):
         self.dist_env, self.device, self.global_batch = dist_env, device, global_batch
         self.flop_model, self.max_steps = flop_model, max_steps
         self.peak = peak
-        """One device's peak FLOP/s, MFU's denominator; the Trainer sets it after the first step."""
+        """One device's peak FLOP/s, MFU's denominator: the Trainer sets it after the first step, on rank 0,
+        which logs MFU (None on the others)."""
         self.clock = clock
         self.timer = PhaseTimer(clock)
         self._window = self._new_window()
