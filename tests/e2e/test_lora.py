@@ -7,8 +7,6 @@ frozen base is model.name's, loaded again on resume.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from conftest import (
     compare_weights,
     failure_output,
     kill_then_resume,
+    run_preloaded,
     tiny_overrides,
     together,
     train_together,
@@ -38,21 +37,13 @@ def logits_without_peft(model_dir: Path) -> list[list[float]]:
 
 
 def logits_without_peft_of(*model_dirs: Path) -> list[list[list[float]]]:
-    """logits_without_peft of each of `model_dirs`, in one process: one interpreter's start
-    and imports (seconds) for all of them."""
-    code = f"""
-import json, sys, torch
-sys.modules["peft"] = None  # an import of peft now fails: final/ must not need it
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
-for model_dir in {[str(d) for d in model_dirs]!r}:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
-    with torch.no_grad():
-        print(json.dumps(model(**tokenizer({TEXTS!r}, padding=True, return_tensors="pt")).logits.tolist()))
-"""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines()[-len(model_dirs):]]
+    """logits_without_peft of each of `model_dirs`, in one process forked from the preloaded
+    server (tests/plain_logits.py): no interpreter's start and imports to pay."""
+    result = run_preloaded("tests.plain_logits", [json.dumps(TEXTS), *map(str, model_dirs)], timeout=120)
+    assert result.returncode == 0, result.output[-3000:]
+    answers = [json.loads(line) for line in result.output.splitlines() if line.startswith("[[")]
+    assert len(answers) == len(model_dirs), result.output[-3000:]
+    return answers
 
 
 def adapter_logits(base: Path, adapter: Path):
