@@ -1,0 +1,118 @@
+"""What a sweep costs beyond its runs: `python -m trainer sweep` against the same runs launched
+one by one with `python -m trainer train`, and the sweep's side-by-side packing.
+
+    python -m benchmarks.sweep_overhead [--reps 2] [--steps 30] [--name sweep-overhead-DATE]
+
+The runs: the demo config (the pretrained MiniLM, 2 CPU ranks a run), 2 learning rates x 2
+seeds, `--steps` steps each, one evaluation at the end. Three sides, alternating, the order
+reversed every other repetition:
+
+- `one by one`: the 4 runs as 4 `torchrun --nproc-per-node=2 -m trainer train` launches, one
+  after another, as a user scripts them;
+- `sweep`: `python -m trainer sweep` of the same grid, `sweep.parallel=1` (each run on both
+  ranks, one after another: the same packing), so the difference is the sweep's own cost
+  (its process, Optuna's journal, the leaderboard, the figure, final/);
+- `sweep, 2 at once`: `sweep.parallel=2`, each run on 1 rank with 1 thread, two side by side.
+
+Each side of each repetition starts from an empty `datasets` cache (HF_DATASETS_CACHE), so each
+tokenizes the split once and its later runs read that cache, whatever the side. Per side: the
+wall seconds for all 4 runs, and the CPU seconds of every process (user + system). Writes
+benchmarks/results/<--name>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.interleaved import REPO, cpu_name, run_interleaved
+
+LRS = (5e-5, 1e-4)
+SEEDS = 2
+ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+       "PYTHONUNBUFFERED": "1"}
+
+
+def common(data: Path, steps: int) -> list[str]:
+    return [f"data.path={data}", f"train.max_steps={steps}", f"train.eval_every={steps}", "checkpoint.every=0",
+            "wandb.mode=disabled", "tracking.curves=false"]
+
+
+def sweep_config(work: Path) -> Path:
+    """configs/demo.yaml with the sweep's section."""
+    config = work / "sweep.yaml"
+    config.write_text((REPO / "configs/demo.yaml").read_text() + f"""
+sweep:
+  parameters:
+    train.lr: [{", ".join(map(str, LRS))}]
+  seeds: {SEEDS}
+""")
+    return config
+
+
+def one_side(side: str, work: Path, data: Path, steps: int) -> dict:
+    out, cache = work / "out", work / "hf-datasets"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_"))},
+           **ENV, "HF_DATASETS_CACHE": str(cache)}
+    if side == "one by one":
+        commands = [[sys.executable, "-m", "trainer.torchrun", "--standalone", "--nproc-per-node=2", "-m", "trainer",
+                     "train", "-c", "configs/demo.yaml", *common(data, steps), f"train.lr={lr}", f"seed={seed}",
+                     f"output_dir={out / f'lr{lr}-seed{seed}'}"]
+                    for lr in LRS for seed in range(SEEDS)]
+    else:
+        parallel = 1 if side == "sweep" else 2
+        commands = [[sys.executable, "-m", "trainer", "sweep", "-c", str(sweep_config(work)), *common(data, steps),
+                     f"output_dir={out}", f"sweep.parallel={parallel}", "sweep.ranks=2"]]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.time()
+    for command in commands:
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{side}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    wall = time.time() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"wall_s": wall, "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--name", default=f"sweep-overhead-{time.strftime('%Y-%m-%d')}")
+    args = parser.parse_args()
+    sides = ["one by one", "sweep", "sweep, 2 at once"]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        from trainer.demo_data import generate
+
+        data = generate(work / "reviews")
+        one_side("sweep", work, data, 2)  # warm-up: the page cache of the model and the libraries
+        runs = run_interleaved({side: [side] for side in sides}, args.reps,
+                               lambda side: one_side(side[0], work, data, args.steps),
+                               shown=lambda run: {k: round(v, 1) for k, v in run.items()})
+    medians = {side: {key: statistics.median(run[key] for run in side_runs) for key in ("wall_s", "cpu_s")}
+               for side, side_runs in runs.items()}
+    base = medians["one by one"]["wall_s"]
+    result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
+              "python": platform.python_version(), "what": __doc__.split("\n\n")[0], "steps": args.steps,
+              "runs": runs, "medians": medians,
+              "wall_over_one_by_one": {side: m["wall_s"] / base for side, m in medians.items()}}
+    out = REPO / "benchmarks" / "results" / f"{args.name}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("medians", "wall_over_one_by_one")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
