@@ -20,6 +20,8 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
+from trainer import files
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -52,7 +54,7 @@ class Records:
 def evaluations(folder: Path, metric: str) -> dict[int, float]:
     """A run's validation `metric` by step, from its metrics.jsonl as it is now."""
     key = f"eval/{metric}"
-    return {int(r["step"]): float(r[key]) for r in Records(folder).new() if key in r}
+    return {int(r["step"]): float(r[key]) for r in files.read_jsonl(folder / METRICS_FILE) if key in r}
 
 
 class Trial(Protocol):

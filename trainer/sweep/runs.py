@@ -264,26 +264,25 @@ FOLLOW_S = 0.25
 
 def _launch(argv: list[str], env: dict[str, str], log_file: Path, run_id: str,
             following: _Following | None = None) -> None:
-    pruned = False
     with log_file.open("a") as out, _launched.start(argv, env, out, run_id) as proc:
         if following is None:
             code = proc.wait()
         else:
             # Cannot hang where a plain wait() would not: each wait returns within FOLLOW_S, a
             # read of a regular file does not block, and the loop ends when the process does.
+            signalled = False
             while True:
                 try:
                     code = proc.wait(timeout=FOLLOW_S)
                     break
                 except subprocess.TimeoutExpired:
-                    if following.read() and not pruned:
-                        pruned = True
+                    if following.read() and not signalled:
+                        signalled = True
                         _launched.stop_one(proc, following.judge.stop_signal)
             following.read(ended=code == 0)  # what it wrote last, its final evaluation among them
-            pruned = pruned or following.judge.pruned
     # Stopped by its signal, torchrun exits 128 + it once its workers have saved and exited 75
     # (trainer/torchrun.py); a run that ended before the signal came exits 0.
-    if (pruned and following is not None and _launched.stopped_by is None
+    if (following is not None and following.judge.pruned and _launched.stopped_by is None
             and code in (0, Exit.PREEMPTED, 128 + following.judge.stop_signal)):
         log.info("trial %s: stopped, its setting pruned (exit %d); its checkpoints stay in its folder", run_id, code)
         return
