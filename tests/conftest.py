@@ -468,10 +468,14 @@ def usage_run() -> Callable[..., Run]:
 def launch(cmd: list[str], env: dict | None = None, timeout: float = 300) -> Run:
     """`run(cmd)`; `python -m trainer` (the 1 process that 2 ranks must equal) and
     `python -m trainer.torchrun` forked from a preloaded server instead, unless the environment
-    sets what is read at import. torchrun's workers are fresh interpreters, as a user's are."""
+    sets what is read at import. torchrun's workers are forked from it too (tests/preloaded.py);
+    TESTS_FORKED_RANKS=0 in pytest's environment starts them as fresh interpreters, as a user's
+    are, for a run of the e2e tier that shows the two ways agree."""
     env = env or {}
     if (cmd[:2] == [PYTHON, "-m"] and cmd[2] in PRELOADED_MODULES
             and not any(key.startswith(IMPORT_TIME_ENV) for key in env)):
+        if cmd[2] == "trainer.torchrun":
+            env = {preloaded.FORKED_RANKS_ENV: os.environ.get(preloaded.FORKED_RANKS_ENV, "1"), **env}
         return run_preloaded(cmd[2], cmd[3:], env, timeout)
     return run(cmd, timeout=timeout, env=env)
 

@@ -11,9 +11,15 @@ server only imports: it computes nothing, so it has no thread pool to fork (its 
 thread is jemalloc's, from pyarrow, whose fork handlers keep a child's allocator sound).
 
 conftest.launch runs here the usage errors, the one process that 2 ranks must equal, and
-torchrun itself (trainer.torchrun: the launcher's own code, forked). torchrun starts its
-workers as it always does, as fresh interpreters, as a user's are. A run that sets what is
-read at start or import gets a fresh interpreter instead.
+torchrun itself (trainer.torchrun: the launcher's own code, forked). torchrun's workers are
+forked too, from its agent (`_fork_ranks`): without that, a 2-rank e2e test spent two thirds
+of its CPU importing (20 s of 47 for test_two_ranks_match_one_process, against 19 of 22 with
+it), and the suite ran past 25 minutes on 2 cores. Torchrun's own code still starts, polls,
+signals and reaps each worker, a child in a session of its own, exactly as it does a Popen's.
+Workers start as fresh interpreters, as a user's do, in the tests that start torchrun
+themselves (tests/e2e/test_no_hang.py's, a frozen FSDP rank's), in a sweep's trials, and in
+the whole system tier (Slurm, the nodes in network namespaces, the image). A run that sets
+what is read at start or import gets a fresh interpreter instead, and so do its workers.
 
 Server protocol (JSON lines): a request {module, args, env, cwd, output} on stdin; the reply
 {"pid"} as soon as the child exists, then {"returncode"} when it has ended. A server serves
@@ -29,6 +35,7 @@ import json
 import os
 import runpy
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +43,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import psutil
 from support import killpg
@@ -48,10 +56,18 @@ modeling code. Not the modules run as __main__ (trainer.__main__, trainer.torchr
 runs its own afresh, and runpy warns about a module it finds imported already."""
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+FORKED_RANKS_ENV = "TESTS_FORKED_RANKS"
+"""Set to 1 in a `python -m trainer.torchrun` run's environment: its workers are forked (`_fork_ranks`)."""
+_PRISTINE_SIGNALS: dict[int, Any] = {}
+"""Every signal's disposition in the server, as a fresh interpreter has it."""
 
 
 def serve() -> None:
     import importlib
+
+    for signum in signal.valid_signals():
+        if signum not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(signum) is not None:
+            _PRISTINE_SIGNALS[signum] = signal.getsignal(signum)
 
     for name in PRELOAD:
         importlib.import_module(name)
@@ -91,25 +107,111 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         sys.path[0] = request["cwd"]  # where `python -m` looks first (this file's folder, here)
-        sys.argv = [request["module"], *request["args"]]  # run_module sets argv[0] to the module's file
-        try:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as e:  # the interpreter's rules for sys.exit's argument
-            if e.code is None or isinstance(e.code, int):
-                code = e.code or 0
-            else:
-                print(e.code, file=sys.stderr)
-        except BaseException:  # noqa: BLE001 (any failure is the run's output, as python -m would print it)
-            traceback.print_exc()
-        # What the interpreter does before it exits, which os._exit skips: wait for non-daemon
-        # threads (a checkpoint writer), then run the atexit hooks (wandb's teardown).
-        threading._shutdown()  # type: ignore[attr-defined]
-        atexit._run_exitfuncs()
+        if (request["module"] == "trainer.torchrun" and os.environ.get(FORKED_RANKS_ENV) == "1"
+                and os.environ.get("TRAINER_CHECK", "0") == "0"):  # trainer/torchrun.py's check computes
+            _fork_ranks()
+        code = _run_module(request["module"], request["args"])
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _run_module(module: str, args: list[str]) -> int:
+    """`python -m MODULE ARGS` in this process, to its exit status."""
+    code = 1
+    sys.argv = [module, *args]  # run_module sets argv[0] to the module's file
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:  # the interpreter's rules for sys.exit's argument
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 (any failure is the run's output, as python -m would print it)
+        traceback.print_exc()
+    # What the interpreter does before it exits, which os._exit skips: wait for non-daemon
+    # threads (a checkpoint writer), then run the atexit hooks (wandb's teardown).
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    return code
+
+
+def _fork_ranks() -> None:
+    """torchrun's workers, `python -u -m trainer ...`, forked from this process (a fork of the
+    server, which imported everything) instead of exec'd: the same program with the same
+    arguments and environment, in a session of its own as torchrun starts it, a child of
+    torchrun that torchrun polls, signals and reaps as it would a Popen's.
+
+    Safe to fork because torchrun's agent computes nothing (no thread pool exists yet) and its
+    other threads (the rendezvous keep-alive, the store's) hold nothing the rank takes: the
+    rank makes its own store client and process group. What a fresh interpreter would not
+    have is put back: the server's signal dispositions (torchrun's handlers raise in its
+    agent loop) and an empty signal mask. A worker is exec'd as usual if it is not `-m
+    trainer` or the agent has added an exit hook, which the worker would run as its own."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    handler_class = subprocess_handler.SubprocessHandler
+    exec_popen = handler_class._popen
+    exit_hooks = atexit._ncallbacks()  # type: ignore[attr-defined]
+
+    def popen(handler, args: tuple, env: dict[str, str]):
+        hooks_added = atexit._ncallbacks() != exit_hooks  # type: ignore[attr-defined]
+        if list(args[:4]) != [sys.executable, "-u", "-m", "trainer"] or hooks_added:
+            return exec_popen(handler, args, env)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        started, ready = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(started)
+                os.setsid()
+                for signum, disposition in _PRISTINE_SIGNALS.items():
+                    signal.signal(signum, disposition)
+                signal.pthread_sigmask(signal.SIG_SETMASK, [])
+                os.close(ready)  # as Popen returns after the exec: torchrun may signal its group now
+                for stream, fd in ((handler._stdout, 1), (handler._stderr, 2)):
+                    if stream is not None:
+                        os.dup2(stream.fileno(), fd)
+                os.environ.clear()
+                os.environ.update(env)
+                code = _run_module("trainer", [str(arg) for arg in args[4:]])
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(ready)
+        os.read(started, 1)  # "": the child closed its end, or died
+        os.close(started)
+        return _ForkedRank(pid)
+
+    handler_class._popen = popen
+
+
+class _ForkedRank:
+    """The part of a Popen that torchrun's SubprocessContext uses, for a forked child."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
 
 
 class Server:
