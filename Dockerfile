@@ -12,7 +12,7 @@
 # instead of fetching another 3 GB of CUDA wheels. It is also the image the Kubeflow Trainer's
 # torch-distributed runtime uses, so a node that ran either has the big layers cached.
 # For a reproducible build, pin the digest too: BASE_IMAGE=docker.io/pytorch/pytorch:2.13.0-...@sha256:<digest>
-# Another base (a mirror, an NGC image, or the CPU base tests/image.py builds where no registry
+# Another base (a mirror, an NGC image, or the CPU base tests/support/image.py builds where no registry
 # is reachable) must hold torch==2.13.0 for pip to keep: --build-arg BASE_IMAGE=... (and
 # MIN_CUDA_DRIVER=, the driver its CUDA needs).
 ARG BASE_IMAGE=docker.io/pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime

@@ -69,7 +69,7 @@ bench: install
 
 # Not part of `make test` either: 20 random SIGKILL points on two nodes (~10 minutes, root).
 kill-drill: install
-	$(BIN)/python tests/kill_drill.py --points 20
+	$(BIN)/python tests/support/kill_drill.py --points 20
 
 clean:
 	rm -rf runs data .pytest_cache

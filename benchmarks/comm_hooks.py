@@ -4,7 +4,7 @@ interleaved. samples/s, the final validation accuracy, and the bytes the links c
 
     python -m benchmarks.comm_hooks [--reps 2] [--steps 150] [--data data/reviews]
 
-Root: the nodes are network namespaces (tests/netns.py), each with one core of its own and a
+Root: the nodes are network namespaces (tests/support/netns.py), each with one core of its own and a
 token bucket on its egress. samples/s is summary.json's (after the first step, evaluation and
 saves excluded). Writes results/cpu-minilm-comm-hooks-500mbit.json.
 """
@@ -22,7 +22,7 @@ from benchmarks.interleaved import REPO, demo_main
 from trainer.launch import torchrun_argv, trainer_program
 
 sys.path.insert(0, str(REPO / "tests"))
-from netns import Network
+from support.netns import Network
 
 RESULTS = Path(__file__).with_name("results") / "cpu-minilm-comm-hooks-500mbit.json"
 RATE_MBIT = 500

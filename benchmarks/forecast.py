@@ -10,7 +10,7 @@ summary.json: after the first step, evaluation and saves excluded).
                                   [key=value ...]
 
 Root (network namespaces). Every node gets its share of the machine's cores, as
-tests/netns.py gives it. Writes results/cpu-minilm-forecast.json (or --out).
+tests/support/netns.py gives it. Writes results/cpu-minilm-forecast.json (or --out).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from benchmarks.interleaved import REPO, cpu_name
 from trainer.launch import torchrun_argv, trainer_program
 
 sys.path.insert(0, str(REPO / "tests"))
-from netns import Network
+from support.netns import Network
 
 THIS_JOB = re.compile(r"this job, (\d+) nodes x (\d+): (\d+) ms a step")
 

@@ -45,7 +45,7 @@ EOF
 
 part_cuda() {
   $PY -m pytest -p no:cacheprovider -q tests/e2e/test_cuda.py
-  $PY tests/determinism_check.py --modes off
+  $PY tests/support/determinism_check.py --modes off
 }
 
 part_sweep() {

@@ -1,6 +1,6 @@
 """Launch to first step of the test suite's kind of run, before and after a change: the tiny
-random-init BERT (tests/conftest.py's make_tiny_model), 2 CPU ranks, 4 steps, fp32, no wandb,
-no curves (tests/conftest.py's tiny_overrides), one launch at a time.
+random-init BERT (tests/support/models.py), 2 CPU ranks, 4 steps, fp32, no wandb,
+no curves (tests/support/runs.py's tiny_overrides), one launch at a time.
 
     python -m benchmarks.startup_tiny --side before=/tmp/wt-before --side after=/tmp/wt-after \
         [--reps 5] [--name startup-2026-11-28-tiny]
@@ -37,7 +37,7 @@ ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSIT
 def fixtures(work: Path) -> tuple[Path, Path]:
     """The tiny model and the reviews, made as the suite's fixtures make them."""
     sys.path.insert(0, str(REPO / "tests"))
-    from conftest import make_tiny_model
+    from support.models import make_tiny_model
 
     from trainer.demo_data import generate
 

@@ -14,8 +14,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import compare_weights, launch, locally, tiny_overrides, train, trainer_command, weights
-from support import read_summary
+from support.outputs import read_summary
+from support.runs import launch, locally, tiny_overrides, train, trainer_command
+from support.weights import compare_weights, weights
 
 from trainer.checkpoint.store import verify
 

@@ -10,8 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import compare_weights, failure_output, tiny_overrides, together, train, trainer_command, weights
-from support import read_summary
+from support.outputs import read_summary
+from support.runs import failure_output, tiny_overrides, together, train, trainer_command
+from support.weights import compare_weights, weights
 
 STEPS = 14
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "train.lr": 3e-3,

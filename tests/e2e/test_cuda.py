@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compare_weights, locally, run, tiny_overrides, train, trainer_command, weights
-from support import read_metrics
+from support.outputs import read_metrics
+from support.runs import locally, run, tiny_overrides, train, trainer_command
+from support.weights import compare_weights, weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -5,7 +5,8 @@ shuffling and length-grouped batches on, so sampler epochs and grouping are cove
 """
 
 import pytest
-from conftest import EXACT_STEPS, compare_weights, kill_then_resume, tiny_overrides, train, train_together, weights
+from support.runs import kill_then_resume, tiny_overrides, train, train_together
+from support.weights import EXACT_STEPS, compare_weights, weights
 
 STEPS = EXACT_STEPS
 

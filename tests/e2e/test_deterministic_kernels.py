@@ -4,8 +4,9 @@ atomics, SDPA's backends, cuBLAS's split reductions) is tests/e2e/test_cuda.py's
 resume under deterministic kernels, bitwise (it passed on an H200 on 2026-11-28). The device
 decisions, in process: tests/unit/test_devices.py."""
 
-from conftest import compare_weights, tiny_overrides, train
-from support import read_summary
+from support.outputs import read_summary
+from support.runs import tiny_overrides, train
+from support.weights import compare_weights
 
 
 def test_deterministic_mode_holds_for_the_whole_run_and_changes_no_cpu_result(dropout_model, reviews, tmp_path):

@@ -6,7 +6,7 @@ tests/system/test_doctor.py's."""
 import re
 
 import pytest
-from conftest import failure_output, launch, tiny_overrides, trainer_command
+from support.runs import failure_output, launch, tiny_overrides, trainer_command
 
 SAVE_TIMED = r"then a save of the model and optimizer \([\d.]+s measured on output_dir's storage\)"
 

@@ -11,8 +11,9 @@ node lost for good under torchrun's elastic rendezvous: tests/system/test_multin
 import json
 from pathlib import Path
 
-from conftest import compare_weights, launch, tiny_overrides, together, train, trainer_command, weights
-from support import read_metrics
+from support.outputs import read_metrics
+from support.runs import launch, tiny_overrides, together, train, trainer_command
+from support.weights import compare_weights, weights
 
 STEPS = 56
 # A global batch of 12, which 1, 2, 3 (and 4) ranks all divide: 50 steps per epoch.

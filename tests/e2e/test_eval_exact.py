@@ -8,9 +8,9 @@ of the trainer: plain transformers loads `final/`, and scikit-learn scores its p
 import datasets
 import numpy as np
 import torch
-from conftest import tiny_overrides, train
 from sklearn.metrics import accuracy_score, f1_score
-from support import read_summary
+from support.outputs import read_summary
+from support.runs import tiny_overrides, train
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 

@@ -12,24 +12,23 @@ import subprocess
 
 import psutil
 import pytest
-from conftest import (
+from support.outputs import model_card, read_summary
+from support.processes import kill_tree, wait_for
+from support.runs import (
     BASE_ENV,
     REPO,
-    compare_weights,
     failure_output,
     kill_then_resume,
     launch,
     locally,
     run,
-    sharded_checkpoint,
     tiny_overrides,
     together,
     train,
     train_together,
     trainer_command,
-    weights,
 )
-from support import kill_tree, model_card, read_summary, wait_for
+from support.weights import compare_weights, sharded_checkpoint, weights
 
 from trainer.launch import torchrun_argv
 
@@ -258,11 +257,11 @@ def test_each_rank_holds_its_share_and_the_memory_plan_is_rank_zero_s(tiny_model
     (nothing held twice), no rank holds more than rank 0, and the memory plan, from
     config.json on the meta device, equals rank 0's to the byte. With LoRA, the frozen base
     is sharded too, and only what trains has gradients. Full fine-tuning and LoRA are two
-    cases of one launch (tests/fsdp_shards.py), each built, stepped and measured in turn."""
+    cases of one launch (tests/support/fsdp_shards.py), each built, stepped and measured in turn."""
     cases = {"full": {**FSDP, "train.batch_size": 4}, "lora": {**FSDP, "train.batch_size": 4, **LORA}}
     args = [arg for case, options in cases.items()
             for arg in (f"case={case}", *tiny_overrides(tiny_model, reviews, tmp_path / case, **options))]
-    result = run(torchrun_argv(3, ["tests/fsdp_shards.py", *args]), timeout=180)
+    result = run(torchrun_argv(3, ["tests/support/fsdp_shards.py", *args]), timeout=180)
     assert result.returncode == 0, result.output[-3000:]
     lines = [json.loads(line) for line in result.output.splitlines() if line.startswith('{"case"')]
     for case in cases:

@@ -1,4 +1,4 @@
-"""Models as users name them on the Hub (tests/fake_hub.py, on loopback): a revision pinned,
+"""Models as users name them on the Hub (tests/support/fake_hub.py, on loopback): a revision pinned,
 a gated repository opened by HF_TOKEN, and a repository that ships its own modeling code,
 which runs only when model.trust_remote_code says so. The token reaches the Hub and nothing
 else: not the log, not a file of the run."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import shutil
 
-from conftest import PYTHON, run, tiny_overrides, trainer_command
-from fake_hub import COMMIT, FakeHub, commit
-from support import model_card, read_summary
+from support.fake_hub import COMMIT, FakeHub, commit
+from support.outputs import model_card, read_summary
+from support.runs import PYTHON, run, tiny_overrides, trainer_command
 
 REPO, CUSTOM = "acme/tiny-bert", "acme/tiny-custom"
 SECRET = "hf_NotARealTokenButSecret123"

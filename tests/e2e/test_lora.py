@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import (
-    compare_weights,
+from support.outputs import model_card, read_summary
+from support.runs import (
     failure_output,
     kill_then_resume,
     run_preloaded,
@@ -19,9 +19,8 @@ from conftest import (
     together,
     train_together,
     trainer_command,
-    weights,
 )
-from support import model_card, read_summary
+from support.weights import compare_weights, weights
 
 STEPS = 24
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.dropout": 0.0, "train.global_batch": 16,
@@ -38,8 +37,8 @@ def logits_without_peft(model_dir: Path) -> list[list[float]]:
 
 def logits_without_peft_of(*model_dirs: Path) -> list[list[list[float]]]:
     """logits_without_peft of each of `model_dirs`, in one process forked from the preloaded
-    server (tests/plain_logits.py): no interpreter's start and imports to pay."""
-    result = run_preloaded("tests.plain_logits", [json.dumps(TEXTS), *map(str, model_dirs)], timeout=120)
+    server (tests/support/plain_logits.py): no interpreter's start and imports to pay."""
+    result = run_preloaded("tests.support.plain_logits", [json.dumps(TEXTS), *map(str, model_dirs)], timeout=120)
     assert result.returncode == 0, result.output[-3000:]
     answers = [json.loads(line) for line in result.output.splitlines() if line.startswith("[[")]
     assert len(answers) == len(model_dirs), result.output[-3000:]

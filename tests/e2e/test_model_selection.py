@@ -11,17 +11,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import (
-    LABEL_NAMES,
-    compare_weights,
-    kill_then_resume,
-    launch,
-    tiny_overrides,
-    train,
-    trainer_command,
-    weights,
-)
-from support import read_metrics, read_summary
+from support.models import LABEL_NAMES
+from support.outputs import read_metrics, read_summary
+from support.runs import kill_then_resume, launch, tiny_overrides, train, trainer_command
+from support.weights import compare_weights, weights
 
 EPOCHS = 4
 # At this rate the tiny model's validation F1 peaks before the last epoch (the test asserts

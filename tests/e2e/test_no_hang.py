@@ -21,10 +21,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import BASE_ENV, launch, run, tiny_overrides, train, trainer_command
-from fake_hub import FakeHub
-from support import kill_tree, signals_in, wait_for
-from users import UID, as_user
+from support.fake_hub import FakeHub
+from support.processes import kill_tree, signals_in, wait_for
+from support.runs import BASE_ENV, launch, run, tiny_overrides, train, trainer_command
+from support.users import UID, as_user
 
 from trainer.exit_codes import Exit
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from conftest import compare_weights, tiny_overrides, together, trainer_command
-from support import complete_steps, read_summary
+from support.outputs import complete_steps, read_summary
+from support.runs import tiny_overrides, together, trainer_command
+from support.weights import compare_weights
 
 from trainer.data import GlobalBatchSampler
 from trainer.distributed import DistEnv

@@ -16,8 +16,9 @@ import subprocess
 import time
 
 import psutil
-from conftest import BASE_ENV, launch, snapshot, tiny_overrides, trainer_command
-from support import complete_steps, kill_tree, read_metrics, read_summary, wait_for
+from support.outputs import complete_steps, read_metrics, read_summary
+from support.processes import kill_tree, wait_for
+from support.runs import BASE_ENV, launch, snapshot, tiny_overrides, trainer_command
 
 from trainer.exit_codes import Exit
 from trainer.lease import FILE, Holder

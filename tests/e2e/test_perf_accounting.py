@@ -10,8 +10,9 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from conftest import BASE_ENV, REPO, launch, tiny_overrides, trainer_command
-from support import kill_tree, read_metrics, read_summary
+from support.outputs import read_metrics, read_summary
+from support.processes import kill_tree
+from support.runs import BASE_ENV, REPO, launch, tiny_overrides, trainer_command
 from transformers import AutoTokenizer
 
 from trainer.config import Config

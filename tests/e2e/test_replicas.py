@@ -14,8 +14,8 @@ from __future__ import annotations
 import shutil
 import socket
 
-from conftest import tiny_overrides, together, trainer_command
-from support import complete_steps
+from support.outputs import complete_steps
+from support.runs import tiny_overrides, together, trainer_command
 
 from trainer.exit_codes import NODE_FAULTS_ENV, Exit
 

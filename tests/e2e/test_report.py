@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import launch, run_preloaded, tiny_overrides, trainer_command
-from support import model_card, read_metrics, read_summary
+from support.outputs import model_card, read_metrics, read_summary
+from support.runs import launch, run_preloaded, tiny_overrides, trainer_command
 
 from trainer import curves
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import socket
 
-from conftest import run, tiny_overrides
+from support.runs import run, tiny_overrides
 
 from trainer.exit_codes import Exit
 from trainer.launch import torchrun_argv, trainer_program

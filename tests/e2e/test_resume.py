@@ -9,9 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-import wandb_log
-from conftest import compare_weights, kill_then_resume, launch, locally, tiny_overrides, train, trainer_command, weights
-from support import read_metrics, read_summary
+from support import wandb_log
+from support.outputs import read_metrics, read_summary
+from support.runs import kill_then_resume, launch, locally, tiny_overrides, train, trainer_command
+from support.weights import compare_weights, weights
 
 STEPS = 40
 # Logged values are means over a logging window; a window after a resume starts at the

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import assert_usage_error, snapshot, tiny_overrides, train
-from support import read_metrics, read_summary
+from support.outputs import read_metrics, read_summary
+from support.runs import assert_usage_error, snapshot, tiny_overrides, train
 
 FIRST = {"train.max_steps": 4, "checkpoint.every": 2, "train.log_every": 1}
 LONGER = {**FIRST, "train.max_steps": 8}

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import CSV, web
+from support.web import CSV, web
 
 
 def in_small_disk(small: Path, command: list[str], **env) -> subprocess.CompletedProcess:
@@ -26,7 +26,7 @@ def in_small_disk(small: Path, command: list[str], **env) -> subprocess.Complete
 def test_a_full_disk_is_reported_as_one_and_not_retried(tmp_path):
     """A real ENOSPC, DEST (then HF_HOME) on a tmpfs too small for the file: exit 2, a line that
     says the volume is full, not "unreachable" with exit 1, which the Job would retry."""
-    from fake_hub import FakeHub
+    from support.fake_hub import FakeHub
 
     small = tmp_path / "small"
     small.mkdir()
@@ -63,7 +63,7 @@ def stage_command(args: list[str], hub, hf_home: Path, **env) -> subprocess.Comp
 def test_a_hub_model_is_cached_at_its_revision_for_offline_pods_with_the_token(tmp_path):
     """--model: what `from_pretrained` reads offline (the revision's files, not other
     frameworks' weights), for a gated model only with HF_TOKEN; a refusal is one line, exit 2."""
-    from fake_hub import FakeHub, commit
+    from support.fake_hub import FakeHub, commit
 
     repos = {}
     for branch in ("main", "v2"):

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BASE_ENV, PYTHON, REPO, compare_weights, failure_output, launch, tiny_overrides, trainer_command
-from support import complete_steps, kill_tree, read_metrics, read_summary
+from support.outputs import complete_steps, read_metrics, read_summary
+from support.processes import kill_tree
+from support.runs import BASE_ENV, PYTHON, REPO, failure_output, launch, tiny_overrides, trainer_command
+from support.weights import compare_weights
 
 from trainer.launch import trainer_program
 from trainer.sweep.stats import t_interval

@@ -9,8 +9,9 @@ import signal
 import subprocess
 
 import psutil
-from conftest import BASE_ENV, PYTHON, REPO, failure_output, launch, tiny_overrides
-from support import kill_tree, read_metrics, read_summary, wait_for
+from support.outputs import read_metrics, read_summary
+from support.processes import kill_tree, wait_for
+from support.runs import BASE_ENV, PYTHON, REPO, failure_output, launch, tiny_overrides
 
 from trainer.launch import trainer_program
 

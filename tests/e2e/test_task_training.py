@@ -18,11 +18,12 @@ import json
 
 import numpy as np
 import pytest
-from conftest import compare_weights, tiny_overrides, together, trainer_command
 from scipy import stats
 from sklearn import metrics
 from sklearn.preprocessing import MultiLabelBinarizer
-from support import read_summary
+from support.outputs import read_summary
+from support.runs import tiny_overrides, together, trainer_command
+from support.weights import compare_weights
 
 from trainer import demo_data
 

@@ -3,8 +3,9 @@
 import csv
 
 import torch
-from conftest import train, weights
-from support import read_summary
+from support.outputs import read_summary
+from support.runs import train
+from support.weights import weights
 
 
 def test_premise_hypothesis_pairs_train_and_evaluate(tiny_model, tmp_path):

@@ -8,8 +8,8 @@ cache-*.arrow.
 
 from pathlib import Path
 
-from conftest import tiny_overrides, train
-from support import read_summary
+from support.outputs import read_summary
+from support.runs import tiny_overrides, train
 
 
 def map_cache_files(cache: Path) -> set[Path]:

@@ -6,7 +6,7 @@ config file, the launcher's environment, the world size; every other mistake of 
 is tests/unit/test_config_errors.py's, checked in process. The mistakes here that only real
 data or a model show are each a run of their own. Each case is a `python -m trainer` process
 of its own, forked from a server that has imported the trainer's dependencies once
-(conftest.usage_run); those that run under torchrun, or train, start afresh.
+(conftest's usage_run fixture); those that run under torchrun, or train, start afresh.
 """
 
 import json
@@ -15,8 +15,8 @@ import shutil
 
 import pytest
 import yaml
-from conftest import REPO, assert_usage_error, launch, previous_run, snapshot, tiny_overrides, trainer_command
-from support import read_summary
+from support.outputs import read_summary
+from support.runs import REPO, assert_usage_error, launch, previous_run, snapshot, tiny_overrides, trainer_command
 
 from trainer.exit_codes import Exit
 

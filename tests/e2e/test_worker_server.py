@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import psutil
-from support import signals_in
+from support.processes import signals_in
 
 RANK = """
 import sys

@@ -3,7 +3,7 @@
 podman-compose merges and interpolates the files, and the merged file is validated against
 the Compose Specification's schema. The CPU variant then runs under `podman-compose up` in two
 real containers of our image, as the file's header tells users to, with one test-only
-override: each service joins a network namespace of tests/netns.py, named as on a compose
+override: each service joins a network namespace of tests/support/netns.py, named as on a compose
 network (podman-compose would otherwise create a bridge network, which adds firewall rules
 to this machine).
 """
@@ -24,11 +24,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from conftest import REPO
-from image import APP_TAG
-from netns import Network
-from support import read_summary
-from users import UID
+from support.image import APP_TAG
+from support.netns import Network
+from support.outputs import read_summary
+from support.runs import REPO
+from support.users import UID
 
 SCHEMA = jsonschema.Draft7Validator(json.loads((REPO / "tests/schemas/compose-spec.json").read_text()))
 PODMAN_COMPOSE = Path(sys.executable).with_name("podman-compose")

@@ -2,7 +2,7 @@
 read in process: tests/unit/test_dockerfile.py.)
 
 The image is built for real by buildah from the Dockerfile and its build context (the builder
-applies .dockerignore), on a CPU stand-in for the CUDA base (tests/image.py), and run by podman
+applies .dockerignore), on a CPU stand-in for the CUDA base (tests/support/image.py), and run by podman
 as its own user, uid 1000.
 """
 
@@ -14,10 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
-from image import Container, dockerfile_run, run_containers
-from support import read_summary
-from users import UID
+from support.image import Container, dockerfile_run, run_containers
+from support.outputs import read_summary
+from support.runs import REPO
+from support.users import UID
 
 
 def test_hadolint_passes_without_warnings():

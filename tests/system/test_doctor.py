@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-import multinode
-from conftest import run, tiny_overrides, trainer_command
-from netns import Network
+from support import multinode
+from support.netns import Network
+from support.runs import run, tiny_overrides, trainer_command
 
 TWO_NODES = {"node0": [], "node1": []}
 

@@ -5,7 +5,7 @@ No API server here, so each layer of acceptance is checked against the real thin
   unknown field is an error), the core objects with `kubernetes-validate --strict`;
 - the PyTorchJob validating webhook's rules;
 - the NetworkPolicies' selectors, against the labels the operators give the pods;
-- the operator contract: each pod's training container runs in our image (tests/image.py)
+- the operator contract: each pod's training container runs in our image (tests/support/image.py)
   with its pod's security context, its env plus exactly what the operator injects, its
   ConfigMap materialized and its PVC shared, on a host named like the pod's Service. The
   2-pod job must finish with world size 2; so must the elastic variant (k8s/elastic/), from
@@ -15,11 +15,11 @@ No API server here, so each layer of acceptance is checked against the real thin
   namePrefix/nameSuffix too, renders with `kubectl kustomize` (the load restrictions of
   `kubectl apply -k`) into objects that pass the same checks;
 - every pod the operators would create, init containers included, passes the "restricted"
-  Pod Security Standard (tests/k8s_pss.py);
+  Pod Security Standard (tests/support/k8s_pss.py);
 - the restart contract (trainer/exit_codes.py) compiled into each job's restart rules: what
   the operator, or the Job and JobSet controllers, do with each verdict's exit code;
 - the Katib Experiment (k8s/kustomize/katib) against Katib's CRD, API types and webhook rules
-  (tests/katib.py), its trials equal to the base job but for Katib's parts, their pods under
+  (tests/support/katib.py), its trials equal to the base job but for Katib's parts, their pods under
   our pod rules, their commands through the trainer's config check, and Katib's collector rule
   on a real run's output.
 """
@@ -38,10 +38,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from conftest import REPO
-from image import Container, Ended, run_containers
-from k8s_pss import restricted_violations
-from kubeflow import (
+from support.image import Container, Ended, run_containers
+from support.k8s_pss import restricted_violations
+from support.kubeflow import (
     Pod,
     jobset_action,
     pytorchjob_pods,
@@ -49,9 +48,11 @@ from kubeflow import (
     pytorchjob_webhook_violations,
     trainjob_pods,
 )
-from netns import Network
-from support import read_summary, wait_for
-from users import UID
+from support.netns import Network
+from support.outputs import read_summary
+from support.processes import wait_for
+from support.runs import REPO
+from support.users import UID
 
 from trainer import stage
 from trainer.exit_codes import Exit, for_launcher
@@ -854,7 +855,7 @@ def test_a_users_overlay_trains_on_data_and_a_model_a_staging_job_put_on_the_pvc
     and a file on a volume the user has) and the Hub model, then apply the overlay with the
     offline component. The staging Job's pod and the job's pods run as the kubelet starts
     them, on one PVC; the Hub (on the web host) is gone before training starts."""
-    from fake_hub import commit
+    from support.fake_hub import commit
 
     from trainer import demo_data
 
@@ -879,7 +880,7 @@ def test_a_users_overlay_trains_on_data_and_a_model_a_staging_job_put_on_the_pvc
     with Network({pod.name: [], "web": []}) as network:
         network.spawn("web", [sys.executable, "-m", "http.server", "8080", "--directory", str(served)],
                       os.environ, served)
-        network.spawn("web", [sys.executable, str(REPO / "tests/fake_hub.py"), "--listen", "0.0.0.0:8081",
+        network.spawn("web", [sys.executable, str(REPO / "tests/support/fake_hub.py"), "--listen", "0.0.0.0:8081",
                               "--repo", f"acme/tiny-bert@v2={tiny_model}", "--report", str(tmp_path / "hub.json")],
                       os.environ, tmp_path)
         listening = lambda: subprocess.run(["ip", "netns", "exec", network.namespaces["web"], "ss", "-ltnH"],  # noqa: E731
@@ -932,7 +933,7 @@ def katib() -> dict[str, dict]:
 
 
 def sample_trial(experiment: dict, lr: str = "0.0001", seed: str = "2", name: str = TRIAL) -> dict:
-    from katib import trial_job
+    from support.katib import trial_job
 
     return trial_job(experiment, name, "team-a", {"lr": lr, "seed": seed})
 
@@ -943,7 +944,7 @@ def test_katib_experiment_renders_and_validates(katib, renderings, tmp_path):
     holds no schema: `x-kubernetes-preserve-unknown-fields`), against Katib's own API types
     (its OpenAPI document, closed) and Katib's validating webhook; a grid that repeats every
     learning rate with every seed, and exactly as many trials as the grid has points."""
-    from katib import experiment_violations, grid
+    from support.katib import experiment_violations, grid
 
     from trainer.tasks.registry import METRICS
 
@@ -1005,7 +1006,7 @@ def test_katib_trial_pods_pass_our_pod_rules_and_worker_0_reports(katib, tmp_pat
     back word for word."""
     import shlex
 
-    from katib import DEFAULT_PRIMARY_POD_LABELS, METRICS_FILE, is_primary, trial_pods
+    from support.katib import DEFAULT_PRIMARY_POD_LABELS, METRICS_FILE, is_primary, trial_pods
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
     experiment = katib["Experiment"]
@@ -1052,7 +1053,7 @@ def test_katib_trial_commands_pass_the_trainers_config_check(katib, reviews, tmp
     (trainer.torchrun's TRAINER_CHECK runs it on the same arguments), with the ConfigMap's
     config (its data.path, the image's demo data, here the test reviews): the trial's values
     are the config's; a value the schema refuses fails here as it would in the pod."""
-    from katib import grid
+    from support.katib import grid
 
     from trainer import config
     from trainer.__main__ import command_args, parse_args
@@ -1087,9 +1088,9 @@ def test_katib_collector_reads_the_objective_the_run_reports(katib, tiny_model, 
     line's 4 decimals), which the sweep's leaderboard ranks. The done line of a run whose final/
     is not its last step gives final/'s score, not the last step's. Katib's File collector in
     JSON format would read nothing from metrics.jsonl: its values are numbers, not strings."""
-    from conftest import tiny_overrides, train
-    from katib import UNAVAILABLE, collect_json, collect_text
-    from support import read_summary
+    from support.katib import UNAVAILABLE, collect_json, collect_text
+    from support.outputs import read_summary
+    from support.runs import tiny_overrides, train
 
     from trainer.summary import done_line
     from trainer.tasks.base import Task

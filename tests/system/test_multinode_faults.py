@@ -25,12 +25,14 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import multinode
 import psutil
 import pytest
-from conftest import EXACT_STEPS, compare_weights, tiny_overrides, train, weights
-from netns import Network
-from support import read_summary, signals_in, wait_for
+from support import multinode
+from support.netns import Network
+from support.outputs import complete_steps, read_summary
+from support.processes import signals_in, wait_for
+from support.runs import tiny_overrides, train
+from support.weights import EXACT_STEPS, compare_weights, weights
 
 from trainer.exit_codes import NODE_FAULTS_ENV, Exit
 
@@ -190,7 +192,7 @@ def test_sigterm_on_one_node_saves_everywhere_and_resumes_exactly(uninterrupted,
     overrides = tiny_overrides(dropout_model, reviews, out, **OPTIONS)
     with Network(TWO_NODES) as net:
         procs = multinode.launch(net, tmp_path / "logs", overrides)
-        wait_for(lambda: 10 in multinode.complete_steps(out), 120, "checkpoint step-10", procs)
+        wait_for(lambda: 10 in complete_steps(out), 120, "checkpoint step-10", procs)
         # Freeze the workers, so that the signal lands mid-run however fast this machine is,
         # signal node1's torchrun (it forwards SIGTERM to its workers), and thaw them.
         launchers = {str(p.pid) for p in procs.values()}
@@ -219,7 +221,7 @@ def test_sigterm_on_one_node_saves_everywhere_and_resumes_exactly(uninterrupted,
     saved = re.findall(r"preempted by (.+?): saved the checkpoint of step (\d+); exiting with 75", logs)
     # Each rank says so, at the same step: the signalled one names the signal.
     assert sorted(by for by, _ in saved) == ["SIGTERM", "a preemption signal on another rank"], logs
-    assert {step for _, step in saved} == {str(multinode.complete_steps(out)[-1])}
+    assert {step for _, step in saved} == {str(complete_steps(out)[-1])}
     step = int(saved[0][1])
     assert 10 <= step < STEPS and not (out / "summary.json").exists()
     assert "exitcode  : 75" in logs  # what torchrun on the surviving node saw its worker return
@@ -276,7 +278,7 @@ def test_a_frozen_node_is_reported_by_phase_and_the_job_fails_within_the_timeout
 
     # Step 20's save never completed; what is on disk is complete, and a relaunch resumes it
     # (a torn checkpoint is skipped: tests/e2e/test_checkpoint_integrity.py).
-    assert multinode.complete_steps(out)[-1] == 10
+    assert complete_steps(out)[-1] == 10
 
 
 def test_a_node_that_never_arrives_fails_the_rendezvous_in_bounded_time(tiny_model, reviews, tmp_path):

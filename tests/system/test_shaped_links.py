@@ -1,5 +1,5 @@
 """Links with a rate, as nodes on 10 Gb/s Ethernet see them: each host's egress through a
-token bucket (tests/netns.py, `rate_mbit`). A shaped link never carries more than its rate,
+token bucket (tests/support/netns.py, `rate_mbit`). A shaped link never carries more than its rate,
 and a DDP job across two nodes over one ends with the same weights as on one host: a slow
 link changes when the gradients arrive, never what they are.
 
@@ -8,9 +8,10 @@ Sweeps over link rates live in benchmarks/, not here.
 
 from __future__ import annotations
 
-import multinode
-from conftest import compare_weights, tiny_overrides, train
-from netns import Network
+from support import multinode
+from support.netns import Network
+from support.runs import tiny_overrides, train
+from support.weights import compare_weights
 
 TWO_NODES = {"node0": [], "node1": []}
 

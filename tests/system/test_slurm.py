@@ -1,4 +1,4 @@
-"""slurm/ddp.sh and slurm/submit.py on a real two-node Slurm cluster (tests/slurm_cluster.py).
+"""slurm/ddp.sh and slurm/submit.py on a real two-node Slurm cluster (tests/support/slurm_cluster.py).
 
 Jobs are submitted exactly as a user would, from the repository with its .venv. Each node
 has two fake GPUs: `--gpus-per-node=1` is scheduled as on a GPU cluster and gives one
@@ -21,14 +21,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-import wandb_log
-from conftest import BASE_ENV, PYTHON, REPO, compare_weights, failure_output, tiny_overrides
-from image import dockerfile_env
-from multinode import complete_steps
-from slurm_cluster import CPUS_PER_NODE, GPUS_PER_NODE, NODES, SHORT_MAX_TIME, SlurmCluster
-from slurm_stand_ins import fake_apptainer, fake_venv, recorded_env
-from support import read_summary, wait_for
-from users import UID, as_user
+from support import wandb_log
+from support.image import dockerfile_env
+from support.outputs import complete_steps, read_summary
+from support.processes import wait_for
+from support.runs import BASE_ENV, PYTHON, REPO, failure_output, tiny_overrides
+from support.slurm_cluster import CPUS_PER_NODE, GPUS_PER_NODE, NODES, SHORT_MAX_TIME, SlurmCluster
+from support.slurm_stand_ins import fake_apptainer, fake_venv, recorded_env
+from support.users import UID, as_user
+from support.weights import compare_weights
 
 STEPS = 120
 CPU_ON_PURPOSE = {"train.device": "cpu", "dist.backend": "gloo"}
@@ -176,7 +177,7 @@ def test_submitit_job_is_requeued_on_preemption_and_matches_sbatch(cluster, unin
 
 @pytest.fixture
 def stand_in(tmp_path):
-    """(the env that runs ddp.sh's jobs with the fake venv of tests/slurm_stand_ins.py, the
+    """(the env that runs ddp.sh's jobs with the fake venv of tests/support/slurm_stand_ins.py, the
     folder where its torchrun records each call)."""
     out = tmp_path / "recorded"
     out.mkdir()
@@ -262,7 +263,7 @@ ARRAY_STEPS = 40
 
 def array_rank(array_id: str, task: int) -> psutil.Process:
     """The rank of the job array's task `task` (one node, one rank): its submitit process. The
-    nodes are hosts of this machine (tests/slurm_cluster.py), their processes ours to see."""
+    nodes are hosts of this machine (tests/support/slurm_cluster.py), their processes ours to see."""
     def rank() -> psutil.Process | None:
         for proc in psutil.process_iter():
             with contextlib.suppress(psutil.Error):
@@ -680,14 +681,14 @@ def test_a_users_own_config_and_hub_token_reach_the_ranks_and_an_offline_cache_s
     the Hub get HF_TOKEN from the submitting shell (`sbatch slurm/ddp.sh -c my.yaml`); nodes that
     can't read a shared HF_HOME filled once on the login node, with HF_HUB_OFFLINE=1 (here through
     submit.py, with the Hub gone)."""
-    from fake_hub import commit
+    from support.fake_hub import commit
 
     lab = users_folder(tmp_path, reviews)
     v2 = shutil.copytree(tiny_model, tmp_path / "v2")
     ctl = cluster.net.addresses["ctl"]
     endpoint = f"http://{ctl}:{HUB_PORT}"
     report = tmp_path / "hub.json"
-    hub = cluster.popen([PYTHON, str(REPO / "tests/fake_hub.py"), "--listen", f"0.0.0.0:{HUB_PORT}", "--repo",
+    hub = cluster.popen([PYTHON, str(REPO / "tests/support/fake_hub.py"), "--listen", f"0.0.0.0:{HUB_PORT}", "--repo",
                          f"acme/tiny-bert={tiny_model}", "--repo", f"acme/tiny-bert@v2={v2}", "--token",
                          f"acme/tiny-bert={SECRET}", "--report", str(report)], env={}, cwd=REPO,
                         log=tmp_path / "hub.out")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from support.runs import tiny_overrides
 
 from trainer import build, config, labels
 from trainer.batch_plan import BatchPlan

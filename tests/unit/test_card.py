@@ -3,8 +3,9 @@ for final/ and for an adapter's folder, and what it tells a reader."""
 
 from __future__ import annotations
 
-from conftest import LABEL_NAMES, tiny_overrides
 from huggingface_hub import ModelCard
+from support.models import LABEL_NAMES
+from support.runs import tiny_overrides
 
 from trainer import card, config, labels
 

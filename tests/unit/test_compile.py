@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from support.runs import tiny_overrides
 
 from trainer import build, config, labels, model
 from trainer.distributed import DistEnv

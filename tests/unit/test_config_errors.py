@@ -11,7 +11,7 @@ with the mistakes only real data or a model show.
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_overrides
+from support.runs import tiny_overrides
 
 from trainer import config
 from trainer.__main__ import train_preflight

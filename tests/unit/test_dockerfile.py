@@ -3,7 +3,7 @@ shipped: tests/system/test_docker.py.)"""
 
 import re
 
-from conftest import REPO
+from support.runs import REPO
 
 from trainer.distributed import CUDA_DRIVER_FLOOR
 

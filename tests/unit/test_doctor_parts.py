@@ -51,7 +51,7 @@ def test_the_forecast_times_the_step_with_no_loader_worker_server_starting_besid
     forecast's data, it ran beside the timed steps, on the cores that ranks on one host share,
     and at 4 ranks on 2 cores doubled the compute doctor timed (+20% on the step, +97% with
     PowerSGD; benchmarks/RESULTS.md, 2026-11-28). The forecast builds its data without workers."""
-    from conftest import tiny_overrides
+    from support.runs import tiny_overrides
 
     from trainer import data
     from trainer.preflight import forecast

@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import LABEL_NAMES
+from support.models import LABEL_NAMES
 
 from trainer import config, data
 from trainer import labels as labels_module

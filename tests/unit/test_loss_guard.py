@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_overrides
 from omegaconf import OmegaConf
+from support.runs import tiny_overrides
 
 from trainer import build, config, labels
 from trainer.distributed import DistEnv

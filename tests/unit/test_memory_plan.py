@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from support.models import make_tiny_model
 
 from trainer import build, config, distributed, labels, lora
 from trainer.distributed import DistEnv

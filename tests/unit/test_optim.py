@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from omegaconf import OmegaConf
+from support.models import make_tiny_model
 
 from trainer import optim
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from support.runs import tiny_overrides
 
 from trainer import build, config, evaluation, labels, model
 from trainer.distributed import DistEnv

@@ -15,7 +15,7 @@ from urllib.parse import quote, unquote
 
 import datasets
 import pytest
-from support import CSV, web
+from support.web import CSV, web
 
 from trainer import stage
 

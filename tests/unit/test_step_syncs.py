@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from support.runs import tiny_overrides
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer import build, config, labels

@@ -9,8 +9,8 @@ import sys
 import types
 
 import pytest
-from conftest import tiny_overrides
 from omegaconf import OmegaConf
+from support.runs import tiny_overrides
 
 from trainer import config, tracking
 from trainer.checkpoint.resume import config_changes

@@ -1,6 +1,6 @@
 """Multi-node jobs on one machine: one real torchrun per host, rendezvous at node0.
 
-Hosts are network namespaces (tests/netns.py) named node0, node1, ...; each runs
+Hosts are network namespaces (tests/support/netns.py) named node0, node1, ...; each runs
 `torchrun --nnodes=N --rdzv-backend=trainer-c10d --rdzv-endpoint=node0:PORT` exactly
 as a cluster node would. The output folder is shared, as a cluster's shared filesystem is.
 """
@@ -10,10 +10,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from conftest import BASE_ENV, REPO
-from netns import Network
-from support import complete_steps  # noqa: F401  (multinode.complete_steps: the tests' name for it)
-
+from support.netns import Network
+from support.runs import BASE_ENV, REPO
 from trainer.launch import torchrun_argv, trainer_program
 
 RDZV_PORT = 29400

@@ -9,7 +9,7 @@ tests/system/test_k8s.py. No Katib runs here: each rule is ported from the file 
 - `trial_job`: the trial's job as the experiment controller makes it from the template
   (pkg/controller.v1beta1/experiment/manifest/generator.go: `${trialParameters.NAME}` replaced
   in the template's JSON text, then metadata.name and namespace set to the trial's).
-- `trial_pods`: the PyTorchJob's pods (tests/kubeflow.py) as Katib's pod webhook mutates them
+- `trial_pods`: the PyTorchJob's pods (tests/support/kubeflow.py) as Katib's pod webhook mutates them
   (pkg/webhook/v1beta1/pod/inject_webhook.go, utils.go): every pod gets the trial's labels
   (the Experiment's labels, katib.kubeflow.org/experiment and /trial); the primary pod (its
   labels match primaryPodLabels) also gets the metrics collector sidecar, a shared process
@@ -28,7 +28,8 @@ import os
 import re
 
 import numpy as np
-from kubeflow import Pod, pytorchjob_pods
+
+from support.kubeflow import Pod, pytorchjob_pods
 
 UNAVAILABLE = "unavailable"  # consts.UnavailableMetricValue
 DEFAULT_FILTER = r"([\w|-]+)\s*=\s*([+-]?\d*(\.\d+)?([Ee][+-]?\d+)?)"  # metricscollector common.DefaultFilter

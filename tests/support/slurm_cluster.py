@@ -1,7 +1,7 @@
 """A real Slurm cluster on one machine: munged, slurmctld and two slurmd compute nodes.
 
 Debian's slurm-wlm and munge, no systemd, no cgroups, all state in a temporary folder.
-Every daemon runs in the foreground under our control, on a host of tests/netns.py: the
+Every daemon runs in the foreground under our control, on a host of tests/support/netns.py: the
 controller on `ctl`, each slurmd on its own `nodeN` with its own IP address, hostname and
 /etc/hosts, so a job's processes inherit all three and its traffic really crosses a network.
 Clients (sbatch, scontrol, submitit) run in `ctl`'s network namespace, as on a login node.
@@ -30,8 +30,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from netns import Network, TornDown
-from support import killpg, wait_for
+from support.netns import Network, TornDown
+from support.processes import killpg, wait_for
 
 NODES = ("node1", "node2")
 CPUS_PER_NODE = 4

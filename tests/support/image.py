@@ -12,7 +12,7 @@ once per test run (its dependency layer is cached like the base, as `docker buil
 podman is set up by files under a folder of the run's own (CONTAINERS_CONF,
 CONTAINERS_STORAGE_CONF): runc, not crun (crun fails on this kernel's hybrid cgroups),
 default ulimits root can grant here, and no network unless asked for: a container joins a
-network namespace tests/netns.py made (`--network ns:`), never a podman bridge, which would
+network namespace tests/support/netns.py made (`--network ns:`), never a podman bridge, which would
 add firewall rules to the host. Only the image store outlives a run; containers, volumes,
 podman's run state, cgroups and the builds' blob info cache (in /var/lib/containers, unless that was
 there before) are removed when it ends, and containers a killed run left, at the next start.
@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from support import wait_all
+from support.processes import wait_all
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("TRAINER_TEST_CACHE", "/var/tmp/ddp-trainer-tests"))
 STATE = CACHE / "state"
 BASE_RECIPE = Path(__file__).with_name("cpu-base.Containerfile")
@@ -290,7 +290,7 @@ def _pairs(items: list[str]) -> list[tuple[str, str]]:
 
 def run_containers(engine: Engine, image: str, containers: list[Container], timeout: float,
                    network=None) -> Ended:
-    """Start each container (on its host of `network`, a tests.netns.Network, if given; with
+    """Start each container (on its host of `network`, a support.netns.Network, if given; with
     no network otherwise), wait for all of them, and remove them."""
     names = {c.name: f"{engine.run_dir.name}-{c.name}" for c in containers}
     logs = {c.name: engine.run_dir / f"{names[c.name]}.log" for c in containers}  # a pipe could fill and stall
@@ -328,7 +328,7 @@ def run_containers(engine: Engine, image: str, containers: list[Container], time
 
 
 def main() -> None:
-    """`python tests/image.py RUN_DIR`: build the app image with the engine in RUN_DIR, log to
+    """`python -m support.image RUN_DIR` (from tests/): build the app image with the engine in RUN_DIR, log to
     RUN_DIR/build.log, write the image ID to RUN_DIR/image-id. conftest runs this in the
     background from the start of a test run, so the build overlaps the other tests."""
     engine = Engine(Path(sys.argv[1]))

@@ -1,6 +1,6 @@
-"""`python -m tests.plain_logits TEXTS_JSON MODEL_DIR ...`: each model's logits on the texts, a JSON line
+"""`python -m tests.support.plain_logits TEXTS_JSON MODEL_DIR ...`: each model's logits on the texts, a JSON line
 each, from plain transformers in a process where peft cannot be imported: final/ must not need it.
-Run forked from a tests/preloaded.py server (conftest.run_preloaded), which imports transformers
+Run forked from a tests/support/preloaded.py server (runs.run_preloaded), which imports transformers
 and never peft, so the import that fails here is the one a user's would."""
 
 import json

@@ -2,7 +2,7 @@
 
 A benchmark, not part of `make test` (about 25 s a point):
 
-    .venv/bin/python tests/kill_drill.py --points 20 [--seed 0]
+    .venv/bin/python tests/support/kill_drill.py --points 20 [--seed 0]
 
 Each point SIGKILLs one worker (random rank, random step) of a 40-step two-node job (network
 namespaces, as in test_multinode_faults.py). torchrun restarts every worker, training
@@ -22,12 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
 
-import multinode
-from conftest import REPO, compare_weights, make_tiny_model, tiny_overrides
-from netns import Network
-from support import read_summary
+from support import multinode
+from support.models import make_tiny_model
+from support.netns import Network
+from support.outputs import read_summary
+from support.runs import REPO, tiny_overrides
+from support.weights import compare_weights
 
 STEPS = 40
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "checkpoint.keep": 2,

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from support import killpg, wait_all
+from support.processes import killpg, wait_all
 
 PY_SPY = str(Path(sys.executable).with_name("py-spy"))  # the venv's, a dev dependency
 SUBNET = "10.99.0"  # the bridge has no address, so this never meets the root namespace's routes

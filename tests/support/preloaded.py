@@ -10,7 +10,7 @@ it does reaches the next run; only the interpreter's start and the imports are s
 server only imports: it computes nothing, so it has no thread pool to fork (its one other
 thread is jemalloc's, from pyarrow, whose fork handlers keep a child's allocator sound).
 
-conftest.launch runs here the usage errors, the one process that 2 ranks must equal, and
+runs.launch runs here the usage errors, the one process that 2 ranks must equal, and
 torchrun itself (trainer.torchrun: the launcher's own code, forked). torchrun's workers are
 forked too, from its agent (`_fork_ranks`): without that, a 2-rank e2e test spent two thirds
 of its CPU importing (20 s of 47 for test_two_ranks_match_one_process, against 19 of 22 with
@@ -23,7 +23,7 @@ what is read at start or import gets a fresh interpreter instead, and so do its 
 
 Server protocol (JSON lines): a request {module, args, env, cwd, output} on stdin; the reply
 {"pid"} as soon as the child exists, then {"returncode"} when it has ended. A server serves
-one run at a time: runs at once (conftest.together) take a server each.
+one run at a time: runs at once (runs.together) take a server each.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from support import killpg
 
 PRELOAD = ["torch", "datasets", "transformers", "transformers.modeling_utils", "transformers.models.bert.modeling_bert",
            "trainer.config", "trainer.distributed", "trainer.build", "trainer.loop", "trainer.predict",
@@ -77,7 +76,7 @@ def serve() -> None:
 
     # What a run leaves behind when it exits (a rank's loader worker; torchrun's workers each
     # have a session of their own) is reparented to this server, not to init: the run has
-    # ended when the last of them has, as conftest.run waits for the last holder of its pipe.
+    # ended when the last of them has, as runs.run waits for the last holder of its pipe.
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
     for line in sys.stdin:
@@ -98,7 +97,7 @@ def _child(request: dict) -> None:
     """Become `python -m trainer ARGS`: never returns."""
     code = 1
     try:
-        os.setsid()  # its own session, like conftest.run's: a kill reaches whatever it starts
+        os.setsid()  # its own session, like runs.run's: a kill reaches whatever it starts
         output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(output, 1)
@@ -268,7 +267,8 @@ class Server:
                     process.kill()
             psutil.wait_procs(processes, timeout=5)
         if pid is not None:
-            killpg(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
     def _reply(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout

@@ -2,7 +2,7 @@
 
 A measurement, not part of `make test` (about a minute on a GPU host):
 
-    .venv/bin/python tests/determinism_check.py [--modes off on]
+    .venv/bin/python tests/support/determinism_check.py [--modes off on]
 
 For each mode: two uninterrupted 40-step runs of the tiny dropout BERT (2 gloo ranks), and
 one run SIGKILLed (rank 1, step 23) then resumed. It reports whether the second run and the
@@ -20,10 +20,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
 
-from conftest import REPO, compare_weights, make_tiny_model, run, tiny_overrides, trainer_command
-from support import read_summary
+from support.models import make_tiny_model
+from support.outputs import read_summary
+from support.runs import REPO, run, tiny_overrides, trainer_command
+from support.weights import compare_weights
 
 STEPS = 40
 OPTIONS = {"train.batch_size": 8, "train.max_steps": STEPS, "checkpoint.every": 5, "train.log_every": 5,

@@ -7,7 +7,7 @@ info endpoint. A repository has revisions (branches, each with its commit), and 
 without its token, a 401 as the Hub answers. And what huggingface_hub's create_repo,
 create_branch and create_commit send, with every file "regular" (inline in the commit, no LFS
 or Xet storage): repositories created and committed to in `uploads`, with the write token. It
-listens on 127.0.0.1 (or `address`) and serves until closed. `python tests/fake_hub.py` serves one
+listens on 127.0.0.1 (or `address`) and serves until closed. `python tests/support/fake_hub.py` serves one
 in a process of its own, for clients in other network namespaces (main()).
 """
 
@@ -254,7 +254,7 @@ class FakeHub:
 
 def main() -> None:
     """Serve a hub until SIGTERM, then write what it saw (clients, downloads) as JSON to --report:
-    `python tests/fake_hub.py --listen HOST:PORT --repo ORG/NAME[@BRANCH]=FOLDER ... [--token
+    `python tests/support/fake_hub.py --listen HOST:PORT --repo ORG/NAME[@BRANCH]=FOLDER ... [--token
     ORG/NAME=TOKEN] --report FILE`."""
     import argparse
     import signal

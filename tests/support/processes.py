@@ -1,45 +1,17 @@
-"""What tests of every tier do alike: read a run's outputs, wait against a deadline, end a
-process group, serve files over loopback HTTP. Plain functions, no fixtures (those are
-conftest.py's)."""
+"""Processes against a deadline: wait for what a test observes, read a process's signal masks, end a
+process group and everything under it."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
 import subprocess
-import threading
 import time
-from collections.abc import Callable
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
-
-
-def read_summary(output_dir: Path) -> dict:
-    """The run's summary.json: what rank 0 writes once the run has ended."""
-    return json.loads((Path(output_dir) / "summary.json").read_text())
-
-
-def read_metrics(output_dir: Path) -> list[dict]:
-    """The run's metrics.jsonl, one record per line, in the order written."""
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def model_card(folder: Path):
-    """huggingface_hub's reading of the model card in `folder` (final/, final/adapter/)."""
-    from huggingface_hub import ModelCard
-
-    return ModelCard.load(Path(folder) / "README.md")
-
-
-def complete_steps(output_dir: Path) -> list[int]:
-    """Steps of the checkpoints with a completion marker, oldest first."""
-    return sorted(int(p.parent.name[5:]) for p in (output_dir / "checkpoints").glob("step-*/COMPLETE"))
 
 
 def wait_for(predicate, timeout: float, what, procs: dict[str, subprocess.Popen] | None = None,
@@ -103,47 +75,3 @@ def kill_tree(proc: subprocess.Popen) -> None:
     for child in descendants:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-
-
-CSV = "text,label\n" + "".join(f"review {i},{i % 3}\n" for i in range(30))
-
-
-@contextmanager
-def web(files: dict[str, bytes | Callable[[BaseHTTPRequestHandler], None]], cut_short: str | None = None,
-        asked: list[str] | None = None):
-    """An HTTP server on loopback serving `files` by name (a callable answers the request
-    itself); 404 for others, 503 for `/busy`, and `cut_short` sent with a Content-Length it
-    never fills, as a dropped connection ends. The paths asked for are appended to `asked`."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            name = self.path.lstrip("/")
-            if asked is not None:
-                asked.append(self.path)
-            if callable(files.get(name)):
-                files[name](self)  # type: ignore[operator]
-                return
-            if name == "busy":
-                self.send_error(503)
-                return
-            if name not in files:
-                self.send_error(404)
-                return
-            body = files[name]
-            assert isinstance(body, bytes)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body) * (10 if name == cut_short else 1)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
