@@ -32,13 +32,6 @@ from trainer.launch import trainer_program
 TIERS = ("unit", "e2e", "system")
 """tests/<tier>/: each test is marked with its folder's name, and the tiers run in this order."""
 
-# A process of one rank takes every core (train.threads), and OpenMP's threads spin between
-# parallel regions by default: beside the other pytest session's runs they spun on the cores the
-# others needed, and a tiny model's step took 10x longer, for 30% more CPU. Waiting passively
-# changes no result, only who gets the cores. Read when torch loads OpenMP: set here, before any
-# test imports torch, for this process and every one it starts (the preloaded servers too).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"pytest got {signal.Signals(signum).name}")

@@ -25,6 +25,14 @@ TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 PYTHON = sys.executable
 
+# A process of one rank takes every core (train.threads), and OpenMP's threads spin between
+# parallel regions by default: beside the other pytest session's runs they spun on the cores the
+# others needed, and a tiny model's step took 10x longer, for 30% more CPU. Waiting passively
+# changes no result, only who gets the cores. Read when torch loads OpenMP: set here, when
+# conftest.py imports this module, before any test imports torch, for this process and every
+# one it starts (BASE_ENV, the preloaded servers').
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Offline and quiet: nothing may come from a hub, and runs must not steal each other's cores.
 BASE_ENV = {
     **os.environ,
