@@ -12,10 +12,10 @@ thread is jemalloc's, from pyarrow, whose fork handlers keep a child's allocator
 
 runs.launch runs here the usage errors, the one process that 2 ranks must equal, and
 torchrun itself (trainer.torchrun: the launcher's own code, forked). torchrun's workers are
-forked too, from its agent (`_fork_ranks`): without that, a 2-rank e2e test spent two thirds
-of its CPU importing (20 s of 47 for test_two_ranks_match_one_process, against 19 of 22 with
-it), and the suite ran past 25 minutes on 2 cores. Torchrun's own code still starts, polls,
-signals and reaps each worker, a child in a session of its own, exactly as it does a Popen's.
+forked too, from its agent (`_fork_ranks`): started fresh, each imported for 5-6 s of CPU, and
+test_two_ranks_match_one_process took 47 s of CPU, against 22 s with forked workers (the e2e
+tier, alone on 2 cores: 158 tests in 933 s). Torchrun's own code still starts, polls, signals
+and reaps each worker, a child in a session of its own, exactly as it does a Popen's.
 Workers start as fresh interpreters, as a user's do, in the tests that start torchrun
 themselves (tests/e2e/test_no_hang.py's, a frozen FSDP rank's), in a sweep's trials, and in
 the whole system tier (Slurm, the nodes in network namespaces, the image). A run that sets
@@ -147,8 +147,10 @@ def _fork_ranks() -> None:
     other threads (the rendezvous keep-alive, the store's) hold nothing the rank takes: the
     rank makes its own store client and process group. What a fresh interpreter would not
     have is put back: the server's signal dispositions (torchrun's handlers raise in its
-    agent loop) and an empty signal mask. A worker is exec'd as usual if it is not `-m
-    trainer` or the agent has added an exit hook, which the worker would run as its own."""
+    agent loop) and an empty signal mask. The agent's open files stay open in the worker, as
+    across any fork: closing them under the objects that own them could close a number the
+    worker has reused. A worker is exec'd as usual if it is not `-m trainer` or the agent has
+    added an exit hook, which the worker would run as its own."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     handler_class = subprocess_handler.SubprocessHandler
