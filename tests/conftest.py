@@ -4,7 +4,8 @@ The tests are in tiers, one folder each, marked by it (pytest -m unit|e2e|system
 - tests/unit: in process (no Python program started: `_unit_tests_start_no_program`), seconds
   in all, no root (`make test-unit`);
 - tests/e2e: `python -m trainer` as a subprocess, under real torchrun with gloo ranks where
-  it says so, exactly as a user would;
+  it says so, as a user would, but with the processes forked from an interpreter that imported
+  everything once (tests/support/preloaded.py);
 - tests/system: Slurm, container images, network namespaces and pods (root, `make system`).
 The helpers are tests/support's modules, importable from every tier (pyproject's pythonpath);
 this file holds the fixtures and the hooks that order and mark the tiers.
