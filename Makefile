@@ -37,7 +37,7 @@ E2E_BESIDE_SYSTEM := tests/e2e/test_no_hang.py tests/e2e/test_gpu_check.py
 # The trainer's bytecode is compiled once, here: where PYTHONDONTWRITEBYTECODE is set (CI's
 # environment sets it) no process writes it, and each of the suite's fresh interpreters (a
 # Slurm job's ranks, a sweep's trials, a restarted node's ranks) compiled the trainer's
-# modules again: 0.3 s of the 0.4 s it takes to import them.
+# modules again: importing them took 0.35 s, against 0.10 s from bytecode.
 test:
 	$(MAKE) --no-print-directory -j2 install system
 	$(BIN)/python -m compileall -q trainer

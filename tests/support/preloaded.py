@@ -107,7 +107,7 @@ def _child(request: dict) -> None:
         os.chdir(request["cwd"])
         sys.path[0] = request["cwd"]  # where `python -m` looks first (this file's folder, here)
         if (request["module"] == "trainer.torchrun" and os.environ.get(FORKED_RANKS_ENV) == "1"
-                and os.environ.get("TRAINER_CHECK", "0") == "0"):  # trainer/torchrun.py's check computes
+                and os.environ.get("TRAINER_CHECK", "") in ("", "0")):  # trainer/torchrun.py's check computes
             _fork_ranks()
         code = _run_module(request["module"], request["args"])
     finally:
