@@ -34,8 +34,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from support.processes import wait_all
-
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("TRAINER_TEST_CACHE", "/var/tmp/ddp-trainer-tests"))
 STATE = CACHE / "state"
@@ -309,6 +307,8 @@ def run_containers(engine: Engine, image: str, containers: list[Container], time
             with open(logs[c.name], "w") as log:
                 procs.append(subprocess.Popen(argv, env=engine.env, stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True))
+        from support.processes import wait_all  # psutil: the venv's, which `--base` runs without
+
         codes = wait_all(procs, timeout)
         for c, proc, code in zip(containers, procs, codes, strict=True):
             if code is None:
@@ -330,7 +330,24 @@ def run_containers(engine: Engine, image: str, containers: list[Container], time
 def main() -> None:
     """`python -m support.image RUN_DIR` (from tests/): build the app image with the engine in RUN_DIR, log to
     RUN_DIR/build.log, write the image ID to RUN_DIR/image-id. conftest runs this in the
-    background from the start of a test run, so the build overlaps the other tests."""
+    background from the start of a test run, so the build overlaps the other tests.
+
+    `python -m support.image --base`: only the cached part, the CPU base and its wheelhouse, for
+    `make test` to build while pip fills the venv (its one core leaves the other idle), with
+    any Python 3.11 (it imports nothing outside the standard library). On a fresh machine
+    that is most of the build's minutes; the test run then finds it cached."""
+    if sys.argv[1:] == ["--base"]:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        engine = Engine.create()
+        try:
+            engine.lock()
+            with open(CACHE / "base-build.log", "w") as log:
+                start = time.monotonic()
+                base = build_base(engine, log)
+            print(f"image base: {base} ready after {time.monotonic() - start:.0f} s (log: {log.name})")
+        finally:
+            engine.close()
+        return
     engine = Engine(Path(sys.argv[1]))
     with open(engine.run_dir / "build.log", "w") as log:
         start = time.monotonic()
