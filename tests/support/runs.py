@@ -148,7 +148,7 @@ def launch(cmd: list[str], env: dict | None = None, timeout: float = 300) -> Run
     env = env or {}
     if (cmd[:2] == [PYTHON, "-m"] and cmd[2] in PRELOADED_MODULES
             and not any(key.startswith(IMPORT_TIME_ENV) for key in env)):
-        if cmd[2] == "trainer.torchrun":
+        if cmd[2] == "trainer.torchrun" or cmd[3:4] == ["sweep"]:
             env = {preloaded.FORKED_RANKS_ENV: os.environ.get(preloaded.FORKED_RANKS_ENV, "1"), **env}
         return run_preloaded(cmd[2], cmd[3:], env, timeout)
     return run(cmd, timeout=timeout, env=env)
