@@ -3,6 +3,8 @@
 Hosts are network namespaces (tests/support/netns.py) named node0, node1, ...; each runs
 `torchrun --nnodes=N --rdzv-backend=trainer-c10d --rdzv-endpoint=node0:PORT` exactly
 as a cluster node would. The output folder is shared, as a cluster's shared filesystem is.
+Each torchrun is support/preloaded.py's `run_once`, which forks its workers, unless
+TESTS_FORKED_RANKS=0 is in the environment: then they start fresh, as a user's do.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from support import preloaded
 from support.netns import Network
 from support.runs import BASE_ENV, REPO
 from trainer.launch import torchrun_argv, trainer_program
@@ -25,12 +28,17 @@ def launch(net: Network, logs: Path, overrides: list[str], nproc: int = 1, torch
     per-host bind mounts `binds[host]`; logs in `logs/<host>.log`. `nnodes`: elastic
     `MIN:MAX`; default, every host of `net`."""
     logs.mkdir(parents=True, exist_ok=True)
+    env = {**BASE_ENV, **(env or {})}
     procs = {}
     for host in hosts or list(net.aliases):
         argv = torchrun_argv(nproc, trainer_program(command, overrides=overrides), nnodes=nnodes or len(net.aliases),
                              rdzv_endpoint=f"node0:{RDZV_PORT}", rdzv_id=run_id, torchrun_args=torchrun_args)
-        procs[host] = net.spawn(host, argv, {**BASE_ENV, **(env or {})}, REPO,
-                                binds=(binds or {}).get(host), log=logs / f"{host}.log")
+        if env.get(preloaded.FORKED_RANKS_ENV, "1") == "1":
+            # The launcher imports what its workers would, once; each worker, and each one it
+            # restarts, is then forked from it instead of importing for 5-10 s of CPU.
+            argv = [argv[0], preloaded.__file__, "--run", *argv[2:]]
+            env[preloaded.FORKED_RANKS_ENV] = "1"
+        procs[host] = net.spawn(host, argv, env, REPO, binds=(binds or {}).get(host), log=logs / f"{host}.log")
     return procs
 
 

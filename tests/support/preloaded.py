@@ -69,18 +69,45 @@ _PRISTINE_SIGNALS: dict[int, Any] = {}
 """Every signal's disposition in the server, as a fresh interpreter has it."""
 
 
-def serve() -> None:
-    import importlib
-
+def _note_pristine_signals() -> None:
     for signum in signal.valid_signals():
         if signum not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(signum) is not None:
             _PRISTINE_SIGNALS[signum] = signal.getsignal(signum)
+
+
+def _preload() -> None:
+    """Import PRELOAD (once: again, each is a lookup)."""
+    import importlib
 
     for name in PRELOAD:
         importlib.import_module(name)
     transformers = sys.modules["transformers"]
     for name in ("AutoConfig", "AutoModelForSequenceClassification", "AutoTokenizer"):
         getattr(transformers, name)  # resolved lazily, on first use: the imports that take the time
+
+
+def run_once(module: str, args: list[str]) -> None:
+    """`python preloaded.py --run trainer.torchrun ARGS`: no server, this process becomes the
+    launcher after the imports, and forks its workers (`_fork_ranks`, as the environment asks).
+    For a launcher that must be a process of its own making, in a place a server cannot reach:
+    a node in a network namespace (support/multinode.py) starts it there. It imports when it
+    starts its first worker (a launcher that never gets that far, its rendezvous failed, never
+    does), for as long as a fresh worker would; each worker it starts, and restarts, then
+    saves them."""
+    _note_pristine_signals()
+    sys.path[0] = os.getcwd()  # where `python -m` looks first
+    code = 1
+    try:
+        code = _become(module, args)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve() -> None:
+    _note_pristine_signals()
+    _preload()
 
     # What a run leaves behind when it exits (a rank's loader worker; torchrun's workers each
     # have a session of their own) is reparented to this server, not to init: the run has
@@ -178,6 +205,7 @@ def _fork_ranks() -> None:
         hooks_added = atexit._ncallbacks() != exit_hooks  # type: ignore[attr-defined]
         if list(args[:4]) != [sys.executable, "-u", "-m", "trainer"] or hooks_added:
             return exec_popen(handler, args, env)
+        _preload()  # done already, but in `run_once`'s launcher
         sys.stdout.flush()
         sys.stderr.flush()
         started, ready = os.pipe()
@@ -454,4 +482,6 @@ class Server:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--run"]:
+        run_once(sys.argv[2], sys.argv[3:])
     serve()
