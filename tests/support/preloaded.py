@@ -88,7 +88,7 @@ def _preload() -> None:
 
 def run_once(module: str, args: list[str]) -> None:
     """`python preloaded.py --run trainer.torchrun ARGS`: no server, this process becomes the
-    launcher after the imports, and forks its workers (`_fork_ranks`, as the environment asks).
+    launcher, and forks its workers (`_fork_ranks`, as the environment asks).
     For a launcher that must be a process of its own making, in a place a server cannot reach:
     a node in a network namespace (support/multinode.py) starts it there. It imports when it
     starts its first worker (a launcher that never gets that far, its rendezvous failed, never
@@ -149,7 +149,7 @@ def _child(request: dict) -> None:
 
 
 def _become(module: str, args: list[str]) -> int:
-    """Run `python -m MODULE ARGS` in this fork of the server, to its exit status: torchrun's
+    """Run `python -m MODULE ARGS` in this process, to its exit status: torchrun's
     workers forked from it (`_fork_ranks`), and a sweep's runs from a fork of it (`_fork_trials`),
     where the environment asks for forks."""
     if os.environ.get(FORKED_RANKS_ENV) == "1":
@@ -394,8 +394,9 @@ class _ZygoteRun:
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
-        if self.poll() is None:  # not reaped yet: the pid is still the run's
-            os.kill(self.pid, signum)
+        if self.poll() is None:  # not reported reaped: the pid is still the run's, or no one's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
 
 
 class Server:
