@@ -32,7 +32,7 @@ demo: install data/reviews/train.jsonl
 # the Slurm scheduler, the image build, containers, rendezvous timeouts: about 1.1 of 2 cores
 # busy when alone), so its session also takes the e2e files in E2E_BESIDE_SYSTEM, which wait
 # too (on timeouts, a hung rank's end); the other session is the unit tier and the rest of e2e.
-# (At faf708b the sessions took 1,226 s and 1,415 s with test_gpu_check, 74 s of CPU in 78 s,
+# (At b052dbb the sessions took 1,226 s and 1,415 s with test_gpu_check, 74 s of CPU in 78 s,
 # beside the system tier: it is in the other session now.)
 E2E_BESIDE_SYSTEM := tests/e2e/test_no_hang.py
 
