@@ -337,7 +337,6 @@ def main() -> None:
     any Python 3.11 (it imports nothing outside the standard library). On a fresh machine
     that is most of the build's minutes; the test run then finds it cached."""
     if sys.argv[1:] == ["--base"]:
-        CACHE.mkdir(parents=True, exist_ok=True)
         engine = Engine.create()
         try:
             engine.lock()

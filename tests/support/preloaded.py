@@ -75,6 +75,14 @@ def _note_pristine_signals() -> None:
             _PRISTINE_SIGNALS[signum] = signal.getsignal(signum)
 
 
+def _restore_pristine_signals() -> None:
+    """In a fork about to become another program: the dispositions a fresh interpreter has
+    (its parent's handlers would raise in the parent's loop), and an empty signal mask."""
+    for signum, disposition in _PRISTINE_SIGNALS.items():
+        signal.signal(signum, disposition)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def _preload() -> None:
     """Import PRELOAD (once: again, each is a lookup)."""
     import importlib
@@ -215,9 +223,7 @@ def _fork_ranks() -> None:
             try:
                 os.close(started)
                 os.setsid()
-                for signum, disposition in _PRISTINE_SIGNALS.items():
-                    signal.signal(signum, disposition)
-                signal.pthread_sigmask(signal.SIG_SETMASK, [])
+                _restore_pristine_signals()
                 os.close(ready)  # as Popen returns after the exec: torchrun may signal its group now
                 for stream, fd in ((handler._stdout, 1), (handler._stderr, 2)):
                     if stream is not None:
@@ -324,9 +330,7 @@ def _start_trial(request: dict, log_fd: int) -> None:
     """Become the sweep's run `request["argv"]` (`python -m MODULE ARGS`): never returns."""
     code = 1
     try:
-        for signum, disposition in _PRISTINE_SIGNALS.items():
-            signal.signal(signum, disposition)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        _restore_pristine_signals()
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
@@ -360,7 +364,7 @@ class _ZygoteSpawner:
             while True:  # the reply to this request; reports of runs that ended meanwhile are kept
                 reply = json.loads(self._sock.recv(1 << 16))
                 if "pid" in reply:
-                    return _ZygoteRun(self, reply["pid"], argv)
+                    return _ZygoteRun(self, reply["pid"])
                 self._ended[reply["ended"]] = reply["returncode"]
 
     def returncode(self, pid: int) -> int | None:
@@ -371,26 +375,17 @@ class _ZygoteSpawner:
             return self._ended.get(pid)
 
 
-class _ZygoteRun:
-    """The part of a Popen that trainer/sweep/runs.py uses, for a run the zygote forked."""
+class _ZygoteRun(_ForkedRank):
+    """The part of a Popen that trainer/sweep/runs.py uses, for a run the zygote forked: not
+    this process's child, so its status is the one the zygote reports."""
 
-    def __init__(self, spawner: _ZygoteSpawner, pid: int, args: list[str]):
+    def __init__(self, spawner: _ZygoteSpawner, pid: int):
+        super().__init__(pid)
         self._spawner = spawner
-        self.pid = pid
-        self.args = args
-        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self._spawner.returncode(self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.01)
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
