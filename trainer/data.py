@@ -278,8 +278,9 @@ def _encoding_digest(tokenizer, settings: list) -> str | None:
     fast tokenizer serializes itself (its vocabulary, added tokens, normalizer and the rest,
     not the truncation and padding state a call leaves in it) and its Python-side settings,
     the data settings, and the code (this module and trainer/labels.py). None for a tokenizer
-    with no fast backend: `datasets` then hashes `encode` and all it closes over, which took
-    0.45 s a split for MiniLM's tokenizer, against 30 ms here, in every run and on every rank.
+    with no fast backend: `datasets` then hashes `encode` and all it closes over, pickling the
+    tokenizer by value, in every run and on every rank: the tiny run's tokenize phase (two
+    splits read from the cache) took 0.19 s so, 0.04 s with this (benchmarks/RESULTS.md).
     (Pickled, not dumped as JSON again: the first json.dumps of a vocabulary took 0.6 s.)"""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
