@@ -2,7 +2,7 @@
 #
 #   docker build -t ddp-trainer:0.1.0 .
 #   docker run --gpus all --shm-size=2g -v runs:/workspace/runs ddp-trainer:0.1.0   # the demo, every GPU
-#   docker run --shm-size=2g ddp-trainer:0.1.0 python -m trainer.torchrun --nproc-per-node=2 -m trainer train \
+#   docker run --shm-size=2g ddp-trainer:0.1.0 python -m trainer.cli.torchrun --nproc-per-node=2 -m trainer train \
 #       -c configs/demo.yaml output_dir=/workspace/runs/demo                       # on 2 CPU ranks
 #
 # Outputs go under /workspace (writable by the image's user); /app is read-only code and data.
@@ -88,15 +88,15 @@ COPY configs/ configs/
 # the writable volume, never in /app, which the image's user cannot write.
 RUN pip install --no-deps -c requirements.lock . \
  && rm -rf build trainer.egg-info \
- && python -m trainer.demo_data data/reviews \
+ && python -m trainer.data.demo data/reviews \
  && ln -s /workspace/runs /app/runs
 
 USER 1000:1000
 
 ENTRYPOINT ["tini", "--"]
 # Plain `docker run --gpus all IMAGE` trains the demo on every local GPU (`gpu` refuses to start
-# without one; on CPUs pass a command with --nproc-per-node=N). trainer.torchrun is torchrun,
+# without one; on CPUs pass a command with --nproc-per-node=N). trainer.cli.torchrun is torchrun,
 # same arguments, whose exit code says what happened and whether to retry (docs/restarts.md).
-# Clusters pass their own command: `python -m trainer.torchrun [rendezvous flags] -m trainer train -c CONFIG`.
-CMD ["python", "-m", "trainer.torchrun", "--nproc-per-node=gpu", "-m", "trainer", "train", "-c", "configs/demo.yaml", \
+# Clusters pass their own command: `python -m trainer.cli.torchrun [rendezvous flags] -m trainer train -c CONFIG`.
+CMD ["python", "-m", "trainer.cli.torchrun", "--nproc-per-node=gpu", "-m", "trainer", "train", "-c", "configs/demo.yaml", \
      "output_dir=/workspace/runs/demo"]

@@ -19,8 +19,8 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(BIN)/pip install --quiet --disable-pip-version-check -c requirements.lock -e '.[dev]'
 	touch $@
 
-data/reviews/train.jsonl: trainer/demo_data.py | install
-	$(BIN)/python -m trainer.demo_data data/reviews
+data/reviews/train.jsonl: trainer/data/demo.py | install
+	$(BIN)/python -m trainer.data.demo data/reviews
 
 demo: install data/reviews/train.jsonl
 	rm -rf runs/demo

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
-from trainer.launch import torchrun_argv, trainer_program
+from trainer.runtime.launch import torchrun_argv, trainer_program
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def bench_data(out: Path, samples: int) -> Path:
     """The demo's reviews, two per sample (~90 tokens: close to the PERF-NOTES workload)."""
-    from trainer.demo_data import review
+    from trainer.data.demo import review
 
     rng = random.Random(0)
     out.mkdir(parents=True, exist_ok=True)

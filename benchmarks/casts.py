@@ -10,7 +10,7 @@ the ways differ in what they cast, not in the rest of the training step):
 
 - anew: autocast entered in each micro-batch's forward (the trainer until 2026-11-28);
 - kept: one region held open over the step's micro-batches, so that autocast's cache keeps
-  each weight's bf16 copy (trainer/step.py's `_casts_kept`: the same bits);
+  each weight's bf16 copy (trainer/train/step.py's `_casts_kept`: the same bits);
 - bf16 weights: the model itself in bf16, fp32 master weights in the optimizer, one foreach
   copy of the gradients to the masters and one of the masters back (not the trainer's);
 - fsdp: FSDP2 on a process group of one rank, its MixedPrecisionPolicy gathering the weights

@@ -3,7 +3,7 @@ seconds, where tokenizing the same 400,000 rows takes the job 14-27 s (RESULTS.m
 
     python -m benchmarks.check_data [--rows 400000]
 
-Writes a CSV of `--rows` reviews with label names and no validation split (trainer.demo_data's
+Writes a CSV of `--rows` reviews with label names and no validation split (trainer.data.demo's
 `sentiment` shape), then times `check` on it as a new process, three times: cold (an empty
 `datasets` cache: the CSV is converted to Arrow), then warm (the cache read). Each run also holds
 out the validation split (stratified), resolves and counts the labels in Arrow and tokenizes a
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks.interleaved import REPO, cpu_name
-from trainer import demo_data
+from trainer.data import demo
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        path = demo_data.sentiment(work / "data", args.rows, seed=0)
+        path = demo.sentiment(work / "data", args.rows, seed=0)
         env = {**os.environ, "HF_DATASETS_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1",
                "HF_DATASETS_OFFLINE": "1"}
         command = [sys.executable, "-m", "trainer", "check", "-c", "configs/demo.yaml", f"data.path={path}",

@@ -1,4 +1,4 @@
-"""What one loader worker spends on a training batch, padding in numpy (trainer.data.Collate)
+"""What one loader worker spends on a training batch, padding in numpy (trainer.data.loaders.Collate)
 against transformers' DataCollatorWithPadding (the trainer until 2026-11-28).
 
     python -m benchmarks.collate [--batch-size 512] [--reps 5] [--batches 20]
@@ -28,10 +28,10 @@ import torch
 def sides(tokenizer) -> dict:
     from transformers import DataCollatorWithPadding
 
-    from trainer.data import Collate
+    from trainer.data.loaders import Collate
 
     return {"transformers' DataCollatorWithPadding": DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
-            "numpy (trainer.data.Collate)": Collate(tokenizer, 8)}
+            "numpy (trainer.data.loaders.Collate)": Collate(tokenizer, 8)}
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.interleaved import REPO, demo_main
-from trainer.launch import torchrun_argv, trainer_program
+from trainer.runtime.launch import torchrun_argv, trainer_program
 
 sys.path.insert(0, str(REPO / "tests"))
 from support.netns import Network

@@ -21,8 +21,11 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from trainer import build, config, data, distributed, evaluation
-from trainer.batch_plan import BatchPlan
+from trainer.cli import config
+from trainer.data import loaders, reading
+from trainer.data.batch_plan import BatchPlan
+from trainer.runtime import distributed
+from trainer.train import build, evaluation
 
 RESULTS = Path(__file__).with_name("results") / "cpu-minilm-eval-loader.json"
 
@@ -35,14 +38,14 @@ def main() -> None:
 
     cfg = config.load("configs/demo.yaml", [f"data.path={args.data}", "output_dir=/tmp/eval-loader-bench"])
     dist_env, device = distributed.read_env(), torch.device("cpu")
-    splits = data.load(cfg, dist_env)
+    splits = reading.load(cfg, dist_env)
     built_run = build.build(cfg, dist_env, device, splits.labels, max_steps=1)  # the model as training evaluates it
     logits_of, tokenizer = built_run.strategy.logits, built_run.tokenizer
     assert logits_of is not None, "build() parallelized the model"
-    built = data.build(cfg, dist_env, splits, tokenizer, device, BatchPlan.of(cfg.train, 1))
+    built = loaders.build(cfg, dist_env, splits, tokenizer, device, BatchPlan.of(cfg.train, 1))
     in_process = built.eval_loader
     worker = DataLoader(in_process.dataset, batch_size=in_process.batch_size, sampler=in_process.sampler,
-                        **data._loader_options(cfg, tokenizer, device))
+                        **loaders._loader_options(cfg, tokenizer, device))
     assert (in_process.num_workers, worker.num_workers) == (0, 1)
 
     seconds = {"in_process": [], "one_worker": []}

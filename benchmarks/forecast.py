@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from benchmarks.interleaved import REPO, cpu_name
-from trainer.launch import torchrun_argv, trainer_program
+from trainer.runtime.launch import torchrun_argv, trainer_program
 
 sys.path.insert(0, str(REPO / "tests"))
 from support.netns import Network

@@ -7,7 +7,7 @@ Every input is stated here, and RESULTS.md repeats them:
 - bert-base, batch 512 per GPU, seq 128, bf16: 74 ms a step on one H100, split as the profile
   split it (RESULTS.md, 2026-11-23): forward 35 ms, backward 32 ms, optimizer 7 ms.
 - Llama-3.1-8B with LoRA (configs/llama8b_lora.yaml: r 16 on q/k/v/o, 4 x 512 tokens per GPU,
-  bf16): not measured. Its step is trainer/flops.py's count at an assumed 40% MFU of the
+  bf16): not measured. Its step is trainer/train/flops.py's count at an assumed 40% MFU of the
   H100's 989 TFLOP/s dense bf16, split forward 1/3, backward 2/3.
 - Links, as NCCL's bus bandwidth and per-hop latency: NVLink inside a node (8 GPUs, 360 GB/s,
   nccl-tests' typical all-reduce on an H100 HGX), and between nodes 100 GbE with one NIC per
@@ -26,10 +26,12 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from trainer import build, config, labels
-from trainer.distributed import DistEnv
-from trainer.flops import FlopModel
+from trainer.cli import config
+from trainer.data import labels
 from trainer.preflight import forecast
+from trainer.runtime.distributed import DistEnv
+from trainer.train import build
+from trainer.train.flops import FlopModel
 
 RESULTS = Path(__file__).with_name("results") / "forecast-h100-paper.json"
 GPUS_PER_NODE = 8
@@ -42,7 +44,7 @@ H100_BF16_FLOPS = 989e12
 
 def meta_model(folder: Path, *overrides: str):
     """The classifier of `folder`'s config.json on the meta device, as the trainer builds it
-    (trainer/build.py) for a bf16 GPU run with `overrides` (LoRA's, say)."""
+    (trainer/train/build.py) for a bf16 GPU run with `overrides` (LoRA's, say)."""
     cfg = config.load(None, [f"model.name={folder}", "data.path=unused", "data.num_labels=5", "data.max_length=512",
                              "train.max_steps=1", "output_dir=unused", *overrides])
     return build.load(cfg, DistEnv(), torch.device("cuda"), torch.bfloat16, labels.from_config(cfg.data),

@@ -67,7 +67,7 @@ part_ablations() {
 
 part_demo() {
   local out=runs/gpu-demo
-  [ -f data/reviews/train.jsonl ] || $PY -m trainer.demo_data data/reviews
+  [ -f data/reviews/train.jsonl ] || $PY -m trainer.data.demo data/reviews
   rm -rf "$out"
   # One rank with the CPU demo's global batch (2 ranks x 16): the same global batches.
   torchrun --standalone --nproc-per-node=1 -m trainer train -c configs/demo.yaml train.batch_size=32 \

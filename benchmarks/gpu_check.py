@@ -92,8 +92,9 @@ def check_sides(out: Path) -> list[str]:
     on a GPU (the dry run cannot run them on CPU): a renamed key or a new rule fails here.
     The problems found, as the one-line errors the trainer would print."""
     from benchmarks.__main__ import STRATEGIES
-    from trainer import config, model
+    from trainer.cli import config
     from trainer.errors import ConfigError
+    from trainer.model import pretrained
 
     problems = []
     for name in [BASE, *(f"{BASE} {side}" for side in GPU_SIDES), *SAVES]:
@@ -105,7 +106,7 @@ def check_sides(out: Path) -> list[str]:
         overrides = command[at + 2:]
         try:
             cfg = config.load(None, overrides)
-            model.attention_for(cfg.model, "cuda")
+            pretrained.attention_for(cfg.model, "cuda")
         except ConfigError as e:
             problems.append(f"{name}: {e}")
     return problems

@@ -22,11 +22,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.__main__ import ARCHS, bench_data, random_init_model
-from trainer import config
-from trainer.data import micro_batches
-from trainer.distributed import DistEnv, pick_device
-from trainer.loop import Trainer
-from trainer.startup import StartupClock
+from trainer.cli import config
+from trainer.data.loaders import micro_batches
+from trainer.runtime.distributed import DistEnv, pick_device
+from trainer.runtime.startup import StartupClock
+from trainer.train.loop import Trainer
 
 # Kernel name patterns, first match wins: what each kind of time is spent on.
 CATEGORIES = [

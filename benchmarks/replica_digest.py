@@ -7,7 +7,7 @@ computes (one thread each).
 The demo's model (MiniLM-L6, the packaged one) at the demo's batch (16 x 128 tokens), and a
 bert-base-shaped classifier with random weights at the same batch. Reported: the median of
 `reps` digests (of the weights and AdamW's state) and of `reps` steps (the step a run builds,
-trainer/build.py: train.precision's default, bf16 where the CPU has it natively), interleaved
+trainer/train/build.py: train.precision's default, bf16 where the CPU has it natively), interleaved
 after one of each to warm up, and the share of the step time that one digest every 100 steps
 (the default interval) takes. The all-gather of the digests (a few hundred integers per rank)
 is not in it.
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.__main__ import random_init_model
+from trainer.cli import config
 from trainer.faults.replicas import digest, replicated_state
 
 BATCH, LENGTH, INTERVAL = 16, 128, 100
@@ -39,13 +40,14 @@ def timed(action) -> float:
 
 
 def training_step(model_dir: str, work: Path, *overrides: str):
-    """(built, step): `model_dir`'s classifier as a run builds it (trainer/build.py: its
+    """(built, step): `model_dir`'s classifier as a run builds it (trainer/train/build.py: its
     strategy, AdamW, clipping at train.max_grad_norm, the loss check, train.precision's
     default: bf16 where native), and one training step of it on a fixed batch of BATCH x
     LENGTH tokens, with `overrides` to the config."""
-    from trainer import build, config, labels
-    from trainer.distributed import DistEnv
-    from trainer.step import StepObserver
+    from trainer.data import labels
+    from trainer.runtime.distributed import DistEnv
+    from trainer.train import build
+    from trainer.train.step import StepObserver
 
     cfg = config.load(None, [f"model.name={model_dir}", f"data.path={work}", "data.num_labels=5", "train.threads=1",
                              "train.max_steps=1000000", "wandb.mode=disabled", f"output_dir={work / 'run'}",

@@ -6,7 +6,7 @@ no curves (tests/support/runs.py's tiny_overrides), one launch at a time.
         [--reps 5] [--name startup-2026-11-28-tiny]
 
 Each side is a source tree (`git archive REV | tar -x -C DIR`), run with this .venv: its
-`python -m trainer.torchrun --standalone --nproc-per-node=2 -m trainer train ...` from that
+`python -m trainer.cli.torchrun --standalone --nproc-per-node=2 -m trainer train ...` from that
 tree, in the suite's environment (OMP_NUM_THREADS=1, offline). The sides alternate, the order
 reversed every other repetition, after one warm-up launch each. Per launch: rank 0's phases
 (summary.json's startup_s) and their sum, the launch's wall time to exit, and the CPU time
@@ -39,7 +39,7 @@ def fixtures(work: Path) -> tuple[Path, Path]:
     sys.path.insert(0, str(REPO / "tests"))
     from support.models import make_tiny_model
 
-    from trainer.demo_data import generate
+    from trainer.data.demo import generate
 
     return make_tiny_model(work / "tiny", dropout=0.0), generate(work / "reviews", num_train=600, num_test=203, seed=1)
 
@@ -50,7 +50,7 @@ def one_launch(tree: Path, model: Path, data: Path, out: Path) -> dict:
                  "data.num_workers": 0, "train.precision": "fp32", "train.lr": 1e-3, "train.warmup_ratio": 0.1,
                  "train.log_every": 2, "train.eval_batch_size": 32, "train.max_steps": 4,
                  "wandb.mode": "disabled", "tracking.curves": False, "output_dir": out}
-    cmd = [sys.executable, "-m", "trainer.torchrun", "--standalone", "--nproc-per-node=2", "-m", "trainer", "train",
+    cmd = [sys.executable, "-m", "trainer.cli.torchrun", "--standalone", "--nproc-per-node=2", "-m", "trainer", "train",
            *(f"{key}={value}" for key, value in overrides.items())]
     env = {name: value for name, value in os.environ.items()
            if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}

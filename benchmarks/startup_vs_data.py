@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 
 from benchmarks.__main__ import REPO, Worktree
-from trainer.launch import torchrun_argv, trainer_program
+from trainer.cli import config
+from trainer.data import encoding
+from trainer.runtime.launch import torchrun_argv, trainer_program
 
 
 def lscpu_model() -> str:
@@ -54,8 +56,8 @@ def launch(cwd: Path, data: Path, out: Path, cache: Path, timeout: float) -> dic
     summary = json.loads((out / "summary.json").read_text())
     startup = {phase: round(s, 2) for phase, s in summary["startup_s"].items()}
     written = sorted(p.name for p in set(cache.rglob("cache-*.arrow")) - before)
-    log = [line.split("trainer.data: ", 1)[1] for line in (proc.stdout + proc.stderr).splitlines()
-           if "trainer.data: " in line and "_split" in line]
+    log = [line.split("trainer.data.encoding: ", 1)[1] for line in (proc.stdout + proc.stderr).splitlines()
+           if "trainer.data.encoding: " in line and "_split" in line]
     return {"startup_s": startup, "launch_to_first_step_s": round(sum(startup.values()), 2),
             "wall_s": round(wall, 1), "cache_files_written": written, "data_log": log}
 
@@ -66,22 +68,22 @@ def tokenize_in_process(data_dir: Path, cache: Path, reps: int) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the trainer sets it
     import datasets
 
-    from trainer import config, data, model
-    from trainer.distributed import DistEnv
+    from trainer.model import pretrained
+    from trainer.runtime.distributed import DistEnv
 
     datasets.disable_progress_bars()
     cfg = config.load("configs/demo.yaml", [f"data.path={data_dir}"])
-    tokenizer = model.load_tokenizer(cfg.model)
+    tokenizer = pretrained.load_tokenizer(cfg.model)
     ds = datasets.load_dataset(str(data_dir), split="train", cache_dir=str(cache))
     max_length = int(cfg.data.max_length)
 
-    def encode(batch):  # data._tokenize's
+    def encode(batch):  # encoding.tokenize_split's
         encoded = tokenizer(batch["text"], None, truncation=True, max_length=max_length)
         encoded["labels"] = batch["label"]
         encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
         return encoded
 
-    processes = data.tokenize_processes(len(ds), DistEnv())
+    processes = encoding.tokenize_processes(len(ds), DistEnv())
     sides = {"in_process": None, **({f"num_proc={processes}": processes} if processes else {})}
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     for rep in range(reps):
@@ -105,7 +107,7 @@ def main() -> None:
     parser.add_argument("--name", default="cpu-minilm-startup-vs-data")
     args = parser.parse_args()
 
-    from trainer.demo_data import generate
+    from trainer.data.demo import generate
 
     baseline = Worktree(args.baseline) if args.baseline else None
     sides = {"after": REPO, **({f"before ({args.baseline})": baseline.path} if baseline else {})}
@@ -113,7 +115,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "machine": {"cpu": lscpu_model(), "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version()},
         "what": "torchrun --standalone --nproc-per-node=2 -m trainer train -c configs/demo.yaml "
-                "train.max_steps=3 on python -m trainer.demo_data --train ROWS --test 1000; launch 1 on an empty "
+                "train.max_steps=3 on python -m trainer.data.demo --train ROWS --test 1000; launch 1 on an empty "
                 "HF_DATASETS_CACHE (JSON conversion and tokenization), launch 2 the same in a new output_dir",
         "launches": {}, "tokenize_in_process": {},
     }

@@ -67,7 +67,7 @@ def one_side(side: str, work: Path, data: Path, steps: int) -> dict:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_"))},
            **ENV, "HF_DATASETS_CACHE": str(cache)}
     if side == "one by one":
-        commands = [[sys.executable, "-m", "trainer.torchrun", "--standalone", "--nproc-per-node=2", "-m", "trainer",
+        commands = [[sys.executable, "-m", "trainer.cli.torchrun", "--standalone", "--nproc-per-node=2", "-m", "trainer",
                      "train", "-c", "configs/demo.yaml", *common(data, steps), f"train.lr={lr}", f"seed={seed}",
                      f"output_dir={out / f'lr{lr}-seed{seed}'}"]
                     for lr in LRS for seed in range(SEEDS)]
@@ -95,7 +95,7 @@ def main() -> None:
     sides = ["one by one", "sweep", "sweep, 2 at once"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        from trainer.demo_data import generate
+        from trainer.data.demo import generate
 
         data = generate(work / "reviews")
         one_side("sweep", work, data, 2)  # warm-up: the page cache of the model and the libraries

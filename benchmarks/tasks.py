@@ -3,9 +3,9 @@ samples/s and the task's main metric on the same held-out validation rows.
 
     python -m benchmarks.tasks [--rows 2000] [--reps 2] [--precision bf16]
 
-For each shape of trainer.demo_data (sentiment CSV of names, complaints JSONL of lists, scores
+For each shape of trainer.data.demo (sentiment CSV of names, complaints JSONL of lists, scores
 JSONL of numbers), both sides train the packaged all-MiniLM-L6-v2 on 2 CPU ranks for 3 epochs
-of the same rows: the train split as this trainer holds out its validation (trainer.data.load:
+of the same rows: the train split as this trainer holds out its validation (trainer.data.reading.load:
 10%, seeded, stratified for single_label), batch 16 per rank, lr 1e-4, warmup 6%, linear decay,
 weight decay 0.01 off biases and norms (the Trainer's default, and ours), dynamic padding and
 length-grouped batches on both. The Trainer's model gets the task's problem_type, so its own
@@ -28,15 +28,15 @@ import time
 from pathlib import Path
 
 from benchmarks.interleaved import REPO, cpu_name
-from trainer import demo_data
-from trainer.launch import torchrun_argv, trainer_program
+from trainer.data import demo
+from trainer.runtime.launch import torchrun_argv, trainer_program
 
 TASKS = {
     # task: (file, keys of ours, main metric)
-    "single_label": (demo_data.sentiment, {"data.text_field": "review", "data.label_field": "sentiment"}, "accuracy"),
-    "multi_label": (demo_data.complaints, {"data.label_field": "complaints", "data.problem_type": "multi_label"},
+    "single_label": (demo.sentiment, {"data.text_field": "review", "data.label_field": "sentiment"}, "accuracy"),
+    "multi_label": (demo.complaints, {"data.label_field": "complaints", "data.problem_type": "multi_label"},
                     "f1_micro"),
-    "regression": (demo_data.score, {"data.label_field": "score", "data.problem_type": "regression"}, "spearman"),
+    "regression": (demo.score, {"data.label_field": "score", "data.problem_type": "regression"}, "spearman"),
 }
 PER_RANK = 16
 EPOCHS = 3
@@ -84,13 +84,14 @@ def hf_side(task: str, path: Path, out: Path, precision: str) -> None:
     )
 
     from benchmarks.hf_trainer import StepClock
-    from trainer import config, data
-    from trainer import labels as labels_module
-    from trainer.distributed import DistEnv
+    from trainer.cli import config
+    from trainer.data import labels as labels_module
+    from trainer.data import reading
+    from trainer.runtime.distributed import DistEnv
     from trainer.tasks.registry import task_class
 
     cfg = config.load(None, overrides(task, path, out.parent / "unused", precision))
-    splits = data.load(cfg, DistEnv())
+    splits = reading.load(cfg, DistEnv())
     labels = splits.labels
     model_name = str(cfg.model.name)
     tokenizer = AutoTokenizer.from_pretrained(model_name)

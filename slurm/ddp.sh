@@ -56,7 +56,7 @@ die() {
 cd "$SLURM_SUBMIT_DIR"
 
 # --- The restart contract (trainer/exit_codes.py, docs/restarts.md) -----------------------
-# Each node runs `python -m trainer.torchrun`, which exits with its workers' verdict: 0 done,
+# Each node runs `python -m trainer.cli.torchrun`, which exits with its workers' verdict: 0 done,
 # 1 crash, 2 usage error, 75 preempted (saved), 76 node fault, 77 no progress. srun cannot pass
 # those on: with --kill-on-bad-exit the other nodes' tasks are terminated, and srun exits with
 # the highest code of all, 143 (a TERM) above a node's 76. So each node's relay writes its own
@@ -222,10 +222,10 @@ export PET_RDZV_ID
 args=("$@")
 [[ -n ${TRAINER_OUTPUT_DIR:-} ]] && args=("output_dir=$TRAINER_OUTPUT_DIR" "${args[@]}")
 
-# trainer.torchrun: torchrun itself, whose exit code is the workers' verdict (torchrun's own
+# trainer.cli.torchrun: torchrun itself, whose exit code is the workers' verdict (torchrun's own
 # is 1 whatever happened).
 torchrun_cmd=(
-    python -m trainer.torchrun --nnodes="$nnodes" --nproc-per-node="$nproc_per_node"
+    python -m trainer.cli.torchrun --nnodes="$nnodes" --nproc-per-node="$nproc_per_node"
     --rdzv-backend=trainer-c10d --rdzv-endpoint="$rdzv_host:$rdzv_port"
     --rdzv-conf=join_timeout="${TRAINER_JOIN_TIMEOUT:-600}" --max-restarts="${TRAINER_MAX_RESTARTS:-0}"
     -m trainer train "${args[@]}"

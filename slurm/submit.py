@@ -47,7 +47,7 @@ from pathlib import Path
 import cloudpickle
 import submitit
 
-from trainer.__main__ import main as trainer_main
+from trainer.cli.main import main as trainer_main
 from trainer.errors import TrainerError, report
 from trainer.exit_codes import MEANING, NODE_FAULTS_ENV, RETRYABLE_ENV, Exit
 from trainer.faults.preemption import received_signals
@@ -218,7 +218,7 @@ def sweep_tasks(args: argparse.Namespace) -> list[list[str]]:
     """Each array task's `python -m trainer train` arguments: the sweep's config file (written
     into output_dir) and the trial run's overrides, every run of the grid, checked first as
     `python -m trainer sweep` checks them."""
-    from trainer import config
+    from trainer.cli import config
     from trainer.sweep import command, plan, runs
 
     def load(more: list[str]):

@@ -28,7 +28,7 @@ from support.processes import kill_tree
 from support.runs import PYTHON, TESTS, Reference, Run, run_preloaded, tiny_overrides, train
 from support.weights import EXACT_STEPS, weights
 
-from trainer.launch import trainer_program
+from trainer.runtime.launch import trainer_program
 
 TIERS = ("unit", "e2e", "system")
 """tests/<tier>/: each test is marked with its folder's name, and the tiers run in this order."""
@@ -162,7 +162,7 @@ def one_rank_group():
     collectives are built as under torchrun. Yields that rank's DistEnv."""
     import torch.distributed as dist
 
-    from trainer.distributed import DistEnv
+    from trainer.runtime.distributed import DistEnv
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield DistEnv(master_addr="localhost", master_port=1)
@@ -172,7 +172,7 @@ def one_rank_group():
 @pytest.fixture(scope="session")
 def reviews(tmp_path_factory) -> Path:
     """600 train / 203 eval reviews: 203 is odd, so 2 ranks get unequal eval shards."""
-    from trainer.demo_data import generate
+    from trainer.data.demo import generate
 
     return generate(tmp_path_factory.mktemp("reviews"), num_train=600, num_test=203, seed=1)
 

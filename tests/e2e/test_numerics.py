@@ -21,9 +21,9 @@ from support.outputs import complete_steps, read_summary
 from support.runs import tiny_overrides, together, trainer_command
 from support.weights import compare_weights
 
-from trainer.data import GlobalBatchSampler
-from trainer.distributed import DistEnv
+from trainer.data.samplers import GlobalBatchSampler
 from trainer.exit_codes import Exit
+from trainer.runtime.distributed import DistEnv
 
 GLOBAL_BATCH, SEED = 16, 42
 SETTINGS = {"train.batch_size": 8, "train.max_steps": 12, "checkpoint.every": 5, "fault.max_bad_steps": 2,

@@ -1,4 +1,4 @@
-"""One job per output_dir (trainer/lease.py), with real runs: a second job on a folder that a
+"""One job per output_dir (trainer/runtime/lease.py), with real runs: a second job on a folder that a
 live job holds is refused on every rank before it reads or writes anything there, and a lease
 whose holder died is taken over. The first job is held still deterministically, frozen by
 TRAINER_FAULT_SIGSTOP as its step-4 save begins (step 2's checkpoint is written): the
@@ -21,7 +21,7 @@ from support.processes import kill_tree, wait_for
 from support.runs import BASE_ENV, launch, snapshot, tiny_overrides, trainer_command
 
 from trainer.exit_codes import Exit
-from trainer.lease import FILE, Holder
+from trainer.runtime.lease import FILE, Holder
 
 
 def test_a_second_job_is_refused_while_the_first_holds_the_folder(tiny_model, reviews, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from support.outputs import model_card, read_metrics, read_summary
 from support.runs import launch, run_preloaded, tiny_overrides, trainer_command
 
-from trainer import curves
+from trainer.outputs import curves
 
 SETTINGS = {"train.batch_size": 16, "train.max_steps": 24, "checkpoint.every": 4, "train.eval_every": 6,
             "tracking.curves": True, "tracking.tensorboard": True}

@@ -1,4 +1,4 @@
-"""`python -m trainer.stage` as a process of its own, where the claim needs one: a full disk
+"""`python -m trainer.cli.stage` as a process of its own, where the claim needs one: a full disk
 (a tmpfs in a mount namespace of the test's own) and huggingface_hub, which reads HF_ENDPOINT
 and HF_HOME once, when imported. The rest of staging, in process: tests/unit/test_stage.py."""
 
@@ -32,7 +32,7 @@ def test_a_full_disk_is_reported_as_one_and_not_retried(tmp_path):
     small.mkdir()
     dest = small / "data"
     with web({"train.csv": CSV.encode() * 1000}) as url:  # 361 KB
-        result = in_small_disk(small, [sys.executable, "-m", "trainer.stage", "--allow-http", "--to", str(dest),
+        result = in_small_disk(small, [sys.executable, "-m", "trainer.cli.stage", "--allow-http", "--to", str(dest),
                                        f"{url}/train.csv"])
     assert result.returncode == 2, result.stderr
     assert result.stderr == (f"error: {dest}: its volume is full (OSError: [Errno 28] No space left on device): "
@@ -43,7 +43,7 @@ def test_a_full_disk_is_reported_as_one_and_not_retried(tmp_path):
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"w" * 300_000)
     with FakeHub({"acme/big": model}) as hub:
-        result = in_small_disk(small, [sys.executable, "-m", "trainer.stage", "--model", "acme/big"],
+        result = in_small_disk(small, [sys.executable, "-m", "trainer.cli.stage", "--model", "acme/big"],
                                HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.endpoint, HF_HOME=str(small / "hf"))
     assert result.returncode == 2, result.stderr
     # huggingface_hub's progress bars and its warning share stderr: the error is one line of it.
@@ -53,9 +53,10 @@ def test_a_full_disk_is_reported_as_one_and_not_retried(tmp_path):
 
 
 def stage_command(args: list[str], hub, hf_home: Path, **env) -> subprocess.CompletedProcess:
-    """`python -m trainer.stage` in a process of its own: huggingface_hub reads HF_ENDPOINT and
+    """`python -m trainer.cli.stage` in a process of its own: huggingface_hub reads HF_ENDPOINT and
     HF_HOME once, when imported."""
-    return subprocess.run([sys.executable, "-m", "trainer.stage", *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-m", "trainer.cli.stage", *args], capture_output=True, text=True,
+                          timeout=60,
                           env={**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.endpoint,
                                "HF_HOME": str(hf_home), **env})
 

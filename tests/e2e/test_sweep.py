@@ -19,7 +19,7 @@ from support.processes import kill_tree
 from support.runs import BASE_ENV, PYTHON, REPO, failure_output, launch, tiny_overrides, trainer_command
 from support.weights import compare_weights
 
-from trainer.launch import trainer_program
+from trainer.runtime.launch import trainer_program
 from trainer.sweep.stats import t_interval
 
 GRID = "sweep.parameters={train.lr: [0.001, 0.01], train.warmup_ratio: [0.0, 0.5]}"

@@ -13,7 +13,7 @@ from support.outputs import read_metrics, read_summary
 from support.processes import kill_tree, wait_for
 from support.runs import BASE_ENV, PYTHON, REPO, failure_output, launch, tiny_overrides
 
-from trainer.launch import trainer_program
+from trainer.runtime.launch import trainer_program
 
 STEPS = 400
 """Enough for the signal, sent once both trials have logged a step, to find them training."""

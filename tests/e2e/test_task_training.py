@@ -25,16 +25,16 @@ from support.outputs import read_summary
 from support.runs import tiny_overrides, together, trainer_command
 from support.weights import compare_weights
 
-from trainer import demo_data
+from trainer.data import demo
 
 STEPS = 12
 SHAPES = {
     # task: (the generator of its file, the keys a user sets)
-    "single_label": (demo_data.sentiment, {"data.text_field": "review", "data.label_field": "sentiment",
+    "single_label": (demo.sentiment, {"data.text_field": "review", "data.label_field": "sentiment",
                                            "train.class_weights": "balanced", "train.label_smoothing": 0.1}),
-    "multi_label": (demo_data.complaints, {"data.label_field": "complaints", "data.problem_type": "multi_label",
+    "multi_label": (demo.complaints, {"data.label_field": "complaints", "data.problem_type": "multi_label",
                                            "train.class_weights": "balanced"}),
-    "regression": (demo_data.score, {"data.label_field": "score", "data.problem_type": "regression",
+    "regression": (demo.score, {"data.label_field": "score", "data.problem_type": "regression",
                                      "checkpoint.best_metric": "spearman"}),
 }
 METRICS = {"single_label": {"accuracy", "f1_macro", "loss"},
@@ -133,7 +133,7 @@ def test_each_task_trains_exactly_resumes_bitwise_and_answers_in_its_own_terms(t
     if task == "single_label":
         assert {answer[2] for answer in answered} <= {"negative", "neutral", "positive"}
     if task == "multi_label":
-        assert all(set(filter(None, answer[2].split("|"))) <= set(demo_data.COMPLAINED) for answer in answered)
+        assert all(set(filter(None, answer[2].split("|"))) <= set(demo.COMPLAINED) for answer in answered)
 
 
 def recomputed(task: str, rows: list[dict]) -> dict[str, float]:

@@ -212,7 +212,7 @@ def test_the_8b_full_fsdp_example_fits_when_sharded_over_16_gpus(usage_run):
 
 def test_check_at_the_launchs_world_size_refuses_a_global_batch_it_cannot_split(usage_run, tiny_model, reviews,
                                                                                  tmp_path):
-    """The launchers pass their world size to `check` (ddp.sh, submit.py, trainer.torchrun):
+    """The launchers pass their world size to `check` (ddp.sh, submit.py, trainer.cli.torchrun):
     a global batch every rank would refuse after the rendezvous is one line before it; `check`
     without one plans for 8 ranks and only warns."""
     overrides = tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"train.global_batch": 8})

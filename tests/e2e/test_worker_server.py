@@ -1,4 +1,4 @@
-"""The train loader's worker server (data.start_worker_server) on its own, with a stand-in rank:
+"""The train loader's worker server (worker_server.start_worker_server) on its own, with a stand-in rank:
 a process that starts it and reads batches from a one-worker loader, as training does. The
 trainer's runs hold the same in tests/e2e/test_no_hang.py."""
 
@@ -16,12 +16,12 @@ RANK = """
 import sys
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
-from trainer import data
+from trainer.data import worker_server
 
 cfg = OmegaConf.create({"data": {"num_workers": 1}, "fault": {"preempt_signals": ["SIGTERM", "SIGUSR1"]}})
-data.start_worker_server(cfg)
+worker_server.start_worker_server(cfg)
 batches = iter(DataLoader(list(range(100)), batch_size=2, num_workers=1, persistent_workers=True,
-                          multiprocessing_context="forkserver", worker_init_fn=data._init_worker))
+                          multiprocessing_context="forkserver", worker_init_fn=worker_server.init_worker))
 for _ in sys.stdin:  # a line asks for the next batch
     print(next(batches).tolist(), flush=True)
 """

@@ -61,7 +61,7 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
-    from trainer.demo_data import generate
+    from trainer.data.demo import generate
 
     base = Path(tempfile.mkdtemp(prefix="determinism-"))
     model = make_tiny_model(base / "model", dropout=0.1)

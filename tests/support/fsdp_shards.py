@@ -1,6 +1,6 @@
 """What one FSDP rank holds, from its local shards, beside the memory plan: run under
 torchrun by tests/e2e/test_fsdp.py. For each case, builds the model as a training run does
-(trainer/build.py), takes one optimizer step, then prints one JSON line per rank: the case, its
+(trainer/train/build.py), takes one optimizer step, then prints one JSON line per rank: the case, its
 local bytes of weights, gradients and AdamW state, the whole model's, and the plan's.
 
 Arguments: one or more cases, each `case=NAME` then its config overrides (`case=full a=1 b=2
@@ -14,8 +14,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer import build, config, distributed, labels
+from trainer.cli import config
+from trainer.data import labels
 from trainer.preflight import memory
+from trainer.runtime import distributed
+from trainer.train import build
 
 dist_env, cpu = distributed.read_env(), torch.device("cpu")
 dist.init_process_group("gloo")

@@ -54,7 +54,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     points = [f"{rng.randrange(2)}:{rng.randint(2, STEPS)}" for _ in range(args.points)]
 
-    from trainer.demo_data import generate
+    from trainer.data.demo import generate
 
     base = Path(tempfile.mkdtemp(prefix="kill-drill-"))
     model = make_tiny_model(base / "model", dropout=0.1)

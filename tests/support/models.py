@@ -97,7 +97,7 @@ def _tiny_tokenizer(family: str):
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from trainer.demo_data import review
+    from trainer.data.demo import review
 
     rng = random.Random(0)
     texts = [review(rng, rng.randrange(5)) for _ in range(500)]

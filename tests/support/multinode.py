@@ -15,7 +15,7 @@ from pathlib import Path
 from support import preloaded
 from support.netns import Network
 from support.runs import BASE_ENV, REPO
-from trainer.launch import torchrun_argv, trainer_program
+from trainer.runtime.launch import torchrun_argv, trainer_program
 
 RDZV_PORT = 29400
 

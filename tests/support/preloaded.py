@@ -1,4 +1,4 @@
-"""`python -m trainer` and `python -m trainer.torchrun` without their seconds of imports.
+"""`python -m trainer` and `python -m trainer.cli.torchrun` without their seconds of imports.
 
 On this suite's 2-core machine most of the CPU a short training run takes is the interpreter's
 start and its imports: 3-4 s for torch, transformers and datasets, in every process. Here one
@@ -11,7 +11,7 @@ server only imports: it computes nothing, so it has no thread pool to fork (its 
 thread is jemalloc's, from pyarrow, whose fork handlers keep a child's allocator sound).
 
 runs.launch runs here the usage errors, the one process that 2 ranks must equal, and
-torchrun itself (trainer.torchrun: the launcher's own code, forked). torchrun's workers are
+torchrun itself (trainer.cli.torchrun: the launcher's own code, forked). torchrun's workers are
 forked too, from its agent (`_fork_ranks`): started fresh, each imported for 5-6 s of CPU, and
 test_two_ranks_match_one_process took 47 s of CPU, against 22 s with forked workers (the e2e
 tier, alone on 2 cores: 158 tests in 933 s). Torchrun's own code still starts, polls, signals
@@ -52,19 +52,19 @@ import psutil
 
 PRELOAD = ["torch", "datasets", "transformers", "transformers.modeling_utils", "transformers.models.bert.modeling_bert",
            "transformers.optimization", "transformers.tokenization_utils_tokenizers", "torch.profiler",
-           "trainer.config", "trainer.distributed", "trainer.build", "trainer.loop", "trainer.predict",
-           "trainer.evaluation", "trainer.exit_codes", "trainer.strategies.registry", "trainer.tasks",
-           "trainer.compression", "trainer.lease", "trainer.preflight.data_check", "trainer.preflight.memory",
+           "trainer.cli.main", "trainer.cli.config", "trainer.runtime.distributed", "trainer.train.build",
+           "trainer.train.loop", "trainer.cli.predict", "trainer.train.evaluation", "trainer.exit_codes",
+           "trainer.strategies.registry", "trainer.tasks", "trainer.strategies.compression",
+           "trainer.runtime.lease", "trainer.preflight.data_check", "trainer.preflight.memory",
            "trainer.faults.watchdog", "torch.distributed.run"]
-"""What `python -m trainer` and `python -m trainer.torchrun` import, the first time they use it
+"""What `python -m trainer` and `python -m trainer.cli.torchrun` import, the first time they use it
 too (transformers.optimization, for the LR schedule, takes 0.6 s: it imports peft), and the
-tiny test models' modeling code. Not the modules run as __main__ (trainer.__main__,
-trainer.torchrun): each child runs its own afresh, and runpy warns about a module it finds
-imported already."""
+tiny test models' modeling code. Not trainer.cli.torchrun, which its children run as __main__:
+each runs its own afresh, and runpy warns about a module it finds imported already."""
 
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 FORKED_RANKS_ENV = "TESTS_FORKED_RANKS"
-"""Set to 1 in a `python -m trainer.torchrun` run's environment: its workers are forked (`_fork_ranks`)."""
+"""Set to 1 in a `python -m trainer.cli.torchrun` run's environment: its workers are forked (`_fork_ranks`)."""
 _PRISTINE_SIGNALS: dict[int, Any] = {}
 """Every signal's disposition in the server, as a fresh interpreter has it."""
 
@@ -95,7 +95,7 @@ def _preload() -> None:
 
 
 def run_once(module: str, args: list[str]) -> None:
-    """`python preloaded.py --run trainer.torchrun ARGS`: no server, this process becomes the
+    """`python preloaded.py --run trainer.cli.torchrun ARGS`: no server, this process becomes the
     launcher, and forks its workers (`_fork_ranks`, as the environment asks).
     For a launcher that must be a process of its own making, in a place a server cannot reach:
     a node in a network namespace (support/multinode.py) starts it there. It imports when it
@@ -161,8 +161,8 @@ def _become(module: str, args: list[str]) -> int:
     workers forked from it (`_fork_ranks`), and a sweep's runs from a fork of it (`_fork_trials`),
     where the environment asks for forks."""
     if os.environ.get(FORKED_RANKS_ENV) == "1":
-        if module == "trainer.torchrun" and os.environ.get("TRAINER_CHECK", "") in ("", "0"):
-            _fork_ranks()  # not with trainer/torchrun.py's check, which computes in the agent
+        if module == "trainer.cli.torchrun" and os.environ.get("TRAINER_CHECK", "") in ("", "0"):
+            _fork_ranks()  # not with trainer/cli/torchrun.py's check, which computes in the agent
         elif module == "trainer" and args[:1] == ["sweep"]:
             _fork_trials()
     return _run_module(module, args)
@@ -267,7 +267,7 @@ class _ForkedRank:
 
 
 def _fork_trials() -> None:
-    """A sweep's runs (`python -m trainer.torchrun ...`, and `python -m trainer evaluate ...` for a
+    """A sweep's runs (`python -m trainer.cli.torchrun ...`, and `python -m trainer evaluate ...` for a
     fold) forked from a zygote instead of exec'd: a fork of this process made now, before the
     sweep runs and starts Optuna's threads and its own, so that it holds no lock a thread of
     the sweep could have held. trainer/sweep/runs.py's Popen is replaced by `_ZygoteSpawner`'s:
@@ -357,7 +357,7 @@ class _ZygoteSpawner:
         return getattr(subprocess, name)  # TimeoutExpired, STDOUT, DEVNULL, ...
 
     def Popen(self, argv: list[str], env: dict[str, str], stdout, **kwargs) -> Any:
-        if list(argv[:3]) not in ([sys.executable, "-m", "trainer.torchrun"], [sys.executable, "-m", "trainer"]):
+        if list(argv[:3]) not in ([sys.executable, "-m", "trainer.cli.torchrun"], [sys.executable, "-m", "trainer"]):
             return subprocess.Popen(argv, env=env, stdout=stdout, **kwargs)
         with self._lock:
             socket.send_fds(self._sock, [json.dumps({"argv": list(argv), "env": env}).encode()], [stdout.fileno()])

@@ -19,7 +19,7 @@ import pytest
 
 from support import preloaded
 from support.processes import kill_tree
-from trainer.launch import torchrun_argv, trainer_program
+from trainer.runtime.launch import torchrun_argv, trainer_program
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -120,7 +120,7 @@ IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH",
 say): a run that sets any of it needs an interpreter of its own, not a preloaded one."""
 
 
-PRELOADED_MODULES = ("trainer", "trainer.torchrun")
+PRELOADED_MODULES = ("trainer", "trainer.cli.torchrun")
 
 
 def run_preloaded(module: str, args: list[str], env: dict | None = None, timeout: float = 300) -> Run:
@@ -141,14 +141,14 @@ def run_preloaded(module: str, args: list[str], env: dict | None = None, timeout
 
 def launch(cmd: list[str], env: dict | None = None, timeout: float = 300) -> Run:
     """`run(cmd)`; `python -m trainer` (the 1 process that 2 ranks must equal) and
-    `python -m trainer.torchrun` forked from a preloaded server instead, unless the environment
+    `python -m trainer.cli.torchrun` forked from a preloaded server instead, unless the environment
     sets what is read at import. torchrun's workers are forked from it too (tests/preloaded.py);
     TESTS_FORKED_RANKS=0 in pytest's environment starts them as fresh interpreters, as a user's
     are, for a run of the e2e tier that shows the two ways agree."""
     env = env or {}
     if (cmd[:2] == [PYTHON, "-m"] and cmd[2] in PRELOADED_MODULES
             and not any(key.startswith(IMPORT_TIME_ENV) for key in env)):
-        if cmd[2] == "trainer.torchrun" or cmd[3:4] == ["sweep"]:
+        if cmd[2] == "trainer.cli.torchrun" or cmd[3:4] == ["sweep"]:
             env = {preloaded.FORKED_RANKS_ENV: os.environ.get(preloaded.FORKED_RANKS_ENV, "1"), **env}
         return run_preloaded(cmd[2], cmd[3:], env, timeout)
     return run(cmd, timeout=timeout, env=env)

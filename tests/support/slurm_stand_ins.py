@@ -2,7 +2,7 @@
 a second or two a job: its exit-code mapping, its requeues, what it hands a container.
 
 - `fake_venv(folder)`: a TRAINER_VENV whose `python` answers `-m trainer check` with 0 and
-  `-m trainer.torchrun ...` as FAKE_TORCHRUN says, per attempt and node, after writing its
+  `-m trainer.cli.torchrun ...` as FAKE_TORCHRUN says, per attempt and node, after writing its
   argv and environment to FAKE_OUT/torchrun.ATTEMPT.NODE. FAKE_TORCHRUN holds rules
   `ATTEMPT:NODE=ACTION` (NODE may be `*`); ACTION is an exit code, `CODE>HOST` (append HOST to
   $TRAINER_NODE_FAULTS, as a rank that suspects HOST does, then exit CODE), or `hang` (until
@@ -22,7 +22,7 @@ attempt=${SLURM_RESTART_COUNT:-0}
 node=$(uname -n)
 case "$1 $2" in
     "-m trainer") exit 0 ;;
-    "-m trainer.torchrun") ;;
+    "-m trainer.cli.torchrun") ;;
     *) echo "fake python: not a call slurm/ddp.sh makes: $*" >&2; exit 99 ;;
 esac
 { echo "argv: $*"; env; } > "$FAKE_OUT/torchrun.$attempt.$node"

@@ -75,7 +75,7 @@ def test_compose_files_are_valid_and_describe_two_one_gpu_nodes():
         assert len(device["device_ids"]) == 1 and "count" not in device
         device_ids += device["device_ids"]
         command = service["command"]
-        assert command[:3] == ["python", "-m", "trainer.torchrun"]  # torchrun, with the restart verdict
+        assert command[:3] == ["python", "-m", "trainer.cli.torchrun"]  # torchrun, with the restart verdict
         assert option(command, "--nnodes") == "2"
         assert option(command, "--nproc-per-node") == "1"  # one process per reserved GPU
         assert option(command, "--rdzv-backend") == "trainer-c10d"

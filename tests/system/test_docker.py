@@ -64,7 +64,7 @@ def test_the_image_runs_as_its_user_and_its_command_resolves(engine, app_image):
     assert app_image.config["Entrypoint"] == ["tini", "--"]
     cmd = app_image.config["Cmd"]
     launcher = cmd[: cmd.index("--nproc-per-node=gpu")]
-    assert launcher == ["python", "-m", "trainer.torchrun"], cmd  # torchrun, with the restart verdict
+    assert launcher == ["python", "-m", "trainer.cli.torchrun"], cmd  # torchrun, with the restart verdict
     module, command, *trainer_args = cmd[cmd.index("-m", len(launcher)) + 1:]
     assert (module, command) == ("trainer", "train")
     outputs = ("import glob, os, yaml\n"
@@ -118,7 +118,7 @@ def test_the_image_trains_its_demo_on_a_fresh_volume_and_its_model_loads_in_anot
     volume = tmp_path / "workspace"
     volume.mkdir()
     volume.chmod(0o777)
-    train = Container("train", ["python", "-m", "trainer.torchrun", "--nproc-per-node=2", "-m", "trainer", "train",
+    train = Container("train", ["python", "-m", "trainer.cli.torchrun", "--nproc-per-node=2", "-m", "trainer", "train",
                                 "-c", "configs/demo.yaml", "data.max_train_samples=192", "data.max_eval_samples=64",
                                 "train.max_steps=4", "train.eval_every=2", "checkpoint.every=2", "wandb.mode=offline"],
                       volumes=[f"{volume}:/workspace"])

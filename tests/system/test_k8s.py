@@ -54,7 +54,7 @@ from support.processes import wait_for
 from support.runs import REPO
 from support.users import UID
 
-from trainer import stage
+from trainer.cli import config, stage
 from trainer.exit_codes import Exit, for_launcher
 
 SCHEMAS = REPO / "tests/schemas"
@@ -203,11 +203,11 @@ def test_manifests_follow_our_rules():
         container = pod.container
         assert container["image"] == IMAGE
         # tini as PID 1 (a `command:` replaces the image's entrypoint), then torchrun through
-        # trainer.torchrun (its exit code is the verdict), with no rendezvous flags.
-        assert container["command"][:6] == ["tini", "--", "python", "-m", "trainer.torchrun", "-m"], \
+        # trainer.cli.torchrun (its exit code is the verdict), with no rendezvous flags.
+        assert container["command"][:6] == ["tini", "--", "python", "-m", "trainer.cli.torchrun", "-m"], \
             container["command"]
         assert not [arg for arg in container["command"][6:] if arg.startswith("--")], container["command"]
-        # The data checked before any rank starts (trainer.torchrun's TRAINER_CHECK).
+        # The data checked before any rank starts (trainer.cli.torchrun's TRAINER_CHECK).
         assert {e["name"]: e.get("value") for e in container["env"]}["TRAINER_CHECK"] == "1"
         assert pod.annotations["sidecar.istio.io/inject"] == "false"
         assert pod.spec["securityContext"]["runAsNonRoot"] is True
@@ -836,7 +836,7 @@ def test_the_staging_job_runs_as_the_trainer_does_and_fails_at_once_on_a_usage_e
     assert pod.spec["automountServiceAccountToken"] is False and pod.spec["restartPolicy"] == "Never"
     claims = {v["persistentVolumeClaim"]["claimName"] for v in pod.spec["volumes"] if "persistentVolumeClaim" in v}
     assert claims == {k8s_objects()["PersistentVolumeClaim"]["metadata"]["name"]}
-    assert pod.container["command"][:6] == ["tini", "--", "python", "-m", "trainer.stage", "--to"]
+    assert pod.container["command"][:6] == ["tini", "--", "python", "-m", "trainer.cli.stage", "--to"]
     (rule,) = STAGE_JOB["spec"]["podFailurePolicy"]["rules"]
     assert rule == {"action": "FailJob", "onExitCodes": {"containerName": pod.container["name"], "operator": "In",
                                                          "values": [int(Exit.USAGE)]}}
@@ -857,9 +857,9 @@ def test_a_users_overlay_trains_on_data_and_a_model_a_staging_job_put_on_the_pvc
     them, on one PVC; the Hub (on the web host) is gone before training starts."""
     from support.fake_hub import commit
 
-    from trainer import demo_data
+    from trainer.data import demo
 
-    rows = demo_data.sentiment(tmp_path / "generated", rows=240).read_text().splitlines(keepends=True)
+    rows = demo.sentiment(tmp_path / "generated", rows=240).read_text().splitlines(keepends=True)
     served, volume = tmp_path / "served", tmp_path / "claims/my-existing-claim"
     served.mkdir()
     volume.mkdir(parents=True)
@@ -1050,15 +1050,14 @@ def test_katib_trial_pods_pass_our_pod_rules_and_worker_0_reports(katib, tmp_pat
 
 def test_katib_trial_commands_pass_the_trainers_config_check(katib, reviews, tmp_path):
     """Every grid point's command line, loaded as `python -m trainer check` loads it
-    (trainer.torchrun's TRAINER_CHECK runs it on the same arguments), with the ConfigMap's
+    (trainer.cli.torchrun's TRAINER_CHECK runs it on the same arguments), with the ConfigMap's
     config (its data.path, the image's demo data, here the test reviews): the trial's values
     are the config's; a value the schema refuses fails here as it would in the pod."""
     from support.katib import grid
 
-    from trainer import config
-    from trainer.__main__ import command_args, parse_args
+    from trainer.cli.main import command_args, parse_args
+    from trainer.cli.torchrun import training_args
     from trainer.errors import ConfigError
-    from trainer.torchrun import training_args
 
     file = tmp_path / "config.yaml"
     file.write_text(katib["ConfigMap"]["data"]["config.yaml"].replace("/app/data/reviews", str(reviews)))
@@ -1092,7 +1091,7 @@ def test_katib_collector_reads_the_objective_the_run_reports(katib, tiny_model, 
     from support.outputs import read_summary
     from support.runs import tiny_overrides, train
 
-    from trainer.summary import done_line
+    from trainer.outputs.summary import done_line
     from trainer.tasks.base import Task
     from trainer.tasks.single_label import SingleLabel
 
@@ -1108,7 +1107,8 @@ def test_katib_collector_reads_the_objective_the_run_reports(katib, tiny_model, 
     best = {**summary, "final_model_step": 1, "best": {"metric": "loss"},
             "final_eval": {**summary["final_eval"], metric: 0.25}, "last_step_eval": {**summary["final_eval"],
                                                                                   metric: 0.75}}
-    assert collect_text(f"x INFO trainer.loop: {done_line(best, scores)}\n", [metric], filters) == [(metric, "0.2500")]
+    line = f"x INFO trainer.train.loop: {done_line(best, scores)}\n"
+    assert collect_text(line, [metric], filters) == [(metric, "0.2500")]
 
     logged = (out / "metrics.jsonl").read_text()
     assert f'"eval/{metric}": ' in logged

@@ -567,7 +567,7 @@ def public():
 
 
 def torchrun_line(job_id: str) -> list[str]:
-    return ["python", "-m", "trainer.torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=trainer-c10d",
+    return ["python", "-m", "trainer.cli.torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=trainer-c10d",
             f"--rdzv-endpoint=node1:{20000 + int(job_id) % 12000}", "--rdzv-conf=join_timeout=60",
             "--max-restarts=0", "-m", "trainer", "train", "-c", "configs/demo.yaml"]
 

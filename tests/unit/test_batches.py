@@ -1,4 +1,4 @@
-"""The training batches as the loop reads them (trainer/data.py): BatchPlan's split of the
+"""The training batches as the loop reads them (trainer/data/): BatchPlan's split of the
 global batch, micro_batches over a real DataLoader at world sizes 1, 2 and 3 across epoch
 boundaries and from a resumed step, and the data position a checkpoint saves and a resume
 checks. The sampler alone, at more world sizes, and the ledger's digest: tests/unit/test_elastic_plan.py."""
@@ -13,12 +13,13 @@ import pytest
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from trainer.batch_plan import BatchPlan
-from trainer.config import TrainConfig
-from trainer.data import Data, GlobalBatchSampler, check_position, micro_batches, position
-from trainer.distributed import DistEnv
+from trainer.config.schema import TrainConfig
+from trainer.data.batch_plan import BatchPlan
+from trainer.data.labels import IDS, Labels, placeholder_names
+from trainer.data.loaders import Data, check_position, micro_batches, position
+from trainer.data.samplers import GlobalBatchSampler
 from trainer.errors import CheckpointError, ConfigError
-from trainer.labels import IDS, Labels, placeholder_names
+from trainer.runtime.distributed import DistEnv
 
 SAMPLES, GLOBAL_BATCH, BATCH_SIZE = 50, 6, 3  # 8 steps per epoch; 2 samples dropped from each
 THREE_CLASSES = Labels("single_label", placeholder_names(3), "data.num_labels", IDS)

@@ -1,4 +1,4 @@
-"""trainer/build.py, the one way to build a run: doctor's forecast times the very step that
+"""trainer/train/build.py, the one way to build a run: doctor's forecast times the very step that
 training runs, so that what changes in the step (the comm hook, the gradient sync of
 accumulation, clipping) changes both, with nothing to mirror in trainer/preflight/forecast.py."""
 
@@ -8,11 +8,13 @@ import pytest
 import torch
 from support.runs import tiny_overrides
 
-from trainer import build, config, labels
-from trainer.batch_plan import BatchPlan
-from trainer.distributed import DistEnv
+from trainer.cli import config
+from trainer.data import labels, loaders, reading
+from trainer.data.batch_plan import BatchPlan
 from trainer.preflight import forecast
-from trainer.step import StepObserver, TrainStep
+from trainer.runtime.distributed import DistEnv
+from trainer.train import build
+from trainer.train.step import StepObserver, TrainStep
 
 
 @pytest.fixture
@@ -85,14 +87,13 @@ def test_evaluate_loads_a_checkpoint_into_the_architecture_training_builds(run_c
 def test_doctor_times_the_runs_own_save(run_config, tmp_path, monkeypatch):
     """grace.time_save times the Checkpointer a run saves with, in its strategy's format, with
     every state of the run (a LoRA run saves what trains alone); the scratch folder goes after."""
-    from trainer import data
     from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.preflight import grace
 
     cfg = run_config(**{"model.lora.r": 4})
     env, cpu = DistEnv(), torch.device("cpu")
     built = build.build(cfg, env, cpu, labels.from_config(cfg.data), max_steps=1)
-    run_data = data.build(cfg, env, data.load(cfg, env), built.tokenizer, cpu, BatchPlan.of(cfg.train, 1))
+    run_data = loaders.build(cfg, env, reading.load(cfg, env), built.tokenizer, cpu, BatchPlan.of(cfg.train, 1))
     saved = []
     real_save = Checkpointer.save
     monkeypatch.setattr(Checkpointer, "save", lambda self, step, states, config_yaml, keep_also=None: (
@@ -153,6 +154,6 @@ def test_every_part_of_the_training_step_runs_inside_a_phase(run_config):
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(4, dtype=torch.long)}
     tried = built.step([batch, batch], 1, Recorder())
     per_micro_batch = ["micro_batch", "phase:forward", "phase:backward"]
-    # The step's time ends with it; its verdict comes when the host reads it (trainer/step.py).
+    # The step's time ends with it; its verdict comes when the host reads it (trainer/train/step.py).
     assert calls == [*per_micro_batch, *per_micro_batch, "phase:optimizer", "phase:None"]
     assert tried.taken and calls[-1] == "step_done"

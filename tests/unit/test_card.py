@@ -1,4 +1,4 @@
-"""The model card (trainer/card.py): what huggingface_hub's own parser reads back from it,
+"""The model card (trainer/outputs/card.py): what huggingface_hub's own parser reads back from it,
 for final/ and for an adapter's folder, and what it tells a reader."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ from huggingface_hub import ModelCard
 from support.models import LABEL_NAMES
 from support.runs import tiny_overrides
 
-from trainer import card, config, labels
+from trainer.cli import config
+from trainer.data import labels
+from trainer.outputs import card
 
 FINAL = {"accuracy": 0.8125, "f1_macro": 0.7, "loss": 0.61}
 TEST = {"accuracy": 0.75, "f1_macro": 0.65, "loss": 0.7}

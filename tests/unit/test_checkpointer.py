@@ -13,8 +13,8 @@ from trainer.checkpoint import formats, resume
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.rng import ProcessRNG
 from trainer.checkpoint.store import MARKER, read_state, verify
-from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError, ConfigError
+from trainer.runtime.distributed import DistEnv
 
 
 class Position:

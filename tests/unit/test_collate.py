@@ -1,4 +1,4 @@
-"""trainer.data.Collate pads in numpy what transformers' DataCollatorWithPadding pads row by
+"""trainer.data.loaders.Collate pads in numpy what transformers' DataCollatorWithPadding pads row by
 row in Python: the same tensors, bit for bit, for every family's padding side, text pairs,
 each task's labels and both padding policies."""
 
@@ -9,15 +9,15 @@ import random
 import pytest
 import torch
 
-from trainer.data import Collate
-from trainer.demo_data import review
+from trainer.data.demo import review
+from trainer.data.loaders import Collate
 
 
 def tokenizer_of(folder, family: str):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    if tokenizer.pad_token is None:  # as trainer.model gives GPT-2's and Llama's
+    if tokenizer.pad_token is None:  # as trainer.model.pretrained gives GPT-2's and Llama's
         tokenizer.pad_token = tokenizer.eos_token
     assert tokenizer.padding_side == ("left" if family == "llama" else "right")
     return tokenizer

@@ -1,4 +1,4 @@
-"""train.compile: each transformer block's forward compiled in place (trainer/model.py), under
+"""train.compile: each transformer block's forward compiled in place (trainer/model/pretrained.py), under
 any strategy, FSDP2's included. Compiled here with torch's "eager" backend: the graphs and
 graph breaks are dynamo's, whatever backend then makes kernels of them, and the steps are the
 uncompiled ones, bit for bit, so that is asserted too. Inductor's kernels are the GPU check's
@@ -10,10 +10,13 @@ import pytest
 import torch
 from support.runs import tiny_overrides
 
-from trainer import build, config, labels, model
-from trainer.distributed import DistEnv
-from trainer.perf_counts import CompileCounts
-from trainer.step import StepObserver
+from trainer.cli import config
+from trainer.data import labels
+from trainer.model import pretrained
+from trainer.runtime.distributed import DistEnv
+from trainer.train import build
+from trainer.train.perf_counts import CompileCounts
+from trainer.train.step import StepObserver
 
 LENGTHS = [9, 16, 23, 5, 31]
 """Batch lengths as a run meets them: every one different."""
@@ -21,10 +24,10 @@ LENGTHS = [9, 16, 23, 5, 31]
 
 def test_null_compiles_on_a_gpu_for_long_runs_only():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert model.compiles(None, cuda, model.COMPILE_AFTER_STEPS)
-    assert not model.compiles(None, cuda, model.COMPILE_AFTER_STEPS - 1)
-    assert not model.compiles(None, cpu, 10**6)
-    assert model.compiles(True, cpu, 1) and not model.compiles(False, cuda, 10**6)
+    assert pretrained.compiles(None, cuda, pretrained.COMPILE_AFTER_STEPS)
+    assert not pretrained.compiles(None, cuda, pretrained.COMPILE_AFTER_STEPS - 1)
+    assert not pretrained.compiles(None, cpu, 10**6)
+    assert pretrained.compiles(True, cpu, 1) and not pretrained.compiles(False, cuda, 10**6)
 
 
 def micro_batch(length: int, seed: int) -> dict[str, torch.Tensor]:
@@ -37,7 +40,7 @@ def micro_batch(length: int, seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def eager_backend(monkeypatch):
-    monkeypatch.setattr(model, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(pretrained, "COMPILE_BACKEND", "eager")
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

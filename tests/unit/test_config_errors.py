@@ -2,7 +2,7 @@
 
 Table-driven: overrides, config files and launcher environments, each wrong in one way,
 checked in process by what `python -m trainer train` runs before its rendezvous:
-trainer.config.load, then trainer.__main__.train_preflight on the launch environment (a
+trainer.cli.config.load, then trainer.cli.main.train_preflight on the launch environment (a
 mapping here, os.environ in a run). That the CLI prints such an error as one `error:` line,
 exits 2 with no traceback and writes nothing, on every rank, is tests/e2e/test_usage_errors.py's,
 with the mistakes only real data or a model show.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from support.runs import tiny_overrides
 
-from trainer import config
-from trainer.__main__ import train_preflight
+from trainer.cli import config
+from trainer.cli.main import train_preflight
 from trainer.errors import TrainerError
 
 
@@ -67,11 +67,12 @@ BAD_OVERRIDES = [
     ("neither-steps-nor-epochs", ["train.max_steps=null"],
      "train.max_steps, train.epochs: set exactly one of them (neither"),
     ("eval-every-word", ["train.eval_every=daily"], "train.eval_every: must be a step count >= 0 or `epoch`"),
-    ("unknown-best-metric", ["checkpoint.best_metric=f1"], "checkpoint.best_metric: must be one of accuracy, f1_macro"),
+    ("unknown-best-metric", ["checkpoint.best_metric=f1"],
+     "checkpoint.best_metric: f1 is not a metric of data.problem_type=single_label (accuracy, f1_macro, loss)"),
     ("another-tasks-metric", ["checkpoint.best_metric=mse"],
      "checkpoint.best_metric: mse is not a metric of data.problem_type=single_label (accuracy, f1_macro, loss)"),
     ("negative-patience", ["train.early_stopping_patience=-1"], "train.early_stopping_patience: must be >= 0"),
-    ("patience-without-metric", ["train.early_stopping_patience=2"],
+    ("patience-without-metric", ["train.early_stopping_patience=2", "train.eval_every=1"],
      "train.early_stopping_patience: needs checkpoint.best_metric"),
     ("best-at-end-without-metric", ["checkpoint.load_best_at_end=true"], "checkpoint.load_best_at_end: needs"),
     ("label-names-count", ["data.label_names=[bad,good]"], "data.label_names: expected 5 names (data.num_labels)"),
@@ -92,6 +93,7 @@ BAD_OVERRIDES = [
     ("bf16-base-fp32-compute", ["model.dtype=bf16", "model.lora.r=8", "train.precision=fp32"],
      "model.dtype: bf16 weights need bf16 compute, but train.precision is fp32"),
     ("unknown-base-dtype", ["model.dtype=fp16"], "model.dtype"),
+    ("unknown-strategy", ["train.strategy=hsdp"], "train.strategy: must be one of ddp, fsdp, dp, got 'hsdp'"),
     ("hook-without-ddp", ["train.strategy=fsdp", "ddp.comm_hook=powersgd"],
      "ddp.comm_hook: powersgd compresses DDP's all-reduce, and train.strategy=fsdp has none"),
     ("powersgd-rank-zero", ["ddp.powersgd_rank=0"], "ddp.powersgd_rank: must be >= 1"),

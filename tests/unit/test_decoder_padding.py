@@ -7,12 +7,12 @@ import pytest
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_left_padding_leaves_each_samples_logits_alone(decoder_models, family):
     """What a sample's logits are must not depend on how far its batch pads it: under left
-    padding, positions count from each row's first real token (trainer.data.Collate).
+    padding, positions count from each row's first real token (trainer.data.loaders.Collate).
     GPT-2's learned absolute positions show it most; Llama's rotary ones up to rounding."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from trainer.data import Collate
+    from trainer.data.loaders import Collate
 
     folder = decoder_models(family, dropout=0.0)
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")

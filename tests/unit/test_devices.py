@@ -15,12 +15,12 @@ import torch
 from omegaconf import OmegaConf
 
 from trainer.checkpoint.writer import host_copy
-from trainer.distributed import DistEnv, granted_gpus, has_native_bf16, pick_device, resolve_precision
+from trainer.data.labels import Labels
 from trainer.errors import LaunchError
-from trainer.flops import peak_flops
-from trainer.labels import Labels
+from trainer.runtime.distributed import DistEnv, granted_gpus, has_native_bf16, pick_device, resolve_precision
 from trainer.strategies.base import LogitsUnderAutocast
 from trainer.tasks import registry as tasks
+from trainer.train.flops import peak_flops
 
 TWO_LOCAL_RANKS = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1",
                           master_port=29500)
@@ -235,8 +235,8 @@ def test_an_unknown_peak_is_unknown_not_a_measured_guess(monkeypatch, name, dtyp
 
 def test_mfu_is_logged_as_unknown_without_a_peak():
     """The whole window of a run on a GPU whose peak is unknown: MFU null, not a number."""
-    from trainer.flops import FlopModel
-    from trainer.metrics import Meter
+    from trainer.train.flops import FlopModel
+    from trainer.train.metrics import Meter
 
     meter = Meter(DistEnv(), torch.device("cpu"), 16, FlopModel(1000, 2, 32), max_steps=1)
     meter.begin(0)

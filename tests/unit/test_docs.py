@@ -53,7 +53,7 @@ def test_config_reference_is_generated_from_the_schema():
 def test_every_schema_key_is_in_the_reference():
     from omegaconf import OmegaConf
 
-    from trainer.config import Config
+    from trainer.config.schema import Config
 
     table = _generator().render()
     missing = [key for key in _flat_keys(OmegaConf.to_container(OmegaConf.structured(Config)))
@@ -123,18 +123,18 @@ def test_files_the_docs_name_exist():
 
 
 def test_the_demo_data_commands_the_readme_shows_run_as_written(tmp_path, monkeypatch):
-    """The README's `python -m trainer.demo_data` (the demo's, without its folder) and its
+    """The README's `python -m trainer.data.demo` (the demo's, without its folder) and its
     "Your own data" one, run with their arguments as shown."""
     import sys
 
-    from trainer import demo_data
+    from trainer.data import demo
 
-    commands = re.findall(r"python -m trainer\.demo_data([^`#\n]*)", (REPO / "README.md").read_text())
+    commands = re.findall(r"python -m trainer\.data\.demo([^`#\n]*)", (REPO / "README.md").read_text())
     assert [args.split() for args in commands] == [[], ["data/sentiment", "--shape", "sentiment"]]
     monkeypatch.chdir(tmp_path)
     for args in commands:
-        monkeypatch.setattr(sys, "argv", ["python -m trainer.demo_data", *args.split()])
-        demo_data.main()
+        monkeypatch.setattr(sys, "argv", ["python -m trainer.data.demo", *args.split()])
+        demo.main()
     assert (tmp_path / "data" / "reviews" / "train.jsonl").is_file()
     assert (tmp_path / "data" / "sentiment" / "reviews.csv").is_file()
 

@@ -9,10 +9,11 @@ import socket
 import pytest
 import torch
 
-from trainer import config, distributed
-from trainer.distributed import DistEnv
+from trainer.cli import config
 from trainer.errors import CheckpointError
 from trainer.preflight import doctor
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 
 
 @pytest.mark.parametrize("error, line", [
@@ -53,11 +54,11 @@ def test_the_forecast_times_the_step_with_no_loader_worker_server_starting_besid
     PowerSGD; benchmarks/RESULTS.md, 2026-11-28). The forecast builds its data without workers."""
     from support.runs import tiny_overrides
 
-    from trainer import data
+    from trainer.data import worker_server
     from trainer.preflight import forecast
 
     started = []
-    monkeypatch.setattr(data, "start_worker_server", lambda cfg: started.append(cfg.data.num_workers))
+    monkeypatch.setattr(worker_server, "start_worker_server", lambda cfg: started.append(cfg.data.num_workers))
     cfg = config.load(None, tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"data.num_workers": 1}))
     measured = forecast.measure(cfg, one_rank_group, torch.device("cpu"))
     assert measured.compute.forward_s > 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from trainer import summary as summary_module
-from trainer.labels import Labels
+from trainer.data.labels import Labels
+from trainer.outputs import summary as summary_module
 from trainer.tasks import registry as tasks
 
 SCORES = tasks.of(Labels("single_label", ("a", "b"), "test", "ids"), OmegaConf.create({"threshold": 0.5})).scores

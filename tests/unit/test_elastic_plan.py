@@ -11,12 +11,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer.batch_plan import BatchPlan
 from trainer.checkpoint.rng import ProcessRNG
-from trainer.config import TrainConfig
-from trainer.data import GlobalBatchSampler
-from trainer.distributed import DistEnv
+from trainer.config.schema import TrainConfig
+from trainer.data.batch_plan import BatchPlan
+from trainer.data.samplers import GlobalBatchSampler
 from trainer.errors import ConfigError
+from trainer.runtime.distributed import DistEnv
 
 
 def plan(world_size: int, resumed: int | None = None, **train) -> tuple[int, int, int]:

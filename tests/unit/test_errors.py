@@ -25,9 +25,9 @@ def test_describe_names_the_type_and_the_first_line():
 def test_every_rank_does_turns_a_failure_into_one_line_naming_the_rank():
     import pytest
 
-    from trainer import distributed
-    from trainer.distributed import DistEnv
     from trainer.errors import CheckpointError, LaunchError
+    from trainer.runtime import distributed
+    from trainer.runtime.distributed import DistEnv
 
     def fail(error: Exception):
         def action():

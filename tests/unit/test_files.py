@@ -44,7 +44,7 @@ def test_a_picture_is_replaced_whole_or_kept_when_its_write_fails_midway(tmp_pat
     replaces it whole."""
     import matplotlib.figure
 
-    from trainer import curves, report
+    from trainer.outputs import curves, report
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "lr": 0.1}\n'
                                             '{"step": 2, "loss": 1.5, "lr": 0.1}\n')

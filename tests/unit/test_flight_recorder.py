@@ -1,6 +1,6 @@
 """The NCCL flight recorder's settings: what a rank is started with, for NCCL only."""
 
-from trainer.distributed import flight_recorder_env
+from trainer.runtime.distributed import flight_recorder_env
 
 
 def test_nccl_flight_recorder_dumps_into_output_dir_and_is_off_for_gloo(tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer import flops
-from trainer.flops import FlopModel, peak_flops
+from trainer.train import flops
+from trainer.train.flops import FlopModel, peak_flops
 
 HIDDEN, LAYERS, INTERMEDIATE, LABELS = 32, 2, 37, 3
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 
-from trainer import lora
+from trainer.model import lora
 from trainer.preflight import forecast
 from trainer.preflight.forecast import Bucket, Compute, Link, Traffic
 

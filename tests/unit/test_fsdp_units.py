@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer import model
+from trainer.model import pretrained
 
 LAYERS = 3
 
@@ -34,5 +34,5 @@ def classifier(family: str):
     ("bert", "BertLayer"), ("deberta-v2", "DebertaV2Layer"), ("modernbert", "ModernBertEncoderLayer"),
     ("llama", "LlamaDecoderLayer"), ("gpt2", "GPT2Block")])
 def test_the_blocks_are_the_transformer_layers(family, block):
-    blocks = model.transformer_blocks(classifier(family))
+    blocks = pretrained.transformer_blocks(classifier(family))
     assert [type(b).__name__ for b in blocks] == [block] * LAYERS

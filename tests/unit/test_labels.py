@@ -1,4 +1,4 @@
-"""Labels as users store them (trainer/labels.py, through data.load as training and `check`
+"""Labels as users store them (trainer/data/labels.py, through data.load as training and `check`
 load them): names, ids, ClassLabel, lists, numbers; a validation split held out of train; class
 weights; and each mistake as one line naming the column, the split, the row and the value."""
 
@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from support.models import LABEL_NAMES
 
-from trainer import config, data
-from trainer import labels as labels_module
-from trainer.batch_plan import BatchPlan
-from trainer.distributed import DistEnv
+from trainer.cli import config
+from trainer.data import labels as labels_module
+from trainer.data import reading
+from trainer.data.batch_plan import BatchPlan
 from trainer.errors import ConfigError, DataError
+from trainer.runtime.distributed import DistEnv
 
 ONE_BATCH = BatchPlan(16, 16, 1)
 TEXTS = ["the food was great", "rude staff", "it was fine", "slow but tasty", "never again", "lovely place"]
@@ -38,7 +39,7 @@ def write_jsonl(path, rows: list[dict]):
 def load(tmp_path, path, *overrides: str):
     cfg = config.load(None, ["model.name=org/model", f"data.path={path}", "train.max_steps=1",
                              f"output_dir={tmp_path / 'run'}", *overrides])
-    return data.load(cfg, DistEnv())
+    return reading.load(cfg, DistEnv())
 
 
 def sentiment(n: int, names=("negative", "neutral", "positive")) -> list[dict]:

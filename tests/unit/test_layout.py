@@ -4,8 +4,11 @@
   the network probe, the grace check), not even lazily inside a function: what only a
   preflight needs costs training nothing and cannot break it.
 - Which strategy runs is asked of the strategy object (trainer/strategies/), never decided
-  by comparing train.strategy with a name elsewhere: a new strategy is a module and a line
-  of registration.
+  by comparing train.strategy with a name elsewhere, the config's checks included: a new
+  strategy is a module and a line of registration.
+- Every module sits in a layer of docs/layout.md's "Layers" and imports from its own layer or
+  below, counting every import; no two packages (a root module counts as one) import each
+  other, even through others.
 - Subpackages' __init__ files are empty: importing one of their modules imports nothing else.
 - No import cycle between modules, counting every import: lazy ones and those under
   TYPE_CHECKING too, which readers and type checkers follow as well.
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import trainer
@@ -62,37 +66,53 @@ def closure(start: dict[str, ast.AST]) -> dict[str, str]:
 
 
 def train_entry() -> dict[str, ast.AST]:
-    """What `python -m trainer train` runs: trainer/__main__.py's module level and the
+    """What `python -m trainer train` runs: trainer/cli/main.py's module level and the
     functions on the train command's way, with what they import lazily."""
-    tree = ast.parse((PACKAGE / "__main__.py").read_text())
+    tree = ast.parse((PACKAGE / "cli" / "main.py").read_text())
     on_the_way = {"main", "parse_args", "command_args", "setup_logging", "launch_env", "train_preflight", "run_train"}
     kept = [node for node in tree.body if not isinstance(node, ast.FunctionDef) or node.name in on_the_way]
-    return {"trainer.__main__": ast.Module(body=kept, type_ignores=[])}
+    return {"trainer.__main__": ast.parse((PACKAGE / "__main__.py").read_text()),
+            "trainer.cli.main": ast.Module(body=kept, type_ignores=[])}
 
 
 def test_the_training_path_never_imports_preflight():
     reached = closure(train_entry())
-    assert "trainer.loop" in reached and "trainer.build" in reached  # the walk does reach the training path
+    assert "trainer.train.loop" in reached and "trainer.train.build" in reached  # the walk does reach the training path
     preflight = {name: by for name, by in reached.items() if name.startswith("trainer.preflight")}
     assert not preflight, f"the training path imports preflight modules (module: imported by): {preflight}"
 
 
+def compared_with_a_name(tree: ast.AST, attribute: str) -> list[int]:
+    """The lines where `<x>.<attribute>` is compared with a string, or tested against strings
+    (`in ("ddp", "fsdp")`)."""
+    def names_a_string(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return isinstance(node.value, str)
+        return isinstance(node, ast.Tuple | ast.List | ast.Set) and any(names_a_string(e) for e in node.elts)
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(s, ast.Attribute) and s.attr == attribute for s in sides)
+            if named and any(map(names_a_string, sides)):
+                found.append(node.lineno)
+    return found
+
+
 def test_only_the_strategies_tell_the_strategies_apart():
-    """No comparison of a `.strategy` (train.strategy) with a string outside trainer/strategies/;
-    the config's own cross-key checks (trainer/config.py) are the schema's."""
-    compared = []
-    for file in sorted(PACKAGE.rglob("*.py")):
-        relative = file.relative_to(PACKAGE).as_posix()
-        if relative.startswith("strategies/") or relative == "config.py":
-            continue
-        for node in ast.walk(ast.parse(file.read_text())):
-            if isinstance(node, ast.Compare):
-                sides = [node.left, *node.comparators]
-                names = [s for s in sides if isinstance(s, ast.Attribute) and s.attr == "strategy"]
-                strings = [s for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
-                if names and strings:
-                    compared.append(f"{relative}:{node.lineno}")
+    """No comparison of a `.strategy` (train.strategy) with a name outside trainer/strategies/,
+    the config's checks included: what a strategy asks of the config is its own rule."""
+    compared = [f"{file.relative_to(PACKAGE).as_posix()}:{line}" for file in sorted(PACKAGE.rglob("*.py"))
+                if not file.relative_to(PACKAGE).as_posix().startswith("strategies/")
+                for line in compared_with_a_name(ast.parse(file.read_text()), "strategy")]
     assert not compared, f"train.strategy compared with a name: {compared}"
+
+
+def test_the_name_check_sees_every_form():
+    tree = ast.parse("a = cfg.train.strategy == 'ddp'\nb = 'fsdp' != x.strategy\nc = x.strategy in ('dp', 'ddp')\n"
+                     "d = x.strategy == y\ne = x.other == 'ddp'")
+    assert compared_with_a_name(tree, "strategy") == [1, 2, 3]
 
 
 def module_name(file: Path) -> str:
@@ -101,29 +121,100 @@ def module_name(file: Path) -> str:
 
 
 def test_no_import_cycle_between_modules():
-    graph = {module_name(file): imported_by(ast.parse(file.read_text())) for file in sorted(PACKAGE.rglob("*.py"))}
-    assert len(graph) > 60 and "trainer.strategies.base" in graph["trainer.build"]  # the walk sees the package
+    graph = import_graph()
+    assert len(graph) > 60 and "trainer.strategies.base" in graph["trainer.train.build"]  # the walk sees the package
+    assert not cycles_in(graph), "import cycles:\n" + "\n".join(cycles_in(graph))
+
+
+LAYOUT = PACKAGE.parent / "docs" / "layout.md"
+
+
+def layers() -> dict[str, int]:
+    """docs/layout.md's layers, from the bottom: each package (`runtime/`) or root module
+    (`errors.py`, `__main__.py`) listed on the section's numbered lines, and its layer."""
+    section = LAYOUT.read_text().split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    listed = {}
+    for line in section.splitlines():
+        number, dot, rest = line.partition(". ")
+        if dot and number.isdigit():
+            for name in re.findall(r"`([\w.]+/|[\w.]+\.py)`", rest):
+                listed[name.removesuffix("/").removesuffix(".py")] = int(number)
+    return listed
+
+
+def unit_of(module: str) -> str:
+    """A module's package under trainer/, or the root module itself (`errors`)."""
+    return module.split(".")[1]
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(file): imported_by(ast.parse(file.read_text())) - {"trainer"}
+            for file in sorted(PACKAGE.rglob("*.py")) if file != PACKAGE / "__init__.py"}
+
+
+def back_edges(graph: dict[str, set[str]], layer: dict[str, int]) -> list[str]:
+    return sorted(f"{module} (layer {layer[unit_of(module)]}) imports {imported} (layer {layer[unit_of(imported)]})"
+                  for module, imports in graph.items() for imported in imports
+                  if layer[unit_of(imported)] > layer[unit_of(module)])
+
+
+def test_every_module_sits_in_a_layer_of_the_layout():
+    layer, graph = layers(), import_graph()
+    assert len(set(layer.values())) >= 10  # the section is read
+    unplaced = sorted({unit_of(module) for module in graph} - layer.keys())
+    assert not unplaced, f"in no layer of docs/layout.md: {unplaced}"
+    assert not layer.keys() - {unit_of(module) for module in graph}, "docs/layout.md lists what is not there"
+
+
+def test_no_import_runs_against_the_layers():
+    layer = layers()
+    assert not back_edges(import_graph(), layer), "imports against docs/layout.md's layers:\n" + "\n".join(
+        back_edges(import_graph(), layer))
+
+
+def test_the_layer_check_catches_a_back_edge():
+    """What a lazy import from the loop in a low module would look like, caught."""
+    layer = layers()
+    graph = {"trainer.runtime.distributed": {"trainer.errors"}, "trainer.data.labels": {"trainer.train.loop"}}
+    expected = f"trainer.data.labels (layer {layer['data']}) imports trainer.train.loop (layer {layer['train']})"
+    assert back_edges(graph, layer) == [expected]
+
+
+def test_no_import_cycle_between_packages():
+    units: dict[str, set[str]] = {}
+    for module, imports in import_graph().items():
+        units.setdefault(unit_of(module), set()).update(unit_of(i) for i in imports if unit_of(i) != unit_of(module))
+    assert not cycles_in(units), "packages that import each other:\n" + "\n".join(cycles_in(units))
+
+
+def cycles_in(graph: dict[str, set[str]]) -> list[str]:
     cycles, state = [], {}
 
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = "on the path"
-        for imported in sorted(graph[module] - {module}):
-            if state.get(imported) == "on the path":
-                cycles.append(" -> ".join([*path[path.index(imported):], imported]))
-            elif imported not in state:
-                visit(imported, [*path, imported])
-        state[module] = "done"
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "on the path"
+        for nxt in sorted(graph.get(node, set()) - {node}):
+            if state.get(nxt) == "on the path":
+                cycles.append(" -> ".join([*path[path.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
 
-    for module in graph:
-        if module not in state:
-            visit(module, [module])
-    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_the_cycle_check_catches_a_cycle():
+    assert cycles_in({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
+    assert cycles_in({"a": {"b"}, "b": set()}) == []
 
 
 def test_subpackages_init_files_are_empty():
     inits = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
-    assert inits == ["checkpoint/__init__.py", "faults/__init__.py", "preflight/__init__.py", "strategies/__init__.py",
-                     "sweep/__init__.py", "tasks/__init__.py"]
+    assert inits == [f"{package}/__init__.py" for package in ("checkpoint", "cli", "config", "data", "faults", "model",
+                                                              "outputs", "preflight", "runtime", "strategies", "sweep",
+                                                              "tasks", "train")]
     assert all(not (PACKAGE / init).read_text().strip() for init in inits)
 
 

@@ -1,4 +1,4 @@
-"""output_dir's lease (trainer/lease.py), in one process: jobs are Lease objects with their
+"""output_dir's lease (trainer/runtime/lease.py), in one process: jobs are Lease objects with their
 own holder records, on a fake clock; the races are real threads on the real file system."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer import lease
-from trainer.lease import FILE, Holder, Lease, LeaseHeld
+from trainer.runtime import lease
+from trainer.runtime.lease import FILE, Holder, Lease, LeaseHeld
 
 TIMEOUT_S = 120.0
 

@@ -1,4 +1,4 @@
-"""The DataLoader internals that trainer.data.stop_workers relies on, held against the
+"""The DataLoader internals that trainer.data.loaders.stop_workers relies on, held against the
 installed torch: if torch renames one, this fails naming it, instead of a run's workers
 quietly outliving it (see Data.close)."""
 
@@ -9,7 +9,7 @@ import multiprocessing
 import pytest
 from torch.utils.data import DataLoader
 
-from trainer.data import stop_workers
+from trainer.data.loaders import stop_workers
 
 
 @pytest.fixture
@@ -32,12 +32,13 @@ def test_stop_workers_finds_and_ends_a_persistent_worker(no_leftover_children):
     iterator = getattr(loader, "_iterator", None)
     assert iterator is not None, (
         "torch renamed DataLoader._iterator (where a persistent-workers loader keeps its iterator): "
-        "trainer.data.stop_workers would find no workers to stop")
+        "trainer.data.loaders.stop_workers would find no workers to stop")
     assert hasattr(iterator, "_workers"), (
         f"torch renamed {type(iterator).__name__}._workers (the worker processes): "
-        "trainer.data.stop_workers would find no workers to stop")
+        "trainer.data.loaders.stop_workers would find no workers to stop")
     assert callable(getattr(iterator, "_shutdown_workers", None)), (
-        f"torch renamed {type(iterator).__name__}._shutdown_workers: trainer.data.stop_workers cannot end the workers")
+        f"torch renamed {type(iterator).__name__}._shutdown_workers: trainer.data.loaders.stop_workers cannot end "
+        "the workers")
 
     workers = stop_workers(loader)
     assert [w.pid for w in workers] == [forked[0].pid], "stop_workers did not find the loader's worker"

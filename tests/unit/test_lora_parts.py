@@ -9,10 +9,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer import lora, optim
 from trainer.checkpoint import formats
+from trainer.cli import config
 from trainer.errors import CheckpointError, ConfigError
-from trainer.flops import FlopModel
+from trainer.model import lora, optim
+from trainer.train.flops import FlopModel
 
 HIDDEN, LAYERS, INTERMEDIATE, LABELS, R = 32, 2, 37, 3, 4
 
@@ -169,7 +170,7 @@ def test_a_family_without_peft_defaults_names_the_key_to_set():
 
 @pytest.mark.parametrize("with_lora", [False, True], ids=["full", "lora"])
 def test_gradient_checkpointing_recomputes_each_layer_in_the_backward(with_lora):
-    from trainer import model as model_module
+    from trainer.model import pretrained as model_module
 
     model = bert()
     if with_lora:
@@ -220,9 +221,10 @@ def test_ddp_leaves_the_frozen_base_in_the_shared_page_cache(tiny_model, tmp_pat
     copy of the base per rank; it broadcasts only what trains, and writes no page of the file."""
     import torch.distributed as dist
 
-    from trainer import build, config, labels
-    from trainer.distributed import DistEnv
+    from trainer.data import labels
+    from trainer.runtime.distributed import DistEnv
     from trainer.strategies import registry
+    from trainer.train import build
 
     cfg = config.load("configs/demo.yaml", [f"model.name={tiny_model}", f"data.path={tmp_path}", "model.lora.r=4",
                                             f"output_dir={tmp_path / 'run'}", "train.precision=fp32"])

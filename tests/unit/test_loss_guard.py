@@ -10,8 +10,8 @@ import torch
 from omegaconf import OmegaConf
 from support.runs import tiny_overrides
 
-from trainer import build, config, labels
-from trainer.distributed import DistEnv
+from trainer.cli import config
+from trainer.data import labels
 from trainer.exit_codes import Exit
 from trainer.faults import inject
 from trainer.faults.numerics import (
@@ -23,7 +23,9 @@ from trainer.faults.numerics import (
     Outcome,
     check_weights,
 )
-from trainer.step import StepObserver
+from trainer.runtime.distributed import DistEnv
+from trainer.train import build
+from trainer.train.step import StepObserver
 
 
 def guard(**fault) -> LossGuard:

@@ -10,9 +10,13 @@ import pytest
 import torch
 from support.models import make_tiny_model
 
-from trainer import build, config, distributed, labels, lora
-from trainer.distributed import DistEnv
+from trainer.cli import config
+from trainer.data import labels
+from trainer.model import lora
 from trainer.preflight import memory
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
+from trainer.train import build
 
 FAMILIES = ["bert", "roberta", "deberta-v2", "modernbert", "gpt2", "llama", "qwen2", "mistral"]
 TARGETS = {"modernbert": "[Wqkv]"}
@@ -38,7 +42,7 @@ def run_config(model_dir, tmp_path, **overrides):
 
 
 def trained_for_one_step(cfg):
-    """The model and optimizer as a CPU training run builds them (trainer/build.py), after one
+    """The model and optimizer as a CPU training run builds them (trainer/train/build.py), after one
     real step, its gradients kept."""
     built = build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=1)
     ids = torch.randint(5, 100, (cfg.train.batch_size, cfg.data.max_length))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.distributed import DistEnv
-from trainer.flops import FlopModel
-from trainer.metrics import Meter, PhaseTimer
+from trainer.runtime.distributed import DistEnv
+from trainer.train.flops import FlopModel
+from trainer.train.metrics import Meter, PhaseTimer
 
 GLOBAL_BATCH = 2
 FLOP_MODEL = FlopModel(linear_params=1000, layers=2, hidden=32)

@@ -1,4 +1,4 @@
-"""The optimizer and its schedule (trainer/optim.py): weight decay where transformers.Trainer
+"""The optimizer and its schedule (trainer/model/optim.py): weight decay where transformers.Trainer
 puts it, and transformers' own schedules."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from support.models import make_tiny_model
 
-from trainer import optim
+from trainer.model import optim
 
 FAMILIES = ["bert", "roberta", "deberta-v2", "modernbert", "gpt2", "llama", "qwen2", "mistral"]
 

@@ -1,12 +1,12 @@
 """When the loop logs, evaluates, saves and stops, and which evaluated step is the best
-(trainer/policy.py): the decisions step by step, in process."""
+(trainer/train/policy.py): the decisions step by step, in process."""
 
 from __future__ import annotations
 
 import json
 
-from trainer import config
-from trainer.policy import Policy, Selection
+from trainer.cli import config
+from trainer.train.policy import Policy, Selection
 
 
 def policy(max_steps=12, steps_per_epoch=4, log_every=3, eval_every=0, save_every=0,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import signal
 
-from trainer.distributed import DistEnv
 from trainer.faults.preemption import Preemption, received_signals
+from trainer.runtime.distributed import DistEnv
 
 
 def test_a_signal_sets_the_flag_and_close_restores_the_previous_handler():

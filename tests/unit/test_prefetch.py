@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from trainer import distributed
-from trainer.distributed import DistEnv
-from trainer.startup import Prefetch
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
+from trainer.runtime.startup import Prefetch
 
 
 class SlowBarrier:

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.distributed import DistEnv
 from trainer.errors import LaunchError
 from trainer.exit_codes import Exit
 from trainer.faults import inject, replicas, watchdog
 from trainer.faults.replicas import Replicas, ReplicasDiverged, digest, odd_ranks, replicated_state
+from trainer.runtime.distributed import DistEnv
 
 
 def trained(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.optim.Optimizer]:

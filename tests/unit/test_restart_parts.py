@@ -7,11 +7,13 @@ import json
 import pytest
 import torch
 
-from trainer import distributed, exit_codes, torchrun
+from trainer import exit_codes
+from trainer.cli import torchrun
 from trainer.errors import NoProgress
 from trainer.exit_codes import Exit
 from trainer.faults import attempts, watchdog
 from trainer.preflight import grace
+from trainer.runtime import distributed
 
 
 @pytest.mark.parametrize("codes, verdict", [

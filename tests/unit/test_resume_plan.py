@@ -9,11 +9,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer import config
 from trainer.checkpoint import resume
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.distributed import DistEnv
+from trainer.cli import config
+from trainer.config import loading, schema
 from trainer.errors import CheckpointError, ConfigError
+from trainer.runtime.distributed import DistEnv
 from trainer.strategies import registry
 
 
@@ -44,7 +45,7 @@ def checkpointed(tmp_path, *overrides: str, step: int = 4, global_batch: int = 3
     model = torch.nn.Linear(2, 2)
     states = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
               "train": SavedPosition(step, global_batch)}
-    checkpointer(cfg, DistEnv()).save(step, states, config.to_yaml(cfg))
+    checkpointer(cfg, DistEnv()).save(step, states, loading.to_yaml(cfg))
     return tmp_path / "checkpoints" / f"step-{step}"
 
 
@@ -165,11 +166,11 @@ def test_keys_an_older_schema_lacked_are_not_changes(tmp_path):
 
 
 def test_every_key_says_what_a_resume_may_do_with_it():
-    assert config.RESUME_RULES  # the schema's every leaf
-    assert set(config.RESUME_RULES.values()) == {config.FREE, config.EXTEND, config.FIXED}
-    assert {k for k, rule in config.RESUME_RULES.items() if rule == config.EXTEND} == {"train.max_steps",
+    assert schema.RESUME_RULES  # the schema's every leaf
+    assert set(schema.RESUME_RULES.values()) == {schema.FREE, schema.EXTEND, schema.FIXED}
+    assert {k for k, rule in schema.RESUME_RULES.items() if rule == schema.EXTEND} == {"train.max_steps",
                                                                                        "train.epochs"}
     with pytest.raises(TypeError, match="resume must be FREE, EXTEND or FIXED"):
         @dataclasses.dataclass
         class Undecided:
-            new_key: int = config.key(1)
+            new_key: int = schema.key(1)

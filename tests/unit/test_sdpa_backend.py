@@ -9,10 +9,13 @@ import pytest
 import torch
 from support.runs import tiny_overrides
 
-from trainer import build, config, evaluation, labels, model
-from trainer.distributed import DistEnv
+from trainer.cli import config
+from trainer.data import labels, loaders, reading
 from trainer.errors import ConfigError
-from trainer.step import StepObserver
+from trainer.model import pretrained
+from trainer.runtime.distributed import DistEnv
+from trainer.train import build, evaluation
+from trainer.train.step import StepObserver
 
 CPU = torch.device("cpu")
 
@@ -58,11 +61,10 @@ def test_a_step_under_math_equals_autos_and_runs_math_alone(dropout_model, revie
 def test_evaluation_runs_the_configured_kernel(dropout_model, reviews, tmp_path):
     """Evaluation (no dropout: there auto may take CPU's flash kernel, which sums in another
     order) runs math alone under math, and auto's logits equal math's within float32 rounding."""
-    from trainer import data
 
     cfg, built = built_with(dropout_model, reviews, tmp_path, "math")
-    splits = data.load(cfg, DistEnv(), labels=built.task.labels)
-    loader, num_samples = data.build_eval(cfg, DistEnv(), splits, built.tokenizer, CPU)
+    splits = reading.load(cfg, DistEnv(), labels=built.task.labels)
+    loader, num_samples = loaders.build_eval(cfg, DistEnv(), splits, built.tokenizer, CPU)
     seen = []
     hook = built.model.register_forward_hook(lambda *_: seen.append(flags()))
     logits = {}
@@ -90,10 +92,10 @@ def test_a_backend_that_cannot_run_is_refused_before_the_weights_load(tiny_model
                                                                       device, says):
     cfg = config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **settings))
     if says is None:
-        assert model.attention_for(cfg.model, device) == "sdpa"
+        assert pretrained.attention_for(cfg.model, device) == "sdpa"
         return
     with pytest.raises(ConfigError, match=re.escape(says)) as refused:
-        model.attention_for(cfg.model, device)
+        pretrained.attention_for(cfg.model, device)
     assert "\n" not in str(refused.value)
 
 

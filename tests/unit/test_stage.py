@@ -1,4 +1,4 @@
-"""`python -m trainer.stage` (trainer/stage.py): a dataset staged from URLs and a mounted folder is
+"""`python -m trainer.cli.stage` (trainer/cli/stage.py): a dataset staged from URLs and a mounted folder is
 what `datasets` reads as the data.path folder, staging again changes nothing, and a source that
 fails leaves no folder behind, with the exit code that says whether a retry can help."""
 
@@ -17,7 +17,7 @@ import datasets
 import pytest
 from support.web import CSV, web
 
-from trainer import stage
+from trainer.cli import stage
 
 
 def test_urls_and_a_mounted_folder_become_one_data_folder_staged_once(tmp_path, capsys):
@@ -86,7 +86,7 @@ def files_under(folder: Path) -> list[str]:
 
 @pytest.mark.parametrize("name", ["..%2F..%2Fevil.csv", "..%5C..%5Cevil.csv", "%2e%2e", "{absolute}", "evil%00.csv"])
 def test_a_url_names_a_plain_file_or_nothing_is_written(tmp_path, capsys, name):
-    """`python -m trainer.stage --to W/deep/dest http://HOST/a/..%2F..%2Fevil.csv` wrote W/evil.csv
+    """`python -m trainer.cli.stage --to W/deep/dest http://HOST/a/..%2F..%2Fevil.csv` wrote W/evil.csv
     (the name was unquoted after it was taken from the path), and left it there. A name with a
     separator, `..` or an absolute path is refused, and nothing is written anywhere, not even
     where the name points (here W/abs.csv)."""

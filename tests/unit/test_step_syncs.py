@@ -1,6 +1,6 @@
-"""A steady-state training step never makes the host wait for the device (trainer/step.py):
+"""A steady-state training step never makes the host wait for the device (trainer/train/step.py):
 the loss check is decided and applied on the device and read a step later, and the model gets
-an attention mask it need not read. Counted on the CPU (trainer/perf_counts.py), as the step
+an attention mask it need not read. Counted on the CPU (trainer/train/perf_counts.py), as the step
 runs on a GPU (bf16, SDPA): the counts are deterministic, so they are asserted."""
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ import torch
 from support.runs import tiny_overrides
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer import build, config, labels
-from trainer.distributed import DistEnv
+from trainer.cli import config
+from trainer.data import labels
 from trainer.faults import inject
-from trainer.perf_counts import StepCounts
-from trainer.step import StepObserver
+from trainer.runtime.distributed import DistEnv
+from trainer.train import build
+from trainer.train.perf_counts import StepCounts
+from trainer.train.step import StepObserver
 
 
 def batches(padded: bool, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -100,7 +102,7 @@ def test_a_try_after_a_bad_one_is_aborted_and_trains_as_a_host_that_waited_would
 def test_the_mask_handed_to_the_model_gives_the_logits_of_its_2d_mask(run_config, padded):
     """AttentionMasks makes, from the host's copy, the mask transformers would make from the 2D
     one (none at all without padding): the same logits, bit for bit, with no sync asked."""
-    from trainer.step import AttentionMasks
+    from trainer.train.step import AttentionMasks
 
     cfg = run_config(**{"train.precision": "fp32"})
     model = build.load(cfg, DistEnv(), torch.device("cpu"), torch.float32, labels.from_config(cfg.data)).model.eval()
@@ -133,7 +135,7 @@ class _WeightCasts(TorchDispatchMode):
 @pytest.mark.parametrize("recomputes", [False, True])
 def test_a_step_casts_each_trained_weight_once_whatever_its_micro_batches(run_config, recomputes):
     """Under bf16 autocast, a step of 3 micro-batches casts each trained matrix to bf16 once,
-    not once a micro-batch (trainer/step.py, _casts_kept), and trains the same bits as one that
+    not once a micro-batch (trainer/train/step.py, _casts_kept), and trains the same bits as one that
     casts it anew each time. With activation checkpointing, each recompute casts again (the
     copies are not kept: they would outlive each block's backward)."""
     cfg = run_config(**{"model.gradient_checkpointing": recomputes})

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from trainer import config, folds
-from trainer.__main__ import main
+from trainer.cli import config
+from trainer.cli.main import main
+from trainer.config import schema
+from trainer.data import folds
 from trainer.errors import ConfigError
 from trainer.sweep import plan, space
 from trainer.sweep.stats import t_interval
@@ -21,7 +23,7 @@ from trainer.sweep.stats import t_interval
 def test_a_grid_is_every_combination_of_lists_and_counted_ranges():
     searched = space.parse({"train.lr": {"low": 1e-5, "high": 1e-3, "log": True, "count": 3},
                             "train": {"batch_size": [8, 16]},  # nested, as `key=value` overrides write it
-                            "train.warmup_steps": {"low": 0, "high": 10, "count": 3}}, config.KEYS)
+                            "train.warmup_steps": {"low": 0, "high": 10, "count": 3}}, schema.KEYS)
     assert list(searched.choices) == ["train.lr", "train.batch_size", "train.warmup_steps"]
     grid = searched.grid()
     assert grid["train.lr"] == pytest.approx([1e-5, 1e-4, 1e-3])
@@ -32,11 +34,11 @@ def test_a_grid_is_every_combination_of_lists_and_counted_ranges():
     assert len({json.dumps(s, sort_keys=True) for s in settings}) == len(settings)
     assert settings[0] == {"train.lr": pytest.approx(1e-5), "train.batch_size": 8, "train.warmup_steps": 0}
     assert space.check_size(searched, "grid", None) == 18
-    assert space.parse({}, config.KEYS).settings() == [{}]  # seeds or folds alone: one setting
+    assert space.parse({}, schema.KEYS).settings() == [{}]  # seeds or folds alone: one setting
 
 
 def test_a_linear_range_is_evenly_spaced_and_sampled_between_its_ends():
-    searched = space.parse({"train.weight_decay": {"low": 0.0, "high": 0.3, "count": 4}}, config.KEYS)
+    searched = space.parse({"train.weight_decay": {"low": 0.0, "high": 0.3, "count": 4}}, schema.KEYS)
     assert searched.grid()["train.weight_decay"] == pytest.approx([0.0, 0.1, 0.2, 0.3])
     import optuna
 
@@ -162,7 +164,7 @@ def test_a_setting_cut_short_is_asked_again_with_its_grid_point_and_number(tmp_p
 
     from trainer.sweep import study
 
-    searched = space.parse({"train.lr": [0.1, 0.2, 0.3]}, config.KEYS)
+    searched = space.parse({"train.lr": [0.1, 0.2, 0.3]}, schema.KEYS)
     first = study.open_study(tmp_path, searched, "grid", "max", 0, "none")
     done, cut = first.ask(), first.ask()
     done_params, cut_params = searched.suggest(done), searched.suggest(cut)
@@ -341,7 +343,7 @@ def test_halving_rungs_fall_on_the_evaluations(tmp_path):
 
     from trainer.sweep import pruning, study
 
-    searched = space.parse({"train.lr": [0.1, 0.2, 0.3]}, config.KEYS)
+    searched = space.parse({"train.lr": [0.1, 0.2, 0.3]}, schema.KEYS)
     sweep_study = study.open_study(tmp_path, searched, "random", "min", 0, "halving", 3)
     verdicts = []
     for losses in ({3: 1.0, 6: 0.5, 9: 0.4, 12: 0.3}, {3: 0.9, 6: 0.9, 9: 0.9, 12: 0.9}, {3: 2.0, 6: 0.1}):

@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 from scipy import stats
 from sklearn import metrics as sk
 
-from trainer.distributed import DistEnv
-from trainer.labels import Labels
+from trainer.data.labels import Labels
+from trainer.runtime.distributed import DistEnv
 from trainer.tasks import registry as tasks
 
 DATA = OmegaConf.create({"threshold": 0.5})

@@ -14,9 +14,12 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import build, config, data, labels, model, sources
-from trainer.distributed import DistEnv
+from trainer.cli import config
+from trainer.data import encoding, labels, loaders, reading, sources
 from trainer.errors import DataError
+from trainer.model import pretrained
+from trainer.runtime.distributed import DistEnv
+from trainer.train import build
 
 ROWS = {"text": ["The food was good.", "The staff was rude and careless.", "It was okay."] * 4,
         "title": ["Good", "Bad", "Fine"] * 4, "label": [3, 0, 2] * 4}
@@ -34,20 +37,21 @@ def as_the_trainer_leaves_it(cfg):
     tokenizer = build.load(cfg, DistEnv(), torch.device("cpu"), torch.float32,
                            labels.from_config(cfg.data)).tokenizer
     encoded = tokenizer(ROWS["text"][:2], truncation=True, max_length=8)
-    data.Collate(tokenizer, pad_to_multiple_of=8)([{"input_ids": ids} for ids in encoded["input_ids"]])
+    loaders.Collate(tokenizer, pad_to_multiple_of=8)([{"input_ids": ids} for ids in encoded["input_ids"]])
     return tokenizer
 
 
 def fingerprint(cfg, tokenizer) -> str:
     ds = datasets.Dataset.from_dict(ROWS)
-    return data._tokenize(ds, cfg.data, "train_split", tokenizer, labels.from_config(cfg.data), DistEnv())._fingerprint
+    tokenized = encoding.tokenize_split(ds, cfg.data, "train_split", tokenizer, labels.from_config(cfg.data), DistEnv())
+    return tokenized._fingerprint
 
 
 def test_the_tokenize_fingerprint_is_the_same_in_every_run_of_the_same_data(tiny_model, reviews, tmp_path):
     """A DictConfig node that `encode` closed over would hash with its parent, the whole run
     config: a new output_dir would be a new cache file, the split tokenized again."""
     first = settings(tiny_model, reviews, tmp_path)
-    expected = fingerprint(first, model.load_tokenizer(first.model))
+    expected = fingerprint(first, pretrained.load_tokenizer(first.model))
     another_run = settings(tiny_model, reviews, tmp_path, output_dir=tmp_path / "other", **{
         "train.lr": 3e-5, "train.max_steps": 9, "seed": 7, "wandb.name": "again", "checkpoint.every": 2})
     assert fingerprint(another_run, as_the_trainer_leaves_it(another_run)) == expected
@@ -56,7 +60,7 @@ def test_the_tokenize_fingerprint_is_the_same_in_every_run_of_the_same_data(tiny
 @pytest.mark.parametrize("change", ["data.max_length", "data.text_field", "data.text_pair_field", "tokenizer"])
 def test_the_tokenize_fingerprint_changes_with_what_the_tokens_depend_on(tiny_model, reviews, tmp_path, change):
     base = settings(tiny_model, reviews, tmp_path)
-    tokenizer = model.load_tokenizer(base.model)
+    tokenizer = pretrained.load_tokenizer(base.model)
     expected = fingerprint(base, tokenizer)
     changes = {"data.max_length": {"data.max_length": 32}, "data.text_field": {"data.text_field": "title"},
                "data.text_pair_field": {"data.text_pair_field": "title"}, "tokenizer": {}}[change]
@@ -71,12 +75,13 @@ def test_a_changed_max_length_tokenizes_again_and_the_same_one_reads_the_cache(t
     ds = datasets.load_dataset("json", data_files=str(reviews / "train.jsonl"), split="train",
                                cache_dir=str(tmp_path / "hf"))
     cfg = settings(tiny_model, reviews, tmp_path)
-    tokenizer = model.load_tokenizer(cfg.model)
+    tokenizer = pretrained.load_tokenizer(cfg.model)
 
     def tokenize(cfg) -> set[str]:
-        tokenized = data._tokenize(ds, cfg.data, "train_split", tokenizer, labels.from_config(cfg.data), DistEnv())
+        space = labels.from_config(cfg.data)
+        tokenized = encoding.tokenize_split(ds, cfg.data, "train_split", tokenizer, space, DistEnv())
         assert len(tokenized) == len(ds)
-        return data._cache_files(ds) or set()
+        return encoding._cache_files(ds) or set()
 
     written = tokenize(cfg)
     assert written, "the map wrote no cache file"
@@ -85,15 +90,15 @@ def test_a_changed_max_length_tokenizes_again_and_the_same_one_reads_the_cache(t
 
 
 def test_tokenize_processes(monkeypatch):
-    monkeypatch.setattr(data.os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setattr(encoding.os, "sched_getaffinity", lambda pid: set(range(4)))
     first, second = (DistEnv(rank=r, local_rank=r, world_size=2, local_world_size=2, master_addr="127.0.0.1",
                              master_port=29500) for r in (0, 1))
-    assert data.tokenize_processes(1_000, first) is None  # a small split: starting processes costs more
-    assert data.tokenize_processes(19_999, first) is None
-    assert data.tokenize_processes(30_000, first) == 3  # each process gets 10,000 rows at least
-    assert data.tokenize_processes(400_000, first) == 4  # local rank 0: the others wait for it
-    assert data.tokenize_processes(400_000, second) == 2  # the others together: a share each
-    assert data.tokenize_processes(400_000, DistEnv()) == 4
+    assert encoding.tokenize_processes(1_000, first) is None  # a small split: starting processes costs more
+    assert encoding.tokenize_processes(19_999, first) is None
+    assert encoding.tokenize_processes(30_000, first) == 3  # each process gets 10,000 rows at least
+    assert encoding.tokenize_processes(400_000, first) == 4  # local rank 0: the others wait for it
+    assert encoding.tokenize_processes(400_000, second) == 2  # the others together: a share each
+    assert encoding.tokenize_processes(400_000, DistEnv()) == 4
 
 
 CHECKED = {"path": "data.jsonl", "csv_delimiter": None, "text_field": "text", "text_pair_field": None,
@@ -101,7 +106,8 @@ CHECKED = {"path": "data.jsonl", "csv_delimiter": None, "text_field": "text", "t
 
 
 def checked(rows: dict, **changes):
-    data._check_columns(datasets.Dataset.from_dict(rows), OmegaConf.create({**CHECKED, **changes}), "data.train_split")
+    data_cfg = OmegaConf.create({**CHECKED, **changes})
+    reading._check_columns(datasets.Dataset.from_dict(rows), data_cfg, "data.train_split")
 
 
 @pytest.mark.parametrize("rows, expected", [

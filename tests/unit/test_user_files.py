@@ -1,4 +1,4 @@
-"""Data files as users have them (trainer/sources.py, through data.load as training and `check`
+"""Data files as users have them (trainer/data/sources.py, through data.load as training and `check`
 load them): GLUE's TSV files, `;`-separated CSV, label names that differ by case or spaces and
 placeholder labels, every bad row named at once by its line in the file, or dropped and
 counted, and a broken JSON line named."""
@@ -10,9 +10,10 @@ import re
 
 import pytest
 
-from trainer import config, data
-from trainer.distributed import DistEnv
+from trainer.cli import config
+from trainer.data import reading
 from trainer.errors import ConfigError, DataError
+from trainer.runtime.distributed import DistEnv
 
 WORDS = ["the food was great", "rude staff", "it was fine", "slow but tasty", "never again", "lovely place"]
 
@@ -20,7 +21,7 @@ WORDS = ["the food was great", "rude staff", "it was fine", "slow but tasty", "n
 def load(tmp_path, path, *overrides: str):
     cfg = config.load(None, ["model.name=org/model", f"data.path={path}", "train.max_steps=1",
                              f"output_dir={tmp_path / 'run'}", *overrides])
-    return data.load(cfg, DistEnv())
+    return reading.load(cfg, DistEnv())
 
 
 def glue_sst2(path, n: int = 60) -> list[str]:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-import trainer.loop
-from trainer.distributed import DistEnv
+import trainer.train.loop
 from trainer.exit_codes import Exit
 from trainer.faults.watchdog import PHASES, Watchdog, verdict
+from trainer.runtime.distributed import DistEnv
 
 FACTOR, MIN_S, TIMEOUT_S = 10.0, 1.0, 100.0
 
@@ -150,7 +150,7 @@ def test_the_report_names_the_phase_and_step_and_keeps_the_stacks(watchdog, cloc
 
 def test_every_phase_the_trainer_watches_can_be_reported(watchdog, clock, reports):
     """A phase missing from PHASES would end the watchdog thread with a KeyError instead of a report."""
-    watched = set(re.findall(r'(?:watch|watchdog\.phase)\("([\w-]+)"', Path(trainer.loop.__file__).read_text()))
+    watched = set(re.findall(r'(?:watch|watchdog\.phase)\("([\w-]+)"', Path(trainer.train.loop.__file__).read_text()))
     assert {"eval", "save", "final-eval", "load-best", "test-eval", "export", "gather"} <= watched
     for phase in sorted(watched):
         with watchdog.phase(phase, 7):

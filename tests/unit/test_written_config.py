@@ -12,10 +12,12 @@ import pytest
 from omegaconf import OmegaConf
 from support.runs import tiny_overrides
 
-from trainer import config, tracking
 from trainer.checkpoint.resume import config_changes
-from trainer.distributed import DistEnv
+from trainer.cli import config
+from trainer.config import loading
 from trainer.errors import ConfigError
+from trainer.runtime.distributed import DistEnv
+from trainer.train import tracking
 
 MARK = "lab-note-7f3a9c"
 
@@ -45,15 +47,15 @@ def test_a_value_from_the_environment_is_read_as_set_and_written_as_written(tiny
                              "wandb.tags=[run, '${oc.env:LAB_NOTE}']", "data.max_length=${oc.env:MAX_LENGTH}",
                              "train.batch_size=${train.eval_batch_size}"])
     assert (cfg.wandb.name, cfg.wandb.project, list(cfg.wandb.tags)) == (MARK, f"p-{MARK}", ["run", MARK])
-    assert cfg.data.max_length == 64 and config.to_dict(cfg)["wandb"]["project"] == f"p-{MARK}"
-    written = config.to_yaml(cfg)
-    assert MARK not in written and MARK not in repr(config.written_dict(cfg))
-    assert config.written_dict(cfg)["wandb"] == {**config.to_dict(cfg)["wandb"], "name": "${oc.env:LAB_NOTE}",
+    assert cfg.data.max_length == 64 and loading.to_dict(cfg)["wandb"]["project"] == f"p-{MARK}"
+    written = loading.to_yaml(cfg)
+    assert MARK not in written and MARK not in repr(loading.written_dict(cfg))
+    assert loading.written_dict(cfg)["wandb"] == {**loading.to_dict(cfg)["wandb"], "name": "${oc.env:LAB_NOTE}",
                                                  "project": "p-${wandb.name}", "tags": ["run", "${oc.env:LAB_NOTE}"]}
     assert "max_length: ${oc.env:MAX_LENGTH}" in written and "  batch_size: 4" in written  # the rest resolved
     # What was written is a config again, read in this environment; a resume from it changes nothing.
     (tmp_path / "written.yaml").write_text(written)
-    assert config.to_dict(config.load(str(tmp_path / "written.yaml"))) == config.to_dict(cfg)
+    assert loading.to_dict(config.load(str(tmp_path / "written.yaml"))) == loading.to_dict(cfg)
     assert config_changes(OmegaConf.create(written), cfg) == ([], [])
     # The variable gone, and the value given instead: the saved key is compared as written.
     monkeypatch.delenv("MAX_LENGTH")

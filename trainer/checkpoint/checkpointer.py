@@ -7,7 +7,7 @@ A checkpoint holds (trainer/checkpoint/store.py: how it is published, verified a
 - optimizer.pt        every other state (the optimizer, the LR schedule, the fp16 loss
                       scaler), loaded with weights_only=True
 - rng.pt              every rank's RNG streams (trainer/checkpoint/rng.py)
-- state.json          where the run is (trainer/checkpoint/train_state.py)
+- state.json          where the run is (trainer/train/state.py)
 - config.yaml         the resolved config of the run (config.to_yaml)
 - per-rank/rank-N.pt  with ddp.comm_hook=powersgd: each rank's own PowerSGD state (its error
                       feedback), written by that rank
@@ -34,14 +34,15 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from trainer import distributed, files
+from trainer import files
 from trainer.checkpoint import formats
 from trainer.checkpoint.rng import ProcessRNG
 from trainer.checkpoint.store import Store, verify
 from trainer.checkpoint.writer import Write, host_copy
-from trainer.distributed import DistEnv
 from trainer.errors import CheckpointError, describe
 from trainer.faults import inject
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs half a second to import
     from torch.distributed.checkpoint.staging import AsyncStager

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from trainer import lora
 from trainer.errors import CheckpointError, describe
+from trainer.model import lora
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs half a second to import
     import torch.distributed as dist

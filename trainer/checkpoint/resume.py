@@ -17,14 +17,16 @@ from typing import Any, NamedTuple, cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer import config, distributed
-from trainer.batch_plan import BatchPlan
 from trainer.checkpoint import formats
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.store import Store, read_state, verify
-from trainer.distributed import DistEnv
+from trainer.config import loading, schema
+from trainer.data.batch_plan import BatchPlan
+from trainer.data.labels import SPACE, Labels
 from trainer.errors import CheckpointError, ConfigError
-from trainer.labels import SPACE, Labels
+from trainer.model.pretrained import is_model_folder
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +162,7 @@ def _check_config_changes(path: Path, saved: dict, cfg: DictConfig) -> list[Chan
             "over with checkpoint.resume=never")
     for change in accepted:
         log.warning("resuming with a changed config: %s", change)
-    if any(config.RESUME_RULES[change.key] == config.EXTEND for change in accepted):
+    if any(schema.RESUME_RULES[change.key] == schema.EXTEND for change in accepted):
         log.warning("the run's length changed: the LR schedule is rebuilt for the new step count and continues "
                     "from its value at this step (a warmup given by train.warmup_ratio is of all steps; a "
                     "decaying schedule now ends at the new end, so a longer run's lr is above the old one's)")
@@ -174,19 +176,19 @@ def config_changes(saved: DictConfig, cfg: DictConfig) -> tuple[list[Change], li
     changes. A key both configs take from the environment as the same `${oc.env:NAME}` is
     the same: its value is not in the checkpoint (config.to_yaml) to compare."""
     try:
-        old = config.flatten(config.to_dict(saved))  # the saved `${oc.env:...}` read from this environment
+        old = loading.flatten(loading.to_dict(saved))  # the saved `${oc.env:...}` read from this environment
     except OmegaConfBaseException:  # a variable this environment lacks: compared as written
-        old = config.flatten(config.written_dict(saved))
-    new = config.flatten(config.to_dict(cfg))
-    old_written, new_written = config.flatten(config.written_dict(saved)), config.flatten(config.written_dict(cfg))
+        old = loading.flatten(loading.written_dict(saved))
+    new = loading.flatten(loading.to_dict(cfg))
+    old_written, new_written = loading.flatten(loading.written_dict(saved)), loading.flatten(loading.written_dict(cfg))
     refused: list[Change] = []
     accepted: list[Change] = []
     for key in sorted(old.keys() & new.keys()):
-        rule = config.RESUME_RULES.get(key, config.FIXED)
-        if old[key] == new[key] or old_written.get(key) == new_written.get(key) or rule == config.FREE:
+        rule = schema.RESUME_RULES.get(key, schema.FIXED)
+        if old[key] == new[key] or old_written.get(key) == new_written.get(key) or rule == schema.FREE:
             continue
         change = Change(key, old[key], new[key])
-        extended = rule == config.EXTEND and None not in (old[key], new[key]) and new[key] > old[key]
+        extended = rule == schema.EXTEND and None not in (old[key], new[key]) and new[key] > old[key]
         if extended or _named(key, cfg.checkpoint.allow_changes):
             accepted.append(change)
         else:
@@ -197,3 +199,19 @@ def config_changes(saved: DictConfig, cfg: DictConfig) -> tuple[list[Change], li
 def _named(key: str, entries) -> bool:
     """`key` is one of `entries`, or inside a section among them (`data`)."""
     return any(key == entry or key.startswith(entry + ".") for entry in entries)
+
+
+def trained_folder(cfg: DictConfig, source: str) -> Path:
+    """The folder that `checkpoint=SOURCE` of evaluate and predict names: `final`
+    (output_dir/final), a model folder written by save_pretrained, or a checkpoint (step-N).
+    Checked before any process group exists."""
+    path = Path(cfg.output_dir) / "final" if source == "final" else Path(source)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint: {path}: no such folder")
+    if is_model_folder(path):
+        return path
+    problem = verify(path)
+    if problem:
+        raise ConfigError(f"checkpoint: {path}: neither a model folder (final/, with config.json) nor a "
+                          f"complete checkpoint (step-N): {problem}")
+    return path

@@ -19,10 +19,11 @@ import socket
 import time
 from pathlib import Path
 
-from trainer import distributed, files
-from trainer.distributed import DistEnv
+from trainer import files
 from trainer.errors import NoProgress
 from trainer.exit_codes import Exit
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 

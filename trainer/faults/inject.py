@@ -30,8 +30,8 @@ import os
 import signal
 from collections.abc import Callable, Mapping
 
-from trainer.distributed import DistEnv
 from trainer.faults import replicas
+from trainer.runtime.distributed import DistEnv
 
 _armed: dict[tuple[str, int], list[Callable[..., None]]] = {}
 """(point, step): the faults to run there, in the order the table above lists them."""
@@ -45,7 +45,7 @@ _between_steps = [False]
 def between_steps() -> bool:
     """Whether a fault acting between steps is set for any rank (the same answer on every
     rank: they share the environment). The loop then reads each step's verdict at once, so
-    that the fault meets the run where it always has (trainer/loop.py)."""
+    that the fault meets the run where it always has (trainer/train/loop.py)."""
     return _between_steps[0]
 
 
@@ -91,7 +91,7 @@ def _nan(tries: int) -> Callable[..., None]:
     left = [tries]
 
     def poison(step: int, loss, model, **_) -> None:
-        # After backward, once the try is known to be one of STEP's (trainer/step.py reads the
+        # After backward, once the try is known to be one of STEP's (trainer/train/step.py reads the
         # verdict of the try before it only then): this rank's loss and gradients.
         if left[0] > 0:
             left[0] -= 1

@@ -4,14 +4,14 @@ A NaN or an Inf in bf16 or fp32 (which have no loss scaler) would reach AdamW un
 clip_grad_norm_ returns the NaN norm, the weights become NaN, and every later step and
 checkpoint carries them, while the run ends "done". So every step ends in a check:
 
-- `LossGuard`, inside the step (trainer/step.py): one all-reduce of the step's loss and
+- `LossGuard`, inside the step (trainer/train/step.py): one all-reduce of the step's loss and
   gradient norm, decided on the device, so that every rank takes the same decision; the host
-  reads it a step later, when it has long arrived (trainer/step.py says how). A step whose
+  reads it a step later, when it has long arrived (trainer/train/step.py says how). A step whose
   loss or gradient norm is not finite on any rank is skipped on every rank: no optimizer
   update, no LR schedule step, and the batch is not trained on. Under fp16 the loss scaler
   keeps its own rule for gradients that overflow (a step skipped, the scale halved); a loss
   that is not finite is a bad step there too.
-- `BadSteps`, in the loop (trainer/loop.py): the same step is tried again with the next
+- `BadSteps`, in the loop (trainer/train/loop.py): the same step is tried again with the next
   batch. After fault.max_bad_steps failed tries of one step in a row, the run rolls back to
   its newest checkpoint and goes on with the batches after the bad ones (as OPT, BLOOM and OLMo
   got past their divergences by hand). If that step fails as often again, the run stops
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer.distributed import DistEnv
 from trainer.errors import NoProgress
+from trainer.runtime.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 

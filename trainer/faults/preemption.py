@@ -11,8 +11,8 @@ import signal
 import torch
 import torch.distributed as dist
 
-from trainer import distributed
-from trainer.distributed import DistEnv
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 
 _received: set[str] = set()
 

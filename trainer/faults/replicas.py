@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer import distributed
-from trainer.distributed import DistEnv
 from trainer.errors import LaunchError
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """The integer type a tensor's bits are read as, by element size."""

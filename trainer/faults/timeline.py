@@ -5,7 +5,7 @@ phase between steps (eval, save, rollback, the end of the run's), as it happens,
 rewrites the file: after a restart the steps redone from the checkpoint are in it twice, and a
 SIGKILL loses at most the line being written. attempts.jsonl (trainer/faults/attempts.py) says
 when each attempt was launched, what it resumed from and how it ended; `python -m trainer
-report` (trainer/report.py) adds the two up into goodput.
+report` (trainer/outputs/report.py) adds the two up into goodput.
 
 A line costs one small write per step, to a file kept open (line-buffered).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from trainer import files
-from trainer.distributed import DistEnv
+from trainer.runtime.distributed import DistEnv
 
 FILE = "timeline.jsonl"
 

@@ -1,7 +1,7 @@
 """The stall watchdog: a rank stuck in a step or a collective says so, with stacks, in time.
 
 A multi-node job must either make progress or fail fast with a message that says why. The
-collective timeout (`dist.timeout_s`, set in trainer/distributed.py) guarantees the "fail";
+collective timeout (`dist.timeout_s`, set in trainer/runtime/distributed.py) guarantees the "fail";
 the `Watchdog` makes the failure explain itself. It notices a step far slower than the
 recent median, before the collective timeout fires, and reports which peers have gone quiet
 (`Heartbeats`) along with this rank's Python stacks (`dump_stacks`). Every rank runs one, so
@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer import distributed, exit_codes
-from trainer.distributed import DistEnv
+from trainer import exit_codes
 from trainer.errors import describe
 from trainer.exit_codes import Exit
 from trainer.faults import inject
 from trainer.faults.replicas import ReplicasDiverged
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """`python -m trainer check`'s look at the data, before a node is taken: the splits loaded and
-checked as training will load and check them (trainer/data.py: the same code, so what passes
+checked as training will load and check them (trainer/data/reading.py: the same code, so what passes
 here trains), the labels resolved and counted in Arrow, and the token lengths of a seeded
 sample. No weights load and no process group forms: a mistake in the data (a missing column or
 split, a label of the wrong type, a validation label outside the train split's classes) is one line and exit 2
@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 from omegaconf import DictConfig
 
-from trainer import data, model
-from trainer.batch_plan import BatchPlan
-from trainer.data import Splits
-from trainer.distributed import DistEnv
+from trainer.data import reading
+from trainer.data.batch_plan import BatchPlan
+from trainer.data.labels import Labels
+from trainer.data.reading import Splits
 from trainer.errors import ConfigError
-from trainer.labels import Labels
+from trainer.model import pretrained
+from trainer.runtime.distributed import DistEnv
 
 SAMPLE_ROWS = 2_000
 """The rows per split whose token lengths are measured: seeded, a few hundred milliseconds."""
@@ -37,7 +38,7 @@ class DataCheck:
 def check(cfg: DictConfig, world_size: int) -> DataCheck:
     """The data report of `cfg` for a job of `world_size` ranks; raises a TrainerError on a
     mistake in the data."""
-    splits = data.load(cfg, DistEnv())
+    splits = reading.load(cfg, DistEnv())
     labels = splits.labels
     lines = [_splits_line(cfg, splits), f"  labels: {labels.describe()}"]
     lines += [f"  dropped from {split} (data.drop_invalid_rows): " + ", ".join(f"{n:,} with {kind}"
@@ -74,7 +75,7 @@ def _lengths(cfg: DictConfig, splits: Splits, warnings: list[str]) -> list[str]:
     """Each split's token-length percentiles from a seeded sample, and the data.max_length
     that keeps 99% of the train sample untruncated."""
     try:
-        tokenizer = model.load_tokenizer(cfg.model)
+        tokenizer = pretrained.load_tokenizer(cfg.model)
     except ConfigError as e:  # a hub model a login node can't reach: the rest of the check stands
         warnings.append(f"token lengths not measured: {e}")
         return []

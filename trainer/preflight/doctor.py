@@ -35,12 +35,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainer import data, distributed, errors
-from trainer import labels as labels_module
-from trainer.batch_plan import BatchPlan
-from trainer.distributed import DistEnv
+from trainer import errors
+from trainer.data import labels as labels_module
+from trainer.data import reading
+from trainer.data.batch_plan import BatchPlan
 from trainer.errors import TrainerError, describe
 from trainer.preflight import forecast, grace, memory, network
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 from trainer.strategies import registry
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
@@ -382,7 +384,7 @@ def plan_or_reason(cfg: DictConfig, dist_env: DistEnv, device: torch.device) -> 
     model this node can't reach: training may still reach it). Its labels are the config's,
     or the data's where only the data can tell."""
     try:
-        labels = labels_module.from_config(cfg.data) or data.load(cfg, dist_env).labels
+        labels = labels_module.from_config(cfg.data) or reading.load(cfg, dist_env).labels
         return memory.make(cfg, labels, device, dist_env.world_size)
     except TrainerError as e:
         return str(e)

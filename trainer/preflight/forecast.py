@@ -26,12 +26,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from trainer.batch_plan import BatchPlan
-from trainer.step import StepObserver, TrainStep
+from trainer.data import loaders, reading
+from trainer.data.batch_plan import BatchPlan
+from trainer.train.step import StepObserver, TrainStep
 
 if TYPE_CHECKING:
-    from trainer.build import Built
-    from trainer.data import Data
+    from trainer.data.loaders import Data
+    from trainer.train.build import Built
 
 MIB = 1024**2
 BUCKET_SIZES_MB = (5.0, 10.0, 25.0, 50.0, 100.0)
@@ -97,7 +98,7 @@ class Traffic:
     buckets: list[Bucket]
     overlapped: bool
     """Each all-reduce runs beside backward (DDP), or backward waits for it: PowerSGD on
-    gloo runs its buckets one at a time (trainer/compression.py)."""
+    gloo runs its buckets one at a time (trainer/strategies/compression.py)."""
 
     @property
     def nbytes(self) -> float:
@@ -263,7 +264,7 @@ def describe_batches(train_ds, sampler, micro_batch: int, pad_multiple: int | No
 
 
 class PhaseClock(StepObserver):
-    """A StepObserver (trainer/step.py) that times the step's forward, backward and optimizer,
+    """A StepObserver (trainer/train/step.py) that times the step's forward, backward and optimizer,
     syncing the device at each boundary: on a GPU the host runs ahead of the kernels. The
     comm phase is backward's tail here: over a group of one rank, DDP's hooks run but send
     nothing, and what the link costs is the model's to add."""
@@ -327,7 +328,7 @@ class Measured(NamedTuple):
 
 def measure(cfg: DictConfig, dist_env, device: torch.device, alone: bool = True) -> Measured:
     """This rank's compute on the job's real model, at the mean padded length of its real
-    micro-batches: training's own model and step (trainer/build.py), LoRA, gradient
+    micro-batches: training's own model and step (trainer/train/build.py), LoRA, gradient
     checkpointing, precision, the sparse embedding gradient, DDP with ddp.comm_hook
     (PowerSGD's compression included), accumulation's gradient sync, clipping, the loss
     scaler, AdamW and its schedule. Only the network is left out: DDP runs over a group of this
@@ -336,11 +337,11 @@ def measure(cfg: DictConfig, dist_env, device: torch.device, alone: bool = True)
     strategy the forecast does not model (its steps and state for the grace check)."""
     import torch.distributed as dist
 
-    from trainer import build, data
-    from trainer.policy import Policy
+    from trainer.train import build
+    from trainer.train.policy import Policy
 
     plan = BatchPlan.of(cfg.train, dist_env.world_size)
-    splits = data.load(cfg, dist_env)
+    splits = reading.load(cfg, dist_env)
     max_steps = Policy.from_config(cfg, splits.steps_per_epoch(plan, cfg.train)).max_steps
     # PowerSGD compresses from the first timed step: the two before it warm up.
     timed = cast(DictConfig, OmegaConf.merge(cfg, {"ddp": {"powersgd_start_step": 2}}))
@@ -351,10 +352,10 @@ def measure(cfg: DictConfig, dist_env, device: torch.device, alone: bool = True)
         # imports, ~2 s of CPU a rank) would run beside the timed steps, on the cores the ranks
         # share: at 4 ranks on 2 cores it doubled the compute timed (benchmarks/RESULTS.md).
         loaderless = cast(DictConfig, OmegaConf.merge(cfg, {"data": {"num_workers": 0}}))
-        tokenized = data.build(loaderless, dist_env, splits, built.tokenizer, device, plan)
+        tokenized = loaders.build(loaderless, dist_env, splits, built.tokenizer, device, plan)
         try:
             batches = describe_batches(tokenized.train_loader.dataset, tokenized.train_sampler, plan.micro_batch,
-                                       data.pad_multiple(cfg, device))
+                                       loaders.pad_multiple(cfg, device))
         finally:
             tokenized.close()
         params = Param.all_of(built.model)

@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from trainer import config, distributed
-from trainer.batch_plan import BatchPlan
-from trainer.distributed import DistEnv
+from trainer.config import loading
+from trainer.data.batch_plan import BatchPlan
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 
 if TYPE_CHECKING:
-    from trainer.build import Built
-    from trainer.data import Data
+    from trainer.data.loaders import Data
+    from trainer.train.build import Built
 
 GRACE_ENV = "TRAINER_GRACE_S"
 SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
@@ -52,9 +53,9 @@ def time_save(cfg: DictConfig, dist_env: DistEnv, built: Built, run_data: Data, 
     output_dir's storage), rank 0's time; every rank takes part, as it would. The folder is
     removed after."""
     from trainer.checkpoint.checkpointer import Checkpointer
-    from trainer.checkpoint.train_state import TrainState
     from trainer.faults.numerics import BadSteps
-    from trainer.policy import Selection
+    from trainer.train.policy import Selection
+    from trainer.train.state import TrainState
 
     batch = BatchPlan.of(cfg.train, dist_env.world_size)
     train_state = TrainState(batch, run_data, Selection.from_config(cfg), dist_env, "doctor", run_data.labels,
@@ -63,7 +64,7 @@ def time_save(cfg: DictConfig, dist_env: DistEnv, built: Built, run_data: Data, 
                                 checkpoint_format=built.strategy.checkpoint_format)
     started = time.perf_counter()
     try:
-        checkpointer.save(0, built.states(train_state), config.to_yaml(cfg))
+        checkpointer.save(0, built.states(train_state), loading.to_yaml(cfg))
     finally:
         seconds = time.perf_counter() - started
         distributed.rank_zero_does(dist_env, f"{folder}", lambda: shutil.rmtree(folder, ignore_errors=True))

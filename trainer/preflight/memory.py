@@ -5,7 +5,7 @@ rank's device, before any weights load: for an 8B model a batch too big is then 
 answer in seconds, not an out-of-memory error after minutes of loading.
 
 - weights, gradients and optimizer state are exact: the model is built on the meta device
-  (shapes and dtypes, no storage) by training's own builder (trainer/build.py), LoRA and
+  (shapes and dtypes, no storage) by training's own builder (trainer/train/build.py), LoRA and
   model.dtype included, counted tensor by tensor, and split as the run's strategy splits them
   (tests/unit/test_memory_plan.py holds them to the byte against a real model and optimizer);
 - activations are an estimate (`activation_bytes`, its formula in docs/memory.md).
@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING
 import torch
 from omegaconf import DictConfig
 
-from trainer import build, distributed, lora
-from trainer.distributed import DistEnv
+from trainer.data.labels import Labels
 from trainer.errors import ConfigError
-from trainer.labels import Labels
+from trainer.model import lora
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 from trainer.strategies import registry
+from trainer.train import build
 
 if TYPE_CHECKING:
     from torch import nn

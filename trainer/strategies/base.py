@@ -18,10 +18,10 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from trainer import distributed
-from trainer.batch_plan import BatchPlan
 from trainer.checkpoint import formats
-from trainer.distributed import DistEnv
+from trainer.data.batch_plan import BatchPlan
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

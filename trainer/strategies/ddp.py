@@ -2,7 +2,7 @@
 model, the gradients all-reduced in buckets while backward still runs.
 
 Beside DDP itself: the gradient compression wired into its all-reduce (`ddp.comm_hook`,
-trainer/compression.py), the comm clock that measures the communication backward did not
+trainer/strategies/compression.py), the comm clock that measures the communication backward did not
 hide, and on CPU the input embedding's gradient as sparse rows. Without a process group (one
 plain process) the model runs as it is.
 """
@@ -19,7 +19,8 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer import compression, distributed
+from trainer.runtime import distributed
+from trainer.strategies import compression
 from trainer.strategies.base import Strategy
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ def _skip_frozen_at_start(model: nn.Module) -> None:
 
 
 class BucketClock:
-    """A DDP comm hook: ddp.comm_hook's (trainer/compression.py), noting when each bucket
+    """A DDP comm hook: ddp.comm_hook's (trainer/strategies/compression.py), noting when each bucket
     became ready.
 
     The last bucket is ready when backward's compute is done, so whatever backward() still

@@ -1,7 +1,7 @@
 """train.strategy=dp: nn.DataParallel, one process driving every GPU of its node.
 
 Each replica runs in a thread of its own and the logits are gathered onto the first GPU,
-where the loss is taken over the whole batch (trainer/step.py says why autocast is entered
+where the loss is taken over the whole batch (trainer/train/step.py says why autocast is entered
 inside each replica). One process only: a torchrun world of more is refused before the
 rendezvous.
 """

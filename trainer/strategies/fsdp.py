@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from trainer import distributed
 from trainer.checkpoint import formats
 from trainer.errors import CheckpointError, ConfigError
-from trainer.model import transformer_blocks
+from trainer.model.pretrained import transformer_blocks
+from trainer.runtime import distributed
 from trainer.strategies.base import Strategy
 
 if TYPE_CHECKING:

@@ -2,8 +2,8 @@
 parallel) is a module of its own in trainer/strategies/ and one line here: nothing else in
 the trainer asks which strategy runs.
 
-Torch-free, so that the config can check the name before torch is imported; each class is
-imported when it is chosen.
+Torch-free, so that a command checks what the strategy asks of the config (`check`, called by
+trainer/cli/config.py) before torch is imported; each class is imported when it is chosen.
 """
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from omegaconf import DictConfig
+
+from trainer.errors import ConfigError
+
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
 
     from trainer.strategies.base import Strategy
 
@@ -27,3 +30,13 @@ def of(cfg: DictConfig) -> Strategy:
     """The strategy train.strategy names, for this run's config (chosen once, then asked)."""
     module, _, name = STRATEGIES[cfg.train.strategy].partition(":")
     return getattr(importlib.import_module(module), name)(cfg)
+
+
+def check(cfg: DictConfig) -> None:
+    """What train.strategy asks of the other keys: a ConfigError naming the first key it refuses."""
+    strategy = cfg.train.strategy
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"train.strategy: must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if cfg.ddp.comm_hook != "none" and strategy != "ddp":
+        raise ConfigError(f"ddp.comm_hook: {cfg.ddp.comm_hook} compresses DDP's all-reduce, and "
+                          f"train.strategy={strategy} has none; set ddp.comm_hook=none")

@@ -17,7 +17,8 @@ import optuna
 from omegaconf import DictConfig
 from optuna.trial import TrialState
 
-from trainer import config, exit_codes, files
+from trainer import exit_codes, files
+from trainer.config import loading
 from trainer.errors import ConfigError
 from trainer.sweep import pruning, results, runs, study
 from trainer.sweep.plan import Plan, check_same_sweep
@@ -32,7 +33,7 @@ def write_config(cfg: DictConfig) -> Path:
     """output_dir/sweep.yaml: the config as the sweep loaded it, which every run is launched with."""
     config_file = Path(cfg.output_dir) / CONFIG_FILE
     config_file.parent.mkdir(parents=True, exist_ok=True)
-    files.write_text(config_file, config.to_yaml(cfg))
+    files.write_text(config_file, loading.to_yaml(cfg))
     return config_file
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import yaml
 from omegaconf import DictConfig
 
-from trainer import config
+from trainer.config import loading, schema
 from trainer.errors import ConfigError
 from trainer.sweep import space
 from trainer.tasks.registry import METRICS
@@ -34,7 +34,7 @@ class Plan:
 def check(cfg: DictConfig, load: Callable[[list[str]], DictConfig]) -> Plan:
     """The sweep checked before any trial starts; each problem a one-line ConfigError."""
     sweep = cfg.sweep
-    searched = space.parse(config.to_dict(cfg)["sweep"]["parameters"], config.KEYS)
+    searched = space.parse(loading.to_dict(cfg)["sweep"]["parameters"], schema.KEYS)
     space.check_values(searched, load)
     settings = space.check_size(searched, sweep.method, sweep.trials)
     metrics = METRICS[cfg.data.problem_type]
@@ -60,9 +60,9 @@ def check(cfg: DictConfig, load: Callable[[list[str]], DictConfig]) -> Plan:
 
 
 def _check_folds(cfg: DictConfig, folds: int) -> np.ndarray:
-    from trainer import data
+    from trainer.data import reading
 
-    fold_of, classes = data.train_folds(cfg)
+    fold_of, classes = reading.train_folds(cfg)
     if classes is None:
         if len(fold_of) < folds:
             raise ConfigError(f"sweep.folds: {folds} folds need {folds} train rows or more; there are {len(fold_of)}")
@@ -87,7 +87,7 @@ def check_same_sweep(previous: Path, cfg: DictConfig) -> None:
     FREE ones may differ."""
     if not previous.is_file():
         return
-    old, new = _flat(yaml.safe_load(previous.read_text())), _flat(config.written_dict(cfg))
+    old, new = _flat(yaml.safe_load(previous.read_text())), _flat(loading.written_dict(cfg))
     changed = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key) and _decides_runs(key))
     if changed:
         raise ConfigError(f"output_dir {previous.parent}: holds a sweep of another config ({', '.join(changed[:4])}"
@@ -98,9 +98,9 @@ def check_same_sweep(previous: Path, cfg: DictConfig) -> None:
 def _decides_runs(key: str) -> bool:
     if key.startswith("sweep."):
         return key.startswith(SWEEP_KEYS_FIXED)
-    return key != "output_dir" and config.RESUME_RULES.get(key, config.FIXED) != config.FREE
+    return key != "output_dir" and schema.RESUME_RULES.get(key, schema.FIXED) != schema.FREE
 
 
 def _flat(nested: Any) -> dict[str, Any]:
-    return config.flatten(nested) if isinstance(nested, dict) else {}
+    return loading.flatten(nested) if isinstance(nested, dict) else {}
 

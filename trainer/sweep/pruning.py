@@ -1,6 +1,6 @@
 """sweep.pruner=halving on the evaluations a run already makes: each run of a setting logs
-`eval/<metric>` at every train.eval_every steps into its metrics.jsonl (trainer/loop.py
-`_validate`, trainer/tracking.py); the sweep reads those files as they grow, and once every
+`eval/<metric>` at every train.eval_every steps into its metrics.jsonl (trainer/train/loop.py
+`_validate`, trainer/train/tracking.py); the sweep reads those files as they grow, and once every
 run of the setting has evaluated at step s, reports their mean at s to the setting's Optuna
 trial and asks its pruner (successive halving: trainer/sweep/study.py) whether to go on.
 
@@ -28,7 +28,7 @@ METRICS_FILE = "metrics.jsonl"
 class Records:
     """A run's metrics.jsonl followed as it grows: each call of `new()` gives the records
     written since the last. A resumed run rewrites the file first (it drops the records after
-    its checkpoint: trainer/tracking.py, replaced whole by a rename); it is then read again from
+    its checkpoint: trainer/train/tracking.py, replaced whole by a rename); it is then read again from
     its start, and the steps it redoes are written again with the same values."""
 
     def __init__(self, folder: Path):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from trainer import files
-from trainer import folds as folds_module
+from trainer.data import folds as folds_module
 from trainer.sweep import runs as runs_module
 from trainer.sweep.space import Scalar
 from trainer.sweep.stats import CONFIDENCE, Interval, t_interval

@@ -1,5 +1,5 @@
 """A sweep's runs: each an ordinary trainer run in output_dir/trials/<id>/, launched as its own
-torchrun (trainer/launch.py) with the sweep's config and the run's overrides (its setting, its
+torchrun (trainer/runtime/launch.py) with the sweep's config and the run's overrides (its setting, its
 seed, its fold), in the sweep's process group: a scheduler that kills the sweep kills them.
 
 A run is finished when its summary.json exists (and, with folds, its out-of-fold rows): a
@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer import exit_codes, launch
+from trainer import exit_codes
 from trainer.errors import ConfigError, TrainerError
 from trainer.exit_codes import Exit
+from trainer.runtime import launch
 from trainer.sweep import pruning
 from trainer.sweep.space import Scalar, override
 
@@ -281,7 +282,7 @@ def _launch(argv: list[str], env: dict[str, str], log_file: Path, run_id: str,
                         _launched.stop_one(proc, following.judge.stop_signal)
             following.read(ended=code == 0)  # what it wrote last, its final evaluation among them
     # Stopped by its signal, torchrun exits 128 + it once its workers have saved and exited 75
-    # (trainer/torchrun.py); a run that ended before the signal came exits 0.
+    # (trainer/cli/torchrun.py); a run that ended before the signal came exits 0.
     if (following is not None and following.judge.pruned and _launched.stopped_by is None
             and code in (0, Exit.PREEMPTED, 128 + following.judge.stop_signal)):
         log.info("trial %s: stopped, its setting pruned (exit %d); its checkpoints stay in its folder", run_id, code)

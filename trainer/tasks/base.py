@@ -1,8 +1,8 @@
 """A task (data.problem_type): the loss the model trains on, the validation metrics, what
 `evaluate` reports and draws and what `predict` writes. Chosen once from the run's label space
-(trainer/labels.py) by trainer/tasks/registry.py, then asked by the step, evaluation, the
+(trainer/data/labels.py) by trainer/tasks/registry.py, then asked by the step, evaluation, the
 evaluate and predict commands and the forecast. Reading the label column for the task is
-trainer/labels.py's.
+trainer/data/labels.py's.
 
 Exact evaluation: each rank tallies its shard of the split (every sample once,
 data.EvalShardSampler), the tallies are summed (or gathered) across ranks, and the metrics are
@@ -18,8 +18,8 @@ import torch
 from omegaconf import DictConfig
 
 from trainer import files
-from trainer.distributed import DistEnv
-from trainer.labels import Labels
+from trainer.data.labels import Labels
+from trainer.runtime.distributed import DistEnv
 
 
 class Tally:

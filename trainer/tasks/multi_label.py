@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer import distributed
-from trainer.distributed import DistEnv
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 from trainer.tasks.base import Tally, Task, figure, save
 from trainer.tasks.single_label import per_label_table, precision_recall_f1
 

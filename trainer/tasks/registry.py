@@ -1,9 +1,10 @@
 """data.problem_type's names, the class each one stands for, and the validation metrics it
 reports with the direction each one improves in (what checkpoint.best_metric may name, and
 its best_mode by default). A new task is a module in trainer/tasks/ and a line here (and, for
-labels stored in a new shape, their reading in trainer/labels.py).
+labels stored in a new shape, their reading in trainer/data/labels.py).
 
-Torch-free, so that the config can check the names before torch is imported.
+Torch-free, so that a command checks what the task asks of the config (`check`, called by
+trainer/cli/config.py) before torch is imported.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-    from trainer.labels import Labels
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+
+    from trainer.data.labels import Labels
     from trainer.tasks.base import Task
 
 TASKS: dict[str, tuple[str, dict[str, str]]] = {
@@ -41,5 +45,35 @@ def of_transformers(hf_problem_type: str | None) -> str:
 
 
 def of(labels: Labels, data_cfg: DictConfig, train_cfg: DictConfig | None = None) -> Task:
-    """The task of a run's label space (trainer/labels.py), with its loss settings."""
+    """The task of a run's label space (trainer/data/labels.py), with its loss settings."""
     return task_class(labels.problem_type)(labels, data_cfg, train_cfg)
+
+
+def check(cfg: DictConfig) -> None:
+    """What data.problem_type's task asks of the other keys: a ConfigError naming the first key
+    it refuses. Fills checkpoint.best_mode with best_metric's own direction where it is unset."""
+    data_cfg, train, ckpt = cfg.data, cfg.train, cfg.checkpoint
+    problem_type = data_cfg.problem_type
+    metrics = METRICS[problem_type]
+    if ckpt.best_metric is None:
+        for key in ("checkpoint.load_best_at_end", "train.early_stopping_patience"):
+            if OmegaConf.select(cfg, key):
+                raise ConfigError(f"{key}: needs checkpoint.best_metric ({', '.join(metrics)})")
+    elif ckpt.best_metric not in metrics:
+        raise ConfigError(f"checkpoint.best_metric: {ckpt.best_metric} is not a metric of data.problem_type="
+                          f"{problem_type} ({', '.join(metrics)})")
+    elif ckpt.best_mode is None:
+        ckpt.best_mode = metrics[ckpt.best_metric]
+    names, num_labels, weights = data_cfg.label_names, data_cfg.num_labels, train.class_weights
+    if problem_type == "regression":
+        for key, value, allowed in (("data.num_labels", num_labels, (None, 1)), ("data.label_names", names, (None,)),
+                                    ("train.class_weights", weights, (None,))):
+            if value not in allowed:
+                raise ConfigError(f"{key}: data.problem_type=regression predicts one number, which has no classes; "
+                                  "leave it unset")
+    elif num_labels == 1:
+        raise ConfigError(f"data.num_labels: {problem_type} needs 2 or more classes; one number is "
+                          "data.problem_type=regression")
+    if train.label_smoothing and problem_type != "single_label":
+        raise ConfigError(f"train.label_smoothing: smooths single_label's cross-entropy; data.problem_type is "
+                          f"{problem_type}")

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer import distributed
-from trainer.distributed import DistEnv
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 from trainer.tasks.base import Tally, Task, figure, save
 
 

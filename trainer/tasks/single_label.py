@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer import distributed
-from trainer.distributed import DistEnv
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 from trainer.tasks.base import Tally, Task, figure, save
 
 

@@ -4,7 +4,7 @@ trained, on what, for how long, and from which code.
 
 The metadata (YAML front matter: base_model, datasets, metrics, pipeline_tag, library_name and
 the model-index of results) is huggingface_hub's ModelCardData, so the Hub and `ModelCard.load`
-read it as they read any card. trainer/export.py writes it under every strategy; an adapter's
+read it as they read any card. trainer/outputs/export.py writes it under every strategy; an adapter's
 folder (final/adapter/) gets a card of its own, for peft.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from trainer import config
-from trainer.labels import Labels
+from trainer.config import loading
+from trainer.data.labels import Labels
 
 PIPELINE = "text-classification"
 
@@ -127,5 +127,5 @@ def _body(facts: Facts, adapter: bool, name: str, pictures: tuple[str, ...] | li
               f"(evaluation and checkpoints aside), by this project's trainer"
               + (f" at commit `{commit}`" if commit else "") + ". The resolved config (values from the environment "
               "as written):", "",
-              "```yaml", config.to_yaml(cfg).rstrip(), "```", ""]
+              "```yaml", loading.to_yaml(cfg).rstrip(), "```", ""]
     return "\n".join(lines)

@@ -252,7 +252,7 @@ def cpu_threads(dist_env: DistEnv, threads: int | None) -> int:
 def configure_compute(train_cfg, dist_env: DistEnv, device: torch.device) -> torch.dtype:
     """This process's compute as train.* sets it, before the model is built: deterministic
     kernels, the CPU threads, and the autocast dtype it returns (resolve_precision). Every
-    command that runs the model calls it once (trainer/build.py)."""
+    command that runs the model calls it once (trainer/train/build.py)."""
     if train_cfg.deterministic:
         use_deterministic_kernels()
     if device.type == "cpu":

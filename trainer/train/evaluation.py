@@ -22,9 +22,12 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainer import build, data, distributed, model
-from trainer.distributed import DistEnv
+from trainer.data import loaders, reading
+from trainer.model import pretrained
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 from trainer.tasks.base import Task
+from trainer.train import build
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, task: T
     run as many as the rank with the most. Otherwise the others would wait for it for ever.
     `sdpa_backend`: the attention kernel (model.sdpa_backend), as in the step.
     """
-    with model.sdpa_kernel(sdpa_backend):
+    with pretrained.sdpa_kernel(sdpa_backend):
         return _evaluate(logits_of, loader, num_samples, task, device, dist_env, sharded, keep_rows)
 
 
@@ -68,7 +71,7 @@ def _evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, task: 
     most = max(distributed.all_gather(dist_env, len(loader))) if sharded else len(loader)
     kept: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     for batch in loader:
-        batch = data.to_device(batch, device, loader)
+        batch = loaders.to_device(batch, device, loader)
         labels = batch.pop("labels")
         logits = logits_of(**batch).float()
         loss_sum += task.sample_losses(logits, labels).sum()
@@ -108,12 +111,12 @@ def _gather_rows(kept: list, dist_env: DistEnv) -> tuple[list[int], torch.Tensor
 
 
 def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) -> dict | None:
-    """Evaluate the model in `folder` (a `model.trained_folder`) on data.eval_split; rank 0
+    """Evaluate the model in `folder` (a `resume.trained_folder`) on data.eval_split; rank 0
     prints the table and writes eval-SPLIT.json and eval-SPLIT.png into the folder. Returns
     the report on rank 0."""
     trained = build.trained(cfg, dist_env, device, folder)
-    splits = data.load(cfg, dist_env, labels=trained.task.labels)  # every label one the model knows
-    loader, num_samples = data.build_eval(cfg, dist_env, splits, trained.tokenizer, device)
+    splits = reading.load(cfg, dist_env, labels=trained.task.labels)  # every label one the model knows
+    loader, num_samples = loaders.build_eval(cfg, dist_env, splits, trained.tokenizer, device)
     result = evaluate(trained.logits, loader, num_samples, trained.task, device, dist_env, keep_rows=True,
                       sdpa_backend=cfg.model.sdpa_backend)
     split = cfg.data.eval_split

@@ -10,13 +10,13 @@ saved beside the optimizer.
 
 from __future__ import annotations
 
-from trainer import data
-from trainer.batch_plan import BatchPlan
-from trainer.data import Data
-from trainer.distributed import DistEnv
+from trainer.data import loaders
+from trainer.data.batch_plan import BatchPlan
+from trainer.data.labels import Labels
+from trainer.data.loaders import Data
 from trainer.faults.numerics import BadSteps
-from trainer.labels import Labels
-from trainer.policy import Selection
+from trainer.runtime.distributed import DistEnv
+from trainer.train.policy import Selection
 
 
 class TrainState:
@@ -51,7 +51,7 @@ class TrainState:
             "samples_seen": step * batch.global_batch,
             "skipped_batches": self.skipped_batches,
             "bad_steps": self.bad_steps.state_dict(),
-            "data": data.position(self.data, self.batches_read),  # the global position, and its ledger
+            "data": loaders.position(self.data, self.batches_read),  # the global position, and its ledger
             "world_size": self.world_size,
             "global_batch": batch.global_batch,
             "micro_batch": batch.micro_batch,
@@ -66,7 +66,7 @@ class TrainState:
         """Raises CheckpointError if its sampler's data position is not the saved one (the
         labels were held to the checkpoint's by resume.labels_on_resume, before the model loaded)."""
         skipped = state.get("skipped_batches", 0)
-        data.check_position(self.data, state.get("data"), state["step"] + skipped)
+        loaders.check_position(self.data, state.get("data"), state["step"] + skipped)
         self.step, self.epoch, self.run_id = state["step"], state["epoch"], state["wandb_run_id"]
         self.skipped_batches = skipped
         self.bad_steps.load_state_dict(state.get("bad_steps", {}))

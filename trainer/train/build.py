@@ -1,7 +1,7 @@
 """One way to build a run: the model, the strategy that runs it across ranks and the training
 step, from the config.
 
-Training (trainer/loop.py), doctor's forecast (trainer/preflight/forecast.py), `evaluate` and
+Training (trainer/train/loop.py), doctor's forecast (trainer/preflight/forecast.py), `evaluate` and
 `predict`, the memory plan (on the meta device, trainer/preflight/memory.py) and the
 benchmarks all build here, so each runs the model and the step that training runs; what
 differs is an argument (a process group of one, the meta device, a trained folder).
@@ -18,18 +18,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig
 
-from trainer import data, distributed, lora, model, optim
-from trainer import labels as labels_module
 from trainer.checkpoint.checkpointer import load_weights
 from trainer.checkpoint.store import read_state
-from trainer.distributed import DistEnv
+from trainer.data import labels as labels_module
+from trainer.data import loaders
+from trainer.data.labels import Labels
 from trainer.errors import ConfigError
 from trainer.faults.numerics import LossGuard
-from trainer.labels import Labels
-from trainer.step import TrainStep
+from trainer.model import lora, optim, pretrained
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 from trainer.strategies import registry
 from trainer.strategies.base import LogitsUnderAutocast
 from trainer.tasks import registry as tasks
+from trainer.train.step import TrainStep
 
 log = logging.getLogger(__name__)
 
@@ -67,33 +69,34 @@ def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: to
     ones in model.dtype), LoRA's adapters, activation checkpointing, in train mode.
 
     `on_meta`: shapes and dtypes only, no weights read, for the memory plan on `device`'s
-    kind (a folder with config.json alone will do). `trained`: a `model.trained_folder`, in
+    kind (a folder with config.json alone will do). `trained`: a `resume.trained_folder`, in
     eval mode: final/ (its own architecture, tokenizer and label names, the adapters merged),
     or a checkpoint step-N, whose weights go into model.name's architecture."""
-    model_cfg, merged = cfg.model, trained is not None and model.is_model_folder(trained)
+    model_cfg, merged = cfg.model, trained is not None and pretrained.is_model_folder(trained)
     if merged:  # final/: a folder of its own, whatever revision of model.name it was trained from
         model_cfg = DictConfig({**cfg.model, "name": str(trained), "pretrained": True, "revision": None})
     if model_cfg.trust_remote_code and dist_env.is_rank_zero:
         log.warning("model.trust_remote_code: %s runs the modeling code its repository ships", model_cfg.name)
     # One download per node: local rank 0 fetches a hub model into the HF cache (shared by
     # the node's ranks, or by every node on a PVC), the others then read it from there.
-    first = distributed.local_rank_zero_first(dist_env) if model.from_hub(model_cfg) and not on_meta else nullcontext()
+    from_hub = pretrained.from_hub(model_cfg) and not on_meta
+    first = distributed.local_rank_zero_first(dist_env) if from_hub else nullcontext()
     with first:
-        tokenizer = model.load_tokenizer(model_cfg) if not on_meta or model.has_tokenizer(model_cfg) else None
+        tokenizer = pretrained.load_tokenizer(model_cfg) if not on_meta or pretrained.has_tokenizer(model_cfg) else None
         pad_token_id = None if tokenizer is None else tokenizer.pad_token_id
-        config = model.load_config(model_cfg, labels, device.type, pad_token_id)
+        config = pretrained.load_config(model_cfg, labels, device.type, pad_token_id)
         # Before the weights: for an 8B model a mistake costs seconds, not minutes.
-        model.check_max_length(model_cfg, cfg.data.max_length, config, tokenizer)
+        pretrained.check_max_length(model_cfg, cfg.data.max_length, config, tokenizer)
         dtype = lora.frozen_dtype(cfg.model, amp_dtype)
-        bare = model.meta_model(config, dtype, model_cfg.trust_remote_code) if on_meta else \
-            model.load_model(model_cfg, config, cfg.seed, device, dtype)
+        bare = pretrained.meta_model(config, dtype, model_cfg.trust_remote_code) if on_meta else \
+            pretrained.load_model(model_cfg, config, cfg.seed, device, dtype)
     built = bare if merged else lora.apply(bare, cfg.model)  # final/ has the adapters merged in already
     if trained is not None:
         if not merged:  # a checkpoint of a LoRA run holds the adapters
             load_weights(trained, built)
         return Model(built.eval(), tokenizer, config, amp_dtype)
     if cfg.model.gradient_checkpointing and not on_meta:
-        model.use_gradient_checkpointing(built)
+        pretrained.use_gradient_checkpointing(built)
     return Model(built.train(), tokenizer, config, amp_dtype)  # from_pretrained returns eval mode: no dropout
 
 
@@ -121,8 +124,8 @@ def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, labels: Labe
     amp_dtype = distributed.configure_compute(cfg.train, dist_env, device)
     loaded = load(cfg, dist_env, device, amp_dtype, labels)
     strategy = strategy or registry.of(cfg)
-    if model.compiles(cfg.train.compile, device, max_steps):  # before FSDP2 wraps the blocks, as torchtitan
-        model.compile_blocks(loaded.model)
+    if pretrained.compiles(cfg.train.compile, device, max_steps):  # before FSDP2 wraps the blocks, as torchtitan
+        pretrained.compile_blocks(loaded.model)
     strategy.parallelize(loaded.model, dist_env, device, amp_dtype, group)
     # After the strategy: FSDP2 has made the parameters the optimizer holds into shards.
     optimizer = optim.optimizer(loaded.model, cfg.train)
@@ -133,7 +136,7 @@ def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, labels: Labe
     task = tasks.of(labels, cfg.data, cfg.train)
     guard = LossGuard(cfg.fault, dist_env, group)
     step = TrainStep(loaded.model, strategy, task, optimizer, scheduler, scaler, guard, cfg.train.max_grad_norm,
-                     device, non_blocking=data.pins_memory(cfg, device), sdpa_backend=cfg.model.sdpa_backend,
+                     device, non_blocking=loaders.pins_memory(cfg, device), sdpa_backend=cfg.model.sdpa_backend,
                      recomputes=cfg.model.gradient_checkpointing)
     return Built(loaded.model, loaded.tokenizer, loaded.config, amp_dtype, strategy, step, task)
 
@@ -150,10 +153,10 @@ def trained(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Pa
     """A trained model (`load`'s `trained`) for evaluate and predict, with the label space it
     was trained on: final/'s config holds it, a checkpoint's state.json, or (a checkpoint of
     an older run) the config."""
-    if model.is_model_folder(folder):
+    if pretrained.is_model_folder(folder):
         from transformers import AutoConfig
 
-        labels = model.labels_of(AutoConfig.from_pretrained(folder))
+        labels = pretrained.labels_of(AutoConfig.from_pretrained(folder))
     else:
         saved = read_state(folder).get("labels")
         found = Labels.from_state(saved) if saved else labels_module.from_config(cfg.data)

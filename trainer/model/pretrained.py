@@ -1,7 +1,7 @@
 """The model: a transformers sequence classifier and its tokenizer, from a hub id or a folder.
 
 This is the bare model: checkpoints, evaluation and the final export use it, so no `module.`
-(or `_orig_mod.`) prefix ever reaches a file. These are the parts; trainer/build.py puts them
+(or `_orig_mod.`) prefix ever reaches a file. These are the parts; trainer/train/build.py puts them
 together (LoRA, the strategy that runs it across ranks, the step), the one way every command
 builds it.
 """
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 from omegaconf import DictConfig
 
+from trainer.data.labels import IDS, NUMBERS, Labels, placeholder_names
 from trainer.errors import ConfigError, describe
-from trainer.labels import IDS, NUMBERS, Labels, placeholder_names
 
 if TYPE_CHECKING:  # transformers is imported where a model is loaded: it is slow to import
     from transformers import PretrainedConfig, PreTrainedModel
@@ -62,7 +62,7 @@ def from_hub(model_cfg: DictConfig) -> bool:
 
 def load_tokenizer(model_cfg: DictConfig):
     """The model's tokenizer, with a pad token. Its padding side is its own: right for
-    BERT and GPT-2, left for Llama's (data.py keeps positions right under left padding)."""
+    BERT and GPT-2, left for Llama's (trainer/data/loaders.py keeps positions right under left padding)."""
     from transformers import AutoTokenizer
 
     try:
@@ -271,21 +271,3 @@ def labels_of(config: PretrainedConfig) -> Labels:
     # A loaded config's id2label has int keys (transformers converts config.json's strings).
     id2label = cast("dict[int, str]", config.id2label)
     return Labels(problem_type, tuple(id2label[i] for i in range(config.num_labels)), "the model's config", IDS)
-
-
-def trained_folder(cfg: DictConfig, source: str) -> Path:
-    """The folder that `checkpoint=SOURCE` of evaluate and predict names: `final`
-    (output_dir/final), a model folder written by save_pretrained, or a checkpoint (step-N).
-    Checked before any process group exists."""
-    from trainer.checkpoint.store import verify
-
-    path = Path(cfg.output_dir) / "final" if source == "final" else Path(source)
-    if not path.is_dir():
-        raise ConfigError(f"checkpoint: {path}: no such folder")
-    if is_model_folder(path):
-        return path
-    problem = verify(path)
-    if problem:
-        raise ConfigError(f"checkpoint: {path}: neither a model folder (final/, with config.json) nor a "
-                          f"complete checkpoint (step-N): {problem}")
-    return path

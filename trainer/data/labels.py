@@ -1,12 +1,12 @@
 """The labels as a dataset stores them, and the label space the model learns: resolved once
-from the train split's label column and checked on every split, in Arrow (trainer/arrow.py:
+from the train split's label column and checked on every split, in Arrow (trainer/data/arrow.py:
 milliseconds for 400,000 rows).
 
 `Labels` is the run's label space: the task (data.problem_type), the class names in id order
 and where they came from, how the column stores them (class ids, names, multi-hot rows,
 numbers), each class's count in the train split, and the class weights (train.class_weights).
 It is saved in every checkpoint, whose resume refuses data that gives another
-(trainer/checkpoint/train_state.py), goes into final/'s config (id2label, problem_type) and
+(trainer/train/state.py), goes into final/'s config (id2label, problem_type) and
 summary.json, and `check` prints it.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer import arrow
+from trainer.data import arrow
 from trainer.errors import DataError
 
 IDS, NAMES, MULTI_HOT, NUMBERS = "ids", "names", "multi-hot rows", "numbers"
@@ -490,7 +490,7 @@ def encode(values: list, problem_type: str, stored_as: str, names: tuple[str, ..
 
 def ledger_keys(column) -> np.ndarray:
     """One int64 per row that changes with the row's label (the model's, after `encode`), for
-    the data ledger (trainer/data.py): the class id; a number's bits; a multi-hot row packed."""
+    the data ledger (trainer/data/samplers.py): the class id; a number's bits; a multi-hot row packed."""
     import pyarrow as pa
 
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column

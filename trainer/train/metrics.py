@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer import distributed
-from trainer.distributed import DistEnv
-from trainer.flops import FlopModel
-from trainer.step import StepObserver
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
+from trainer.train.flops import FlopModel
+from trainer.train.step import StepObserver
 
 log = logging.getLogger(__name__)
 

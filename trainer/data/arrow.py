@@ -15,6 +15,14 @@ def column(ds, name: str):
     return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
 
 
+def int_column(ds, name: str):
+    """An integer column as an int64 numpy array of its own: Arrow's is read-only, and
+    torch.from_numpy (the length grouping) warns on a read-only array."""
+    import numpy as np
+
+    return np.asarray(column(ds, name).to_numpy(), dtype=np.int64).copy()
+
+
 def first_true(mask) -> int | None:
     """The first row where an Arrow boolean mask is true, or None."""
     import pyarrow.compute as pc

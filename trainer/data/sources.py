@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig
 
-from trainer import arrow
-from trainer import labels as labels_module
+from trainer.data import arrow
+from trainer.data import labels as labels_module
 from trainer.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""`python -m trainer.torchrun ARGS`: torchrun, with an exit code that says what went wrong.
+"""`python -m trainer.cli.torchrun ARGS`: torchrun, with an exit code that says what went wrong.
 
 torchrun exits 1 whatever its workers' exit codes were, so a scheduler cannot tell a config
 error (never retry) from a preemption (restart) or a lost node (retry elsewhere). This runs
@@ -47,7 +47,7 @@ def check_first(argv: list[str], environ=os.environ) -> int:
     args = training_args(argv)
     if args is None:  # doctor, or a script: nothing of ours to check
         return 0
-    from trainer.__main__ import main as trainer_main
+    from trainer.cli.main import main as trainer_main
 
     world_size = launch_world_size(argv)
     sized = [] if world_size is None else [f"world_size={world_size}"]
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     checked = check_first(sys.argv[1:] if argv is None else argv)
     if checked:
         code = for_launcher(of(checked))
-        print(f"trainer.torchrun: exiting with {code}: the check failed ({MEANING[of(checked)]}); no rank started",
+        print(f"trainer.cli.torchrun: exiting with {code}: the check failed ({MEANING[of(checked)]}); no rank started",
               file=sys.stderr, flush=True)
         return code
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e.format_msg(), file=sys.stderr)
         verdict = worst(failure.exitcode for failure in e.failures.values())
         code = for_launcher(verdict)
-        print(f"trainer.torchrun: exiting with {code}: {MEANING[verdict]}", file=sys.stderr, flush=True)
+        print(f"trainer.cli.torchrun: exiting with {code}: {MEANING[verdict]}", file=sys.stderr, flush=True)
         return code
     except SignalException as e:
         # The workers got the same signal and, for a stop signal, saved before exiting.
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         # permanent and would fail the job for a peer that was only late.
         traceback.print_exc()
         code = for_launcher(Exit.CRASH)
-        print(f"trainer.torchrun: exiting with {code}: torchrun failed, {MEANING[Exit.CRASH]}", file=sys.stderr,
+        print(f"trainer.cli.torchrun: exiting with {code}: torchrun failed, {MEANING[Exit.CRASH]}", file=sys.stderr,
               flush=True)
         return code
     return 0

@@ -5,7 +5,7 @@
 - `output_dir/metrics.jsonl`: one JSON object per log step, the same numbers sent to wandb.
 - `output_dir/tensorboard/`: the same again as TensorBoard events (tracking.tensorboard).
 - `output_dir/bad-batches.jsonl`: each step try skipped as not finite, and each loss spike.
-- `output_dir/summary.json`: the final figures of the run (trainer/summary.py).
+- `output_dir/summary.json`: the final figures of the run (trainer/outputs/summary.py).
 
 Values arriving here are already global (all-reduced by the loop): this module never sees
 a rank-local loss. Other ranks get a Tracker that does nothing, so callers need no rank checks.
@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from trainer import config, distributed, files
-from trainer.distributed import DistEnv
+from trainer import files
+from trainer.config import loading
 from trainer.errors import describe
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -98,7 +100,7 @@ class Tracker:
             id=run_id,
             resume="allow",  # the same id after a restart continues the same run
             dir=str(self.output_dir),
-            config=config.written_dict(cfg),  # `${oc.env:NAME}` as written, not its value
+            config=loading.written_dict(cfg),  # `${oc.env:NAME}` as written, not its value
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False),
         )
 
@@ -131,7 +133,7 @@ class Tracker:
         if not self.enabled:
             return
         files.write_text(self.output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        self._to_wandb(lambda run: run.summary.update(config.flatten(summary)))
+        self._to_wandb(lambda run: run.summary.update(loading.flatten(summary)))
 
     def close(self, exit_code: int = 0) -> None:
         self._to_wandb(lambda run: run.finish(exit_code=exit_code))

@@ -20,10 +20,13 @@ from typing import cast
 import torch
 from omegaconf import DictConfig
 
-from trainer import build, data, distributed, files
-from trainer.distributed import DistEnv
+from trainer import files
+from trainer.data import loaders
 from trainer.errors import ConfigError, DataError
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 from trainer.tasks.base import Task
+from trainer.train import build
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv"}
 
@@ -104,7 +107,7 @@ def _predictions(cfg: DictConfig, trained: build.Trained, rows: list[dict[str, s
                                 truncation=True, max_length=cfg.data.max_length)
     features = [{k: encoded[k][i] for k in encoded} for i in range(len(rows))]
     order = sorted(range(len(rows)), key=lambda i: -len(features[i]["input_ids"]))
-    collate = data.collate(cfg, trained.tokenizer, device)
+    collate = loaders.collate(cfg, trained.tokenizer, device)
     answers: list[dict | None] = [None] * len(rows)
     size = cfg.train.eval_batch_size
     for begin in range(0, len(order), size):

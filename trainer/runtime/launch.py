@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-TORCHRUN = (sys.executable, "-m", "trainer.torchrun")
-"""torchrun with the restart contract's exit codes (trainer/torchrun.py), in this Python
+TORCHRUN = (sys.executable, "-m", "trainer.cli.torchrun")
+"""torchrun with the restart contract's exit codes (trainer/cli/torchrun.py), in this Python
 environment (not whichever is first on PATH)."""
 
 

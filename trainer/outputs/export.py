@@ -12,8 +12,11 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer import card, curves, distributed, files, lora, report
-from trainer.distributed import DistEnv
+from trainer import files
+from trainer.model import lora
+from trainer.outputs import card, curves, report
+from trainer.runtime import distributed
+from trainer.runtime.distributed import DistEnv
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
 def export_final(output_dir: Path, model: PreTrainedModel, tokenizer, strategy: Strategy, dist_env: DistEnv,
                  adapter: bool, facts: card.Facts) -> Path:
     """Collective: final/ (and final/adapter/, peft's format, with `adapter`), each with its
-    model card (trainer/card.py) of `facts`, written by rank 0, or under FSDP by every rank's
+    model card (trainer/outputs/card.py) of `facts`, written by rank 0, or under FSDP by every rank's
     shards first; a failure stops every rank with the reason. The run's last use of the model:
     merging the adapters changes it in place."""
     final, tmp = output_dir / "final", output_dir / ".final.tmp"

@@ -1,7 +1,7 @@
 """Small, deterministic, learnable review datasets: the offline demo's, and one of each shape
 users bring (README, "Your own data"; docs/tasks.md).
 
-`python -m trainer.demo_data [OUT_DIR]` writes OUT_DIR/train.jsonl and OUT_DIR/test.jsonl
+`python -m trainer.data.demo [OUT_DIR]` writes OUT_DIR/train.jsonl and OUT_DIR/test.jsonl
 (OUT_DIR: data/reviews, where configs/demo.yaml reads them) with {"text", "label"} rows, label
 0..4 for 1..5 stars. The folder loads through
 `datasets.load_dataset(OUT_DIR)` exactly like a hub dataset's data files.

@@ -1,8 +1,8 @@
 """The training step: one optimizer step over the micro-batches of a global batch, as every
 rank runs it.
 
-Training runs it (trainer/loop.py) and doctor's scaling forecast times it
-(trainer/preflight/forecast.py). Both get it from trainer/build.py, so what changes here (the
+Training runs it (trainer/train/loop.py) and doctor's scaling forecast times it
+(trainer/preflight/forecast.py). Both get it from trainer/train/build.py, so what changes here (the
 loss, accumulation, clipping, the loss scaler, the strategy's gradient sync) is timed as it
 trains. Whoever runs it watches it through a `StepObserver`: the Meter in training, a clock
 that syncs the device at each phase in the forecast.
@@ -19,7 +19,7 @@ from torch import nn
 
 from trainer.faults import inject
 from trainer.faults.numerics import LossGuard, Outcome, Verdict
-from trainer.model import sdpa_kernel
+from trainer.model.pretrained import sdpa_kernel
 
 if TYPE_CHECKING:
     from trainer.strategies.base import Strategy
@@ -63,7 +63,7 @@ class AttentionMasks:
 
 
 class StepObserver:
-    """What the step reports as it runs; this one ignores it all. trainer/metrics.py's Meter
+    """What the step reports as it runs; this one ignores it all. trainer/train/metrics.py's Meter
     keeps it as the run's rates and phase times, the forecast's clock as its timings."""
 
     def micro_batch(self, attention_mask: torch.Tensor) -> None:

@@ -1,0 +1,110 @@
+"""Tokenizing a split, cached: `datasets` writes each tokenized split to an Arrow file named
+by what decides its tokens, which a rerun and the node's other ranks read instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from trainer.data import labels as labels_module
+from trainer.data.labels import Labels
+from trainer.runtime.distributed import DistEnv
+
+log = logging.getLogger(__name__)
+
+
+_ROWS_PER_PROCESS = 10_000
+"""Tokenizing with num_proc starts a process per share of the split (~0.1 s each: a fork,
+the tokenizer pickled, a shard written and joined); with at least this many rows (~0.6 s of
+tokenizing on one core) each share is worth its process. Measured on 2 cores, in process ->
+2 processes (benchmarks/startup_vs_data.py, RESULTS.md of 2026-11-24): 40,000 rows 2.6 ->
+1.8 s, 400,000 rows 26.7 -> 13.9 s; 10,000 rows 0.64 -> 0.40 s, but 1,000 rows 0.06 -> 0.15 s."""
+
+
+def tokenize_processes(rows: int, dist_env: DistEnv) -> int | None:
+    """num_proc for tokenizing `rows` rows on this rank: None (in process) for a small split.
+    Local rank 0 tokenizes while the node's other ranks wait for it (local_rank_zero_first),
+    so it takes every CPU it may use; the others read its cache, or, where nothing is cached
+    (an in-memory dataset), tokenize all at once, each on its share of the CPUs. The
+    processes are forks of the rank (datasets' pool): short-lived, they run the tokenizer and
+    write Arrow only, nothing (gloo, CUDA) whose lock another thread of the rank could hold."""
+    cpus = len(os.sched_getaffinity(0))
+    if not dist_env.is_local_rank_zero:
+        cpus //= dist_env.local_world_size
+    processes = min(cpus, rows // _ROWS_PER_PROCESS)
+    return processes if processes > 1 else None
+
+
+def _cache_files(ds) -> set[str] | None:
+    """The map cache files (cache-*.arrow) beside `ds`'s own, or None: `ds` is in memory."""
+    if not ds.cache_files:
+        return None
+    return {str(path) for path in Path(ds.cache_files[0]["filename"]).parent.glob("cache-*.arrow")}
+
+
+_LOADING_ONLY = {"name_or_path", "is_local", "local_files_only", "cache_dir", "revision", "token", "_commit_hash"}
+"""Tokenizer settings that say where it was loaded from, not how it tokenizes: a copy of the
+model elsewhere (staged to a node's disk, say) reads the same cache."""
+
+
+def _encoding_digest(tokenizer, settings: list) -> str | None:
+    """A digest of what `tokenize_split`'s encode turns a row into tokens with: the tokenizer as a
+    fast tokenizer serializes itself (its vocabulary, added tokens, normalizer and the rest,
+    not the truncation and padding state a call leaves in it) and its Python-side settings,
+    the data settings, and the code (this module and trainer/data/labels.py). None for a tokenizer
+    with no fast backend: `datasets` then hashes `encode` and all it closes over, pickling the
+    tokenizer by value, in every run and on every rank: the tiny run's tokenize phase (two
+    splits read from the cache) took 0.19 s so, 0.04 s with this (benchmarks/RESULTS.md).
+    (Pickled, not dumped as JSON again: the first json.dumps of a vocabulary took 0.6 s.)"""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    serialized = json.loads(backend.to_str())  # in the same order every time
+    serialized.pop("truncation", None)
+    serialized.pop("padding", None)
+    python_side = {k: v for k, v in tokenizer.init_kwargs.items() if k not in _LOADING_ONLY}
+    digest = hashlib.sha256(pickle.dumps(serialized, protocol=5))
+    for part in (json.dumps([type(tokenizer).__name__, python_side, settings], sort_keys=True, default=str).encode(),
+                 Path(__file__).read_bytes(), Path(labels_module.__file__).read_bytes()):
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def tokenize_split(ds, data_cfg: DictConfig, split_key: str, tokenizer, labels: Labels, dist_env: DistEnv):
+    # A batched map writes an Arrow cache file named by a fingerprint of the data (`ds`'s
+    # own) and of `encode`: everything that decides its output (`_encoding_digest`). A rerun,
+    # or the node's other ranks, then read that file instead of tokenizing again. So the
+    # fingerprint holds exactly that and no more: the whole run config would give every run
+    # with another output_dir (or lr, seed, ...) a new one, and the whole split tokenized again.
+    text, pair, label = str(data_cfg.text_field), data_cfg.text_pair_field, str(data_cfg.label_field)
+    pair = None if pair is None else str(pair)
+    max_length = int(data_cfg.max_length)
+    problem_type, stored_as, names = labels.problem_type, labels.stored_as, labels.names
+    encoding = _encoding_digest(tokenizer, [text, pair, label, max_length, problem_type, stored_as, names])
+
+    def encode(batch):
+        encoded = tokenizer(batch[text], batch[pair] if pair else None, truncation=True, max_length=max_length)
+        encoded["labels"] = labels_module.encode(batch[label], problem_type, stored_as, names)
+        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
+        return encoded
+
+    cached = _cache_files(ds)
+    processes = tokenize_processes(len(ds), dist_env)
+    started = time.perf_counter()
+    fingerprint = None if encoding is None else hashlib.sha256(f"{ds._fingerprint} {encoding}".encode()).hexdigest()
+    tokenized = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=processes,
+                       new_fingerprint=fingerprint, desc=f"tokenize {split_key}")
+    if cached is not None and {f["filename"] for f in tokenized.cache_files} <= cached:
+        log.info("%s: %d rows, tokenized before: read from the cache", split_key, len(tokenized))
+    else:
+        log.info("%s: tokenized %d rows in %.1f s (%s)", split_key, len(tokenized), time.perf_counter() - started,
+                 f"{processes} processes" if processes else "in process")
+    return tokenized
