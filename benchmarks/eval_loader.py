@@ -40,7 +40,7 @@ def main() -> None:
     dist_env, device = distributed.read_env(), torch.device("cpu")
     splits = reading.load(cfg, dist_env)
     built_run = build.build(cfg, dist_env, device, splits.labels, max_steps=1)  # the model as training evaluates it
-    logits_of, tokenizer = built_run.strategy.logits, built_run.tokenizer
+    logits_of, tokenizer = built_run.logits, built_run.tokenizer
     assert logits_of is not None, "build() parallelized the model"
     built = loaders.build(cfg, dist_env, splits, tokenizer, device, BatchPlan.of(cfg.train, 1))
     in_process = built.eval_loader

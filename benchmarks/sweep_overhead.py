@@ -67,8 +67,8 @@ def one_side(side: str, work: Path, data: Path, steps: int) -> dict:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_"))},
            **ENV, "HF_DATASETS_CACHE": str(cache)}
     if side == "one by one":
-        commands = [[sys.executable, "-m", "trainer.cli.torchrun", "--standalone", "--nproc-per-node=2", "-m", "trainer",
-                     "train", "-c", "configs/demo.yaml", *common(data, steps), f"train.lr={lr}", f"seed={seed}",
+        commands = [[sys.executable, "-m", "trainer.cli.torchrun", "--standalone", "--nproc-per-node=2", "-m",
+                     "trainer", "train", "-c", "configs/demo.yaml", *common(data, steps), f"train.lr={lr}", f"seed={seed}",
                      f"output_dir={out / f'lr{lr}-seed{seed}'}"]
                     for lr in LRS for seed in range(SEEDS)]
     else:

@@ -57,7 +57,7 @@ def train(cfg, dist_env) -> tuple[dict[str, torch.Tensor], torch.Tensor, Compile
         built.step.settle()
         with torch.no_grad():
             batch = micro_batch(11, 99)
-            logits = built.strategy.logits(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            logits = built.logits(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     weights = {name: p.detach().clone().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
                for name, p in built.model.named_parameters()}
     return weights, logits, compiled

@@ -151,3 +151,34 @@ def test_nan_losses_at_several_steps_each_for_its_first_tries():
         poisoned.append((step, bool(step_loss.isnan()), all(bool(p.grad.isnan().all()) for p in model.parameters())))
     assert poisoned == [(3, True, True), (3, False, False), (5, False, False), (7, True, True), (7, True, True),
                         (7, False, False)]
+
+
+class Step:
+    """A stand-in for the training step's part that `into_step` wraps."""
+
+    def __init__(self):
+        self.model, self.ready = model_with_gradients(), []
+
+    def gradients_ready(self, step: int, step_loss: torch.Tensor) -> None:
+        self.ready.append(step)
+
+
+def test_a_step_with_no_fault_armed_in_it_is_not_wrapped():
+    inject.configure(RANK_1, {"TRAINER_FAULT_SIGKILL": "1:3"})  # armed between steps, not in one
+    step = Step()
+    inject.into_step(step)
+    assert "gradients_ready" not in vars(step)  # the class's own method: nothing added to the step
+    step.gradients_ready(3, torch.tensor(1.0))
+    assert step.ready == [3]
+
+
+def test_a_fault_in_the_step_fires_after_its_gradients_are_ready():
+    inject.configure(RANK_1, {"TRAINER_FAULT_NAN": "1:2"})
+    step = Step()
+    inject.into_step(step)
+    loss = torch.tensor(1.0)
+    step.gradients_ready(1, loss)
+    assert step.ready == [1] and loss.isfinite()
+    step.gradients_ready(2, loss)
+    assert step.ready == [1, 2] and loss.isnan()
+    assert all(p.grad.isnan().all() for p in step.model.parameters())

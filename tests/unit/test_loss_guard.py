@@ -52,6 +52,7 @@ def batch() -> dict[str, torch.Tensor]:
 def test_a_nan_try_changes_nothing_and_the_next_try_trains(built):
     step = built.step
     inject.configure(DistEnv(), {"TRAINER_FAULT_NAN": "0:1"})
+    inject.into_step(step)  # as the Trainer does
     before = {name: p.detach().clone() for name, p in built.model.named_parameters()}
     step_observer = _Observer()
     skipped = step([batch()], 1, step_observer)

@@ -70,7 +70,7 @@ def test_evaluation_runs_the_configured_kernel(dropout_model, reviews, tmp_path)
     logits = {}
     for backend in ("auto", "math"):
         seen.clear()
-        kept = evaluation.evaluate(built.strategy.logits, loader, num_samples, built.task, CPU, DistEnv(),
+        kept = evaluation.evaluate(built.logits, loader, num_samples, built.task, CPU, DistEnv(),
                                    keep_rows=True, sdpa_backend=backend)
         logits[backend] = kept.rows[1]
         assert seen and all(f == (False, False, False, True) for f in seen) == (backend == "math")

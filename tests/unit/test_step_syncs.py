@@ -80,6 +80,7 @@ def test_a_try_after_a_bad_one_is_aborted_and_trains_as_a_host_that_waited_would
         torch.manual_seed(0)
         built = build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=8)
         inject.configure(DistEnv(), {"TRAINER_FAULT_NAN": "0:1"})
+        inject.into_step(built.step)  # as the Trainer does
         try:
             first = built.step(batches(True, 1), 1, StepObserver())
             if wait:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+import trainer.outputs.ending
 import trainer.train.loop
 from trainer.exit_codes import Exit
 from trainer.faults.watchdog import PHASES, Watchdog, verdict
@@ -150,7 +151,9 @@ def test_the_report_names_the_phase_and_step_and_keeps_the_stacks(watchdog, cloc
 
 def test_every_phase_the_trainer_watches_can_be_reported(watchdog, clock, reports):
     """A phase missing from PHASES would end the watchdog thread with a KeyError instead of a report."""
-    watched = set(re.findall(r'(?:watch|watchdog\.phase)\("([\w-]+)"', Path(trainer.train.loop.__file__).read_text()))
+    sources = [Path(module.__file__).read_text() for module in (trainer.train.loop, trainer.outputs.ending)]
+    called = r'(?:watch|watchdog\.phase|(?<![.\w])phase)\("([\w-]+)"'
+    watched = {name for source in sources for name in re.findall(called, source)}
     assert {"eval", "save", "final-eval", "load-best", "test-eval", "export", "gather"} <= watched
     for phase in sorted(watched):
         with watchdog.phase(phase, 7):

@@ -72,5 +72,5 @@ def test_wandb_gets_the_config_as_written(tiny_model, reviews, tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     cfg = config.load(None, [*tiny_overrides(tiny_model, reviews, tmp_path / "run"), "wandb.mode=offline",
                              "data.name=${oc.env:LAB_NOTE}"])
-    tracking.Tracker(cfg, DistEnv(), "run1", 0)
+    tracking.Tracker(cfg, DistEnv()).start("run1", 0)
     assert started["config"]["data"]["name"] == "${oc.env:LAB_NOTE}" and MARK not in repr(started)

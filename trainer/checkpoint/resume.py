@@ -21,6 +21,7 @@ from trainer.checkpoint import formats
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.store import Store, read_state, verify
 from trainer.config import loading, schema
+from trainer.config.schema import Config
 from trainer.data.batch_plan import BatchPlan
 from trainer.data.labels import SPACE, Labels
 from trainer.errors import CheckpointError, ConfigError
@@ -59,7 +60,7 @@ class ResumePlan:
         return 0 if self.saved is None else self.saved["step"]
 
 
-def decide(cfg: DictConfig, dist_env: DistEnv, checkpointer: Checkpointer) -> ResumePlan:
+def decide(cfg: Config, dist_env: DistEnv, checkpointer: Checkpointer) -> ResumePlan:
     path = choose(cfg.checkpoint.resume, checkpointer.store, dist_env)
     if path is None:
         return ResumePlan(BatchPlan.of(cfg.train, dist_env.world_size))
@@ -116,7 +117,7 @@ def choose(resume: str, store: Store, dist_env: DistEnv) -> Path | None:
     return None if chosen is None else Path(chosen)
 
 
-def _check_format(path: Path, run_format: formats.Format, cfg: DictConfig) -> None:
+def _check_format(path: Path, run_format: formats.Format, cfg: Config) -> None:
     """The checkpoint's format is this run's strategy's: DDP's files and FSDP's shards don't
     convert, even when checkpoint.allow_changes names train.strategy."""
     written = formats.of_checkpoint(path)
@@ -144,7 +145,7 @@ def describe(plan: ResumePlan, dist_env: DistEnv) -> None:
                  batch.grad_accum, batch.micro_batch)
 
 
-def _check_config_changes(path: Path, saved: dict, cfg: DictConfig) -> list[Change]:
+def _check_config_changes(path: Path, saved: dict, cfg: Config) -> list[Change]:
     """Refuse a resume whose config would silently change the run; return the changes it
     accepts, logged."""
     saved_cfg = cast(DictConfig, OmegaConf.load(path / "config.yaml"))  # written by config.to_yaml: a mapping
@@ -169,7 +170,7 @@ def _check_config_changes(path: Path, saved: dict, cfg: DictConfig) -> list[Chan
     return accepted
 
 
-def config_changes(saved: DictConfig, cfg: DictConfig) -> tuple[list[Change], list[Change]]:
+def config_changes(saved: DictConfig, cfg: Config) -> tuple[list[Change], list[Change]]:
     """(refused, accepted): each key of `cfg` that differs from the resumed checkpoint's
     config `saved`, split by the key's rule (config.RESUME_RULES) and
     checkpoint.allow_changes. Keys the saved config doesn't have (an older schema) are not
@@ -201,7 +202,7 @@ def _named(key: str, entries) -> bool:
     return any(key == entry or key.startswith(entry + ".") for entry in entries)
 
 
-def trained_folder(cfg: DictConfig, source: str) -> Path:
+def trained_folder(cfg: Config, source: str) -> Path:
     """The folder that `checkpoint=SOURCE` of evaluate and predict names: `final`
     (output_dir/final), a model folder written by save_pretrained, or a checkpoint (step-N).
     Checked before any process group exists."""

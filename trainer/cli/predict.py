@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from omegaconf import DictConfig
 
 from trainer import files
+from trainer.config.schema import Config, DataConfig
 from trainer.data import loaders
 from trainer.errors import ConfigError, DataError
 from trainer.runtime import distributed
@@ -37,7 +37,7 @@ def file_format(key: str, path: Path) -> str:
     return FORMATS[path.suffix]
 
 
-def read_rows(path: Path, data_cfg: DictConfig) -> list[dict[str, str]]:
+def read_rows(path: Path, data_cfg: DataConfig) -> list[dict[str, str]]:
     """The text fields of every row (data.text_field, and data.text_pair_field if set). A
     row that is not valid, or lacks a text, is an error naming the file and the row (its
     line, from 1; a csv's header is line 1)."""
@@ -83,7 +83,7 @@ def _fields(path: Path, line_no: int, record: dict, fields: list[str]) -> dict[s
 
 
 @torch.no_grad()
-def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path, rows: list[dict[str, str]],
+def run(cfg: Config, dist_env: DistEnv, device: torch.device, folder: Path, rows: list[dict[str, str]],
         output: Path) -> None:
     trained = build.trained(cfg, dist_env, device, folder)
     start = len(rows) * dist_env.rank // dist_env.world_size
@@ -98,7 +98,7 @@ def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path, 
     distributed.rank_zero_does(dist_env, f"output: {output}", write_all)
 
 
-def _predictions(cfg: DictConfig, trained: build.Trained, rows: list[dict[str, str]], device) -> list[dict]:
+def _predictions(cfg: Config, trained: build.Trained, rows: list[dict[str, str]], device) -> list[dict]:
     """Each row's answer (the task's), in the rows' order; batched longest first (little padding)."""
     if not rows:  # a shard of a file with fewer rows than ranks
         return []

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import checks
-from trainer.config.schema import KEYS, Config
+from trainer.config.schema import KEYS, Config, node
 from trainer.errors import ConfigError, one_line
 
 
@@ -107,20 +107,20 @@ def flatten(nested: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def to_dict(cfg: DictConfig) -> dict[str, Any]:
+def to_dict(cfg: Config | DictConfig) -> dict[str, Any]:
     """The resolved config as plain nested dicts (OmegaConf's type says any container)."""
-    return cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True))
+    return cast("dict[str, Any]", OmegaConf.to_container(node(cfg), resolve=True))
 
 
-def written_dict(cfg: DictConfig) -> dict[str, Any]:
+def written_dict(cfg: Config | DictConfig) -> dict[str, Any]:
     """The config as every file and service of the run gets it: resolved, but a value taken
     from the environment (`${oc.env:NAME}`) as written (`_resolve_but_the_environment`)."""
-    return cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=False))
+    return cast("dict[str, Any]", OmegaConf.to_container(node(cfg), resolve=False))
 
 
-def to_yaml(cfg: DictConfig) -> str:
+def to_yaml(cfg: Config | DictConfig) -> str:
     """written_dict's config as YAML: config.yaml, each checkpoint's, the model card's."""
-    return OmegaConf.to_yaml(cfg, resolve=False)
+    return OmegaConf.to_yaml(node(cfg), resolve=False)
 
 
 # --- values from the environment ----------------------------------------------------------

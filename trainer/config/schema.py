@@ -8,9 +8,9 @@ import dataclasses
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig
 
 # --- keys: each one's check and its rule on resume sit on its field ----------------------
 
@@ -72,6 +72,20 @@ CLASS_WEIGHTS: Check = (_class_weights, "must be null, balanced or a list of pos
 
 STEPS_OR_EPOCH: Check = (lambda v: v == "epoch" or (type(v) is int and v >= 0), "must be a step count >= 0 or `epoch`")
 """An interval: a step count (0: only at the end) or `epoch`, at the end of each epoch."""
+
+
+
+def node(cfg: Any) -> DictConfig:
+    """The OmegaConf node a typed config (`Config`, or one of its sections) is at run time,
+    for OmegaConf's own functions (select, merge, to_yaml)."""
+    return cast(DictConfig, cfg)
+
+
+def typed(cfg: DictConfig) -> Config:
+    """A loaded and checked config as the schema's type: at run time still OmegaConf's
+    DictConfig, which checks each value's type on assignment; for mypy a `Config`, whose
+    keys it checks (OmegaConf's structured configs: `cfg: Config = OmegaConf.structured(Config)`)."""
+    return cast(Config, cfg)
 
 
 # --- the schema --------------------------------------------------------------------------

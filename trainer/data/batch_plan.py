@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trainer.config.schema import TrainConfig
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
+    pass
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class BatchPlan:
     """Micro-batches per rank per optimizer step."""
 
     @classmethod
-    def of(cls, train_cfg: DictConfig, world_size: int, resumed: int | None = None) -> BatchPlan:
+    def of(cls, train_cfg: TrainConfig, world_size: int, resumed: int | None = None) -> BatchPlan:
         """From train.global_batch, else the resumed checkpoint's global batch (`resumed`: a
         run keeps its global batch), else train.batch_size x grad_accum x world size. With a
         global batch, each rank accumulates the fewest micro-batches of at most

@@ -12,8 +12,7 @@ import pickle
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
-
+from trainer.config.schema import DataConfig
 from trainer.data import labels as labels_module
 from trainer.data.labels import Labels
 from trainer.runtime.distributed import DistEnv
@@ -78,7 +77,7 @@ def _encoding_digest(tokenizer, settings: list) -> str | None:
     return digest.hexdigest()
 
 
-def tokenize_split(ds, data_cfg: DictConfig, split_key: str, tokenizer, labels: Labels, dist_env: DistEnv):
+def tokenize_split(ds, data_cfg: DataConfig, split_key: str, tokenizer, labels: Labels, dist_env: DistEnv):
     # A batched map writes an Arrow cache file named by a fingerprint of the data (`ds`'s
     # own) and of `encode`: everything that decides its output (`_encoding_digest`). A rerun,
     # or the node's other ranks, then read that file instead of tokenizing again. So the

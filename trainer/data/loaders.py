@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
+from trainer.config.schema import Config
 from trainer.data import arrow, encoding, reading, samplers, worker_server
 from trainer.data import labels as labels_module
 from trainer.data.batch_plan import BatchPlan
@@ -78,7 +78,7 @@ def stop_workers(loader: DataLoader | None) -> list:
     return workers
 
 
-def build(cfg: DictConfig, dist_env: DistEnv, splits: reading.Splits, tokenizer, device: torch.device,
+def build(cfg: Config, dist_env: DistEnv, splits: reading.Splits, tokenizer, device: torch.device,
           plan: BatchPlan) -> Data:
     """The loaders of the `load`ed splits: tokenized (once per node), batched by `plan`."""
     data_cfg = cfg.data
@@ -106,7 +106,7 @@ def build(cfg: DictConfig, dist_env: DistEnv, splits: reading.Splits, tokenizer,
     )
 
 
-def build_eval(cfg: DictConfig, dist_env: DistEnv, splits: reading.Splits, tokenizer, device: torch.device
+def build_eval(cfg: Config, dist_env: DistEnv, splits: reading.Splits, tokenizer, device: torch.device
                ) -> tuple[DataLoader, int]:
     """The validation split of the `load`ed splits alone, for `python -m trainer evaluate`:
     (loader, samples)."""
@@ -115,17 +115,17 @@ def build_eval(cfg: DictConfig, dist_env: DistEnv, splits: reading.Splits, token
     return _eval_loader(eval_ds, cfg, dist_env, _loader_options(cfg, tokenizer, device)), len(eval_ds)
 
 
-def pad_multiple(cfg: DictConfig, device: torch.device) -> int | None:
+def pad_multiple(cfg: Config, device: torch.device) -> int | None:
     """What each batch's padded length is rounded up to (data.pad_to_multiple_of, auto: 8 on
     GPU); None: each batch is padded to its own longest sample."""
     return cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None)
 
 
-def collate(cfg: DictConfig, tokenizer, device: torch.device) -> Collate:
+def collate(cfg: Config, tokenizer, device: torch.device) -> Collate:
     return Collate(tokenizer, pad_multiple(cfg, device))
 
 
-def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
+def _loader_options(cfg: Config, tokenizer, device: torch.device) -> dict:
     data_cfg = cfg.data
     workers = data_cfg.num_workers
     return {
@@ -145,13 +145,13 @@ def _loader_options(cfg: DictConfig, tokenizer, device: torch.device) -> dict:
     }
 
 
-def pins_memory(cfg: DictConfig, device: torch.device) -> bool:
+def pins_memory(cfg: Config, device: torch.device) -> bool:
     """Batches go through page-locked host memory (data.pin_memory, on GPU only), so their
     copies to the device need not block the host."""
     return device.type == "cuda" and cfg.data.pin_memory
 
 
-def _eval_loader(ds, cfg: DictConfig, dist_env: DistEnv, loader_options: dict) -> DataLoader:
+def _eval_loader(ds, cfg: Config, dist_env: DistEnv, loader_options: dict) -> DataLoader:
     """Eval batches are padded in the rank's own process; data.num_workers is the train
     loader's. The samples are tokenized already, so an eval worker would save little, while
     a train worker pays: it pads the next batches while the rank computes."""

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig
 
-from trainer.config.schema import DataConfig
+from trainer.config.schema import Config, DataConfig, TrainConfig
 from trainer.data import arrow, sources
 from trainer.data import folds as folds_module
 from trainer.data import labels as labels_module
@@ -24,7 +23,7 @@ from trainer.runtime.distributed import DistEnv, local_rank_zero_first
 log = logging.getLogger(__name__)
 
 
-def _load(data_cfg: DictConfig, split: str | None):
+def _load(data_cfg: DataConfig, split: str | None):
     """data.path's split `split` (a name, or `datasets` slicing: `train[:90%]`), or with
     None every split, as a DatasetDict. Local files are read by their suffix
     (trainer/data/sources.py)."""
@@ -66,9 +65,9 @@ def split_name(spec: str) -> str:
     return spec.split("[", 1)[0].strip()
 
 
-def _load_split(data_cfg: DictConfig, split_key: str, available: list[str]):
+def _load_split(data_cfg: DataConfig, split_key: str, available: list[str]):
     """data.<split_key>'s split, which must exist and hold rows."""
-    spec = data_cfg[split_key]
+    spec = getattr(data_cfg, split_key)
     if split_name(spec) not in available:
         raise ConfigError(f"data.{split_key}: {spec!r} is not a split of {data_cfg.path} (its splits: "
                           f"{', '.join(available)})")
@@ -86,13 +85,13 @@ def _describe(e: BaseException) -> str:
     return describe(e) if one_line(e) else f"{describe(e)}: no rows could be read (is the file empty?)"
 
 
-def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
+def _check_columns(ds, data_cfg: DataConfig, split_key: str) -> None:
     """The named columns exist, and the text columns hold text (a row without any is
     sources.invalid_rows')."""
     import pyarrow as pa
 
     for key in ("text_field", "text_pair_field", "label_field"):
-        column = data_cfg[key]
+        column = getattr(data_cfg, key)
         if column is not None and column not in ds.column_names:
             path = Path(data_cfg.path).expanduser()
             hint = (sources.delimiter_hint(path, sources.delimiter(data_cfg, path.suffix))
@@ -101,7 +100,7 @@ def _check_columns(ds, data_cfg: DictConfig, split_key: str) -> None:
                 f"data.{key}: column {column!r} not in {split_key} (columns: {', '.join(ds.column_names)}){hint}"
             )
     for key in ("text_field", "text_pair_field"):
-        column = data_cfg[key]
+        column = getattr(data_cfg, key)
         if column is not None:
             values = arrow.column(ds, column)
             if any(test(values.type) for test in (pa.types.is_string, pa.types.is_large_string, pa.types.is_null)):
@@ -119,7 +118,7 @@ def _subsample(ds, limit: int | None, seed: int):
     return ds.shuffle(seed=seed).select(range(limit)) if limit is not None and limit < len(ds) else ds
 
 
-def _hold_out(train, labels: Labels, data_cfg: DictConfig, seed: int) -> tuple[Any, Any, str]:
+def _hold_out(train, labels: Labels, data_cfg: DataConfig, seed: int) -> tuple[Any, Any, str]:
     """(train, validation, how): data.eval_fraction of the train split held out, seeded and,
     for single_label, stratified by class: the same rows on every rank and every restart."""
     import datasets
@@ -140,8 +139,9 @@ def _hold_out(train, labels: Labels, data_cfg: DictConfig, seed: int) -> tuple[A
     return parts["train"], parts["test"], f"{fraction * 100:g}% of data.train_split, {how}, seed {seed}"
 
 
-def _fold_out(train, labels: Labels, data_cfg: DictConfig) -> tuple[Any, Any, str]:
+def _fold_out(train, labels: Labels, data_cfg: DataConfig) -> tuple[Any, Any, str]:
     """(train, validation, how): fold data.fold of the train split's data.folds held out."""
+    assert data_cfg.folds is not None, "a fold is held out of data.folds"
     ids = labels_module.single_label_ids(train, labels, data_cfg)
     training, validating = folds_module.held_out(folds_module.assign(len(train), data_cfg.folds, ids), data_cfg.fold)
     how = "stratified by label" if ids is not None else "seeded"
@@ -149,12 +149,13 @@ def _fold_out(train, labels: Labels, data_cfg: DictConfig) -> tuple[Any, Any, st
             f"fold {data_cfg.fold} of {data_cfg.folds} of data.train_split, {how}")
 
 
-def train_folds(cfg: DictConfig) -> tuple[np.ndarray, np.ndarray | None]:
+def train_folds(cfg: Config) -> tuple[np.ndarray, np.ndarray | None]:
     """(each train row's fold, its class id or None but for single_label): the folds that
     data.folds holds out, for a sweep that checks them before its trials and gathers their
     out-of-fold predictions after. In this process, no ranks."""
     data_cfg = cfg.data
     train = _readable_split(data_cfg, "train_split", list(_load(data_cfg, None).keys()), {})
+    assert data_cfg.folds is not None, "folds are asked of a config with data.folds"
     ids = labels_module.single_label_ids(train, labels_module.resolve(train, data_cfg), data_cfg)
     return folds_module.assign(len(train), data_cfg.folds, ids), ids
 
@@ -177,7 +178,7 @@ class Splits:
     warnings: list[str] = field(default_factory=list)
     """What looks wrong in the labels (labels.name_warnings): `check` prints them, training logs them."""
 
-    def steps_per_epoch(self, plan: BatchPlan, train_cfg: DictConfig) -> int:
+    def steps_per_epoch(self, plan: BatchPlan, train_cfg: TrainConfig) -> int:
         """Optimizer steps per epoch (a last partial global batch is dropped), known before
         tokenization: the run's length, and its LR schedule's, follow from it."""
         if len(self.train) < plan.global_batch:
@@ -187,7 +188,7 @@ class Splits:
         return len(self.train) // plan.global_batch
 
 
-def load(cfg: DictConfig, dist_env: DistEnv, labels: Labels | None = None) -> Splits:
+def load(cfg: Config, dist_env: DistEnv, labels: Labels | None = None) -> Splits:
     """Every split loaded, checked and subsampled, before the model is: a mistake in the data
     is reported in seconds, not after a model download. The label space is resolved from the
     train split, or given (`labels`: a trained model's, which every split must fit). Where
@@ -229,7 +230,7 @@ def load(cfg: DictConfig, dist_env: DistEnv, labels: Labels | None = None) -> Sp
     return Splits(train, evaluated, test, counted, held_out, dropped, labels_module.name_warnings(counted))
 
 
-def _readable_split(data_cfg: DictConfig, split_key: str, available: list[str], dropped: dict):
+def _readable_split(data_cfg: DataConfig, split_key: str, available: list[str], dropped: dict):
     """data.<split_key>'s split, its columns checked, its label names normalized and mapped
     (data.normalize_labels, data.label_map), and its rows that cannot train refused or, with
     data.drop_invalid_rows, dropped and counted into `dropped` (split: kind: rows)."""
@@ -237,5 +238,5 @@ def _readable_split(data_cfg: DictConfig, split_key: str, available: list[str], 
     _check_columns(ds, data_cfg, f"data.{split_key}")
     ds, counts = sources.drop_or_refuse(labels_module.relabel(ds, data_cfg), data_cfg, f"data.{split_key}")
     if counts:
-        dropped[split_name(data_cfg[split_key])] = counts
+        dropped[split_name(getattr(data_cfg, split_key))] = counts
     return ds

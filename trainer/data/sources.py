@@ -19,8 +19,8 @@ import logging
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig
 
+from trainer.config.schema import DataConfig
 from trainer.data import arrow
 from trainer.data import labels as labels_module
 from trainer.errors import ConfigError, DataError
@@ -35,7 +35,7 @@ SHOWN = 5
 """The rows or lines an error names of each kind of problem."""
 
 
-def delimiter(data_cfg: DictConfig, suffix: str) -> str | None:
+def delimiter(data_cfg: DataConfig, suffix: str) -> str | None:
     """The column separator of a delimited file: data.csv_delimiter, else the suffix's."""
     given = data_cfg.csv_delimiter
     if given is not None:
@@ -43,7 +43,7 @@ def delimiter(data_cfg: DictConfig, suffix: str) -> str | None:
     return _DEFAULT_DELIMITERS.get(suffix)
 
 
-def csv_options(data_cfg: DictConfig, path: Path, suffix: str) -> dict:
+def csv_options(data_cfg: DataConfig, path: Path, suffix: str) -> dict:
     """The csv builder's options (pandas.read_csv's) for a file or folder of `suffix` files."""
     sep = delimiter(data_cfg, suffix)
     if sep is None:
@@ -108,7 +108,7 @@ def broken_json_line(path: Path) -> str | None:
 # --- the rows that cannot train ---------------------------------------------------------
 
 
-def invalid_rows(ds, data_cfg: DictConfig) -> dict[str, np.ndarray]:
+def invalid_rows(ds, data_cfg: DataConfig) -> dict[str, np.ndarray]:
     """Each kind of row that cannot train, and the rows of that kind (in `ds`'s order): no
     text (null, empty or only spaces) in a text column, no label (null, or a NaN number)."""
     import pyarrow as pa
@@ -116,7 +116,7 @@ def invalid_rows(ds, data_cfg: DictConfig) -> dict[str, np.ndarray]:
 
     found: dict[str, np.ndarray] = {}
     for key in ("text_field", "text_pair_field"):
-        column = data_cfg[key]
+        column = getattr(data_cfg, key)
         if column is None:
             continue
         values = arrow.column(ds, column)
@@ -135,7 +135,7 @@ def invalid_rows(ds, data_cfg: DictConfig) -> dict[str, np.ndarray]:
     return found
 
 
-def drop_or_refuse(ds, data_cfg: DictConfig, split_key: str) -> tuple[object, dict[str, int]]:
+def drop_or_refuse(ds, data_cfg: DataConfig, split_key: str) -> tuple[object, dict[str, int]]:
     """`ds` without its invalid rows and how many of each kind it had (data.drop_invalid_rows),
     or, where it has some and they are not to be dropped, a DataError naming every kind."""
     found = invalid_rows(ds, data_cfg)
@@ -143,7 +143,7 @@ def drop_or_refuse(ds, data_cfg: DictConfig, split_key: str) -> tuple[object, di
         return ds, {}
     counts = {kind: len(rows) for kind, rows in found.items()}
     bad = np.unique(np.concatenate(list(found.values())))
-    where = f"{data_cfg.path} ({split_key} {data_cfg[split_key.removeprefix('data.')]!r})"
+    where = f"{data_cfg.path} ({split_key} {getattr(data_cfg, split_key.removeprefix('data.'))!r})"
     if not data_cfg.drop_invalid_rows:
         lines = file_lines(data_cfg, split_key, sorted({int(r) for rows in found.values() for r in rows[:SHOWN]}))
         kinds = "; ".join(f"{len(rows):,} with {kind} ({_places(rows, lines)})" for kind, rows in found.items())
@@ -165,12 +165,12 @@ def _places(rows: np.ndarray, lines: dict[int, int] | None) -> str:
     return ("row " if len(shown) == 1 else "rows ") + ", ".join(map(str, shown)) + more
 
 
-def file_lines(data_cfg: DictConfig, split_key: str, rows: list[int]) -> dict[int, int] | None:
+def file_lines(data_cfg: DataConfig, split_key: str, rows: list[int]) -> dict[int, int] | None:
     """The line of a local file where each of `rows` (0-based rows of the split) starts, as
     an editor numbers them: after a header line, blank lines and a quoted field's newlines.
     None where the split is not one whole file (a folder, a slice, the Hub, Parquet)."""
     path = Path(data_cfg.path).expanduser()
-    spec = str(data_cfg[split_key.removeprefix("data.")])
+    spec = str(getattr(data_cfg, split_key.removeprefix("data.")))
     if not rows or not path.is_file() or "[" in spec or BUILDERS.get(path.suffix) not in ("csv", "json"):
         return None
     wanted, found = set(rows), {}

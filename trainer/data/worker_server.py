@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 
-from omegaconf import DictConfig
+from trainer.config.schema import Config
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ WORKER_SERVER_PRELOAD = ["trainer.data.loader_server", "trainer.data.loaders", "
 with: imported once by the server, each worker, its fork, starts with it imported."""
 
 
-def start_worker_server(cfg: DictConfig) -> None:
+def start_worker_server(cfg: Config) -> None:
     """Start the server that the train loader's workers are forked from (data.num_workers > 0).
 
     A worker is never a fork of its rank. By the first step each rank runs threads that Python

@@ -1,8 +1,10 @@
 """Fault injection: real faults at chosen points of a run, for the tests and drills.
 
-The product marks each place a fault can be injected with one line, `inject.point(NAME,
-step, ...)`. Which faults fire is read once from the environment by `configure(dist_env)`,
-when the Trainer is built; with no TRAINER_FAULT_* variable set, a point is a dict lookup.
+The product marks each place a fault can be injected between steps with one line,
+`inject.point(NAME, step, ...)`; inside the training step, `into_step` wraps the step's
+`gradients_ready` only where a fault is armed there. Which faults fire is read once from the
+environment by `configure(dist_env)`, when the Trainer is built; with no TRAINER_FAULT_*
+variable set, a point is a dict lookup.
 
     variable                                point (where in the run)                      fault
     TRAINER_FAULT_SIGKILL=RANK:STEP         "step": a train step begins                    SIGKILL
@@ -29,6 +31,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from trainer.faults import replicas
 from trainer.runtime.distributed import DistEnv
@@ -47,6 +50,30 @@ def between_steps() -> bool:
     rank: they share the environment). The loop then reads each step's verdict at once, so
     that the fault meets the run where it always has (trainer/train/loop.py)."""
     return _between_steps[0]
+
+
+class _Step(Protocol):
+    """What `into_step` wraps of trainer/train/step.py's TrainStep."""
+
+    model: Any
+
+    def gradients_ready(self, step: int, step_loss: Any) -> None: ...
+
+
+def into_step(train_step: _Step) -> None:
+    """Wrap the training step's `gradients_ready` (after the last backward, before the
+    gradients are unscaled and clipped) with the faults armed at "loss" and "gradients". With
+    none armed nothing is wrapped: the step runs as it does in any run."""
+    if not any(name in ("loss", "gradients") for name, _ in _armed):
+        return
+    ready = train_step.gradients_ready
+
+    def gradients_ready(step: int, step_loss: Any) -> None:
+        ready(step, step_loss)
+        point("loss", step, loss=step_loss, model=train_step.model)
+        point("gradients", step, model=train_step.model)
+
+    train_step.gradients_ready = gradients_ready  # type: ignore[method-assign]
 
 
 def point(name: str, step: int, **context) -> None:

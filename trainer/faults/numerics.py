@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
+from trainer.config.schema import FaultConfig
 from trainer.errors import NoProgress
 from trainer.runtime.distributed import DistEnv
 
@@ -65,7 +65,7 @@ class LossGuard:
     """The step's check: one all-reduce of (loss, gradient norm) over `group`, decided on the
     device (`check`); the host reads the decision once its copy has arrived (`Verdict.read`)."""
 
-    def __init__(self, fault_cfg: DictConfig, dist_env: DistEnv, group: dist.ProcessGroup | None = None):
+    def __init__(self, fault_cfg: FaultConfig, dist_env: DistEnv, group: dist.ProcessGroup | None = None):
         self.dist_env, self.group = dist_env, group
         self.spike_factor = fault_cfg.spike_factor
         self.rollback_on_spike = fault_cfg.rollback_on_spike

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
 from trainer import exit_codes
+from trainer.config.schema import Config
 from trainer.errors import describe
 from trainer.exit_codes import Exit
 from trainer.faults import inject
@@ -135,7 +135,7 @@ class Watchdog:
 
     POLL_S = 0.5
 
-    def __init__(self, cfg: DictConfig, dist_env: DistEnv, output_dir: Path,
+    def __init__(self, cfg: Config, dist_env: DistEnv, output_dir: Path,
                  clock: Callable[[], float] = time.monotonic):
         self.dist_env = dist_env
         self.clock = clock

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
-from omegaconf import DictConfig
 
+from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError, one_line
 
 if TYPE_CHECKING:
@@ -25,11 +25,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def enabled(model_cfg: DictConfig) -> bool:
+def enabled(model_cfg: ModelConfig) -> bool:
     return model_cfg.lora.r is not None
 
 
-def frozen_dtype(model_cfg: DictConfig, amp_dtype: torch.dtype) -> torch.dtype:
+def frozen_dtype(model_cfg: ModelConfig, amp_dtype: torch.dtype) -> torch.dtype:
     """The dtype the model loads in (model.dtype): bf16 for a LoRA run's frozen base when
     the run computes in bf16; apply() then keeps what trains in fp32. Without LoRA nothing is
     frozen: fp32."""
@@ -47,7 +47,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
-def apply(model: PreTrainedModel, model_cfg: DictConfig) -> PreTrainedModel:
+def apply(model: PreTrainedModel, model_cfg: ModelConfig) -> PreTrainedModel:
     """`model` with adapters and its head trainable, in fp32, every other weight frozen in
     the dtype it was loaded in (frozen_dtype); `model` itself without model.lora. The
     adapters' random half is drawn from torch's RNG, seeded by load_model: the same in every
@@ -60,7 +60,9 @@ def apply(model: PreTrainedModel, model_cfg: DictConfig) -> PreTrainedModel:
 
     lora_cfg = model_cfg.lora
     target_modules = None if lora_cfg.target_modules is None else list(lora_cfg.target_modules)
-    settings = LoraConfig(task_type=TaskType.SEQ_CLS, r=lora_cfg.r, lora_alpha=lora_cfg.alpha,
+    assert lora_cfg.r is not None, "a model with adapters has model.lora.r"
+    # peft annotates lora_alpha as an int, and takes a float: the scaling is alpha / r.
+    settings = LoraConfig(task_type=TaskType.SEQ_CLS, r=lora_cfg.r, lora_alpha=lora_cfg.alpha,  # type: ignore[arg-type]
                           lora_dropout=lora_cfg.dropout, target_modules=target_modules,
                           modules_to_save=head_modules(model))
     try:

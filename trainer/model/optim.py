@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
+
+from trainer.config.schema import TrainConfig
 
 
 def decays(name: str, parameter: nn.Parameter, module: nn.Module) -> bool:
@@ -25,18 +26,18 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [group for group in groups if group["params"]]
 
 
-def optimizer(model: nn.Module, train_cfg: DictConfig) -> torch.optim.Optimizer:
+def optimizer(model: nn.Module, train_cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over the parameters that train: under LoRA, its state is the adapters' alone."""
     return torch.optim.AdamW(parameter_groups(model, train_cfg.weight_decay), lr=train_cfg.lr,
                              fused=train_cfg.fused_adamw)
 
 
-def warmup_steps(train_cfg: DictConfig, max_steps: int) -> int:
+def warmup_steps(train_cfg: TrainConfig, max_steps: int) -> int:
     """train.warmup_steps, else train.warmup_ratio of max_steps."""
     return train_cfg.warmup_steps if train_cfg.warmup_steps is not None else round(train_cfg.warmup_ratio * max_steps)
 
 
-def lr_schedule(opt: torch.optim.Optimizer, train_cfg: DictConfig, max_steps: int,
+def lr_schedule(opt: torch.optim.Optimizer, train_cfg: TrainConfig, max_steps: int,
                 last_step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup from 0 (warmup_steps), then train.lr_scheduler: linear decay to 0 at
     max_steps, a cosine to 0, or constant; at `last_step`, the schedule's value there (a
@@ -58,7 +59,7 @@ def lr_schedule(opt: torch.optim.Optimizer, train_cfg: DictConfig, max_steps: in
     return schedule(opt, warmup, max_steps, last_epoch=last_epoch)
 
 
-def reconfigure(opt: torch.optim.Optimizer, train_cfg: DictConfig, max_steps: int,
+def reconfigure(opt: torch.optim.Optimizer, train_cfg: TrainConfig, max_steps: int,
                 step: int) -> torch.optim.lr_scheduler.LambdaLR:
     """After a resume that accepted config changes: the loaded optimizer state holds the lr,
     weight decay and fusion it was saved with, so this run's take effect, and the schedule is

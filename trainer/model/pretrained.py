@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
-from omegaconf import DictConfig
 
+from trainer.config.schema import ModelConfig
 from trainer.data.labels import IDS, NUMBERS, Labels, placeholder_names
 from trainer.errors import ConfigError, describe
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # transformers is imported where a model is loaded: it is slo
     from transformers import PretrainedConfig, PreTrainedModel
 
 
-def _load_error(model_cfg: DictConfig, e: Exception) -> ConfigError:
+def _load_error(model_cfg: ModelConfig, e: Exception) -> ConfigError:
     """A model that would not load, in the words of the key to change. transformers wraps the
     Hub's answers in OSError and ValueError: their text tells them apart."""
     name, text = model_cfg.name, str(e)
@@ -38,13 +38,13 @@ def _load_error(model_cfg: DictConfig, e: Exception) -> ConfigError:
     return ConfigError(f"model.name: {name}: {describe(e)}")
 
 
-def hub_options(model_cfg: DictConfig) -> dict:
+def hub_options(model_cfg: ModelConfig) -> dict:
     """What every from_pretrained of model.name takes beside it: the revision (None: main)
     and whether its own code may run. The token is huggingface_hub's to read (HF_TOKEN)."""
     return {"revision": model_cfg.revision, "trust_remote_code": model_cfg.trust_remote_code}
 
 
-def hub_commit(model_cfg: DictConfig) -> str | None:
+def hub_commit(model_cfg: ModelConfig) -> str | None:
     """The Hub commit model.name was loaded from, after it was: the snapshot of the HF cache
     that its revision (None: main) points to. None for a local folder."""
     if not from_hub(model_cfg):
@@ -55,12 +55,12 @@ def hub_commit(model_cfg: DictConfig) -> str | None:
     return Path(path).parent.name if isinstance(path, str) else None
 
 
-def from_hub(model_cfg: DictConfig) -> bool:
+def from_hub(model_cfg: ModelConfig) -> bool:
     """Whether the model comes from the hub (a download), not from a local folder."""
     return not Path(model_cfg.name).expanduser().exists()
 
 
-def load_tokenizer(model_cfg: DictConfig):
+def load_tokenizer(model_cfg: ModelConfig):
     """The model's tokenizer, with a pad token. Its padding side is its own: right for
     BERT and GPT-2, left for Llama's (trainer/data/loaders.py keeps positions right under left padding)."""
     from transformers import AutoTokenizer
@@ -82,14 +82,14 @@ def load_tokenizer(model_cfg: DictConfig):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model", "vocab.json")
 
 
-def has_tokenizer(model_cfg: DictConfig) -> bool:
+def has_tokenizer(model_cfg: ModelConfig) -> bool:
     """Whether model.name has a tokenizer to load: a hub model, or a folder with one. A
     folder with config.json alone (configs/models/) is enough for the memory plan."""
     folder = Path(model_cfg.name).expanduser()
     return from_hub(model_cfg) or any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
-def load_config(model_cfg: DictConfig, labels: Labels, device_type: str,
+def load_config(model_cfg: ModelConfig, labels: Labels, device_type: str,
                 pad_token_id: int | None) -> PretrainedConfig:
     """The classifier's config (config.json, no weights): all that the checks before the
     load and the memory plan need, with the run's labels: the head's size, the class names
@@ -116,7 +116,7 @@ def load_config(model_cfg: DictConfig, labels: Labels, device_type: str,
     return config
 
 
-def check_max_length(model_cfg: DictConfig, max_length: int, config: PretrainedConfig, tokenizer=None) -> None:
+def check_max_length(model_cfg: ModelConfig, max_length: int, config: PretrainedConfig, tokenizer=None) -> None:
     """data.max_length within the model's positions: beyond them the position embedding
     lookup fails on the first sample that long, mid-epoch. The tokenizer's model_max_length
     can be tighter (RoBERTa: 514 embeddings, 512 usable); tokenizers without a limit report 1e30."""
@@ -127,7 +127,7 @@ def check_max_length(model_cfg: DictConfig, max_length: int, config: PretrainedC
                           f"model.name {model_cfg.name}")
 
 
-def attention_for(model_cfg: DictConfig, device_type: str) -> str:
+def attention_for(model_cfg: ModelConfig, device_type: str) -> str:
     if model_cfg.attn_implementation != "auto":
         implementation = model_cfg.attn_implementation
     else:
@@ -141,10 +141,10 @@ SDPA_BACKENDS = {"efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
 """model.sdpa_backend's names for torch.nn.attention.SDPBackend's."""
 
 
-def check_sdpa_backend(model_cfg: DictConfig, implementation: str, device_type: str) -> None:
+def check_sdpa_backend(model_cfg: ModelConfig, implementation: str, device_type: str) -> None:
     """model.sdpa_backend against the attention the model is built with, on `device_type`:
     before the weights load, rather than as "No available kernel" in the first step."""
-    backend = model_cfg.get("sdpa_backend", "auto")
+    backend = getattr(model_cfg, "sdpa_backend", "auto")
     if backend == "auto":
         return
     if implementation != "sdpa":
@@ -169,7 +169,7 @@ def sdpa_kernel(backend: str) -> AbstractContextManager:
     return kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
 
 
-def load_model(model_cfg: DictConfig, config: PretrainedConfig, seed: int, device: torch.device,
+def load_model(model_cfg: ModelConfig, config: PretrainedConfig, seed: int, device: torch.device,
                dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The bare classifier of `config` (load_config) on `device`, its weights in `dtype`
     (whatever config.json says). Seeded, so the new head is the same in every process and run."""

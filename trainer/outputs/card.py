@@ -15,9 +15,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from trainer.config import loading
+from trainer.config.schema import Config
 from trainer.data.labels import Labels
 
 PIPELINE = "text-classification"
@@ -27,7 +26,7 @@ PIPELINE = "text-classification"
 class Facts:
     """What the card says of the run, as the run ends."""
 
-    cfg: DictConfig
+    cfg: Config
     labels: Labels
     final_step: int
     final_eval: dict[str, float]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from omegaconf import DictConfig
 
+from trainer.config.schema import Config
 from trainer.data import reading
 from trainer.data.batch_plan import BatchPlan
 from trainer.data.labels import Labels
@@ -35,7 +35,7 @@ class DataCheck:
     warnings: list[str]
 
 
-def check(cfg: DictConfig, world_size: int) -> DataCheck:
+def check(cfg: Config, world_size: int) -> DataCheck:
     """The data report of `cfg` for a job of `world_size` ranks; raises a TrainerError on a
     mistake in the data."""
     splits = reading.load(cfg, DistEnv())
@@ -61,7 +61,7 @@ def check(cfg: DictConfig, world_size: int) -> DataCheck:
     return DataCheck(labels, lines, warnings)
 
 
-def _splits_line(cfg: DictConfig, splits: Splits) -> str:
+def _splits_line(cfg: Config, splits: Splits) -> str:
     data_cfg = cfg.data
     validation = f"{len(splits.eval):,} rows" + (f" held out ({splits.held_out}), as {data_cfg.eval_split!r} is "
                                                  f"not a split of the data" if splits.held_out else
@@ -71,7 +71,7 @@ def _splits_line(cfg: DictConfig, splits: Splits) -> str:
             f"({data_cfg.train_split}), validation {validation}, test {test}")
 
 
-def _lengths(cfg: DictConfig, splits: Splits, warnings: list[str]) -> list[str]:
+def _lengths(cfg: Config, splits: Splits, warnings: list[str]) -> list[str]:
     """Each split's token-length percentiles from a seeded sample, and the data.max_length
     that keeps 99% of the train sample untruncated."""
     try:
@@ -103,7 +103,7 @@ def _lengths(cfg: DictConfig, splits: Splits, warnings: list[str]) -> list[str]:
     return lines
 
 
-def _epoch(cfg: DictConfig, splits: Splits, world_size: int) -> list[str]:
+def _epoch(cfg: Config, splits: Splits, world_size: int) -> list[str]:
     """An epoch of a few steps, or one that drops much of its data, at this world size."""
     try:
         plan = BatchPlan.of(cfg.train, world_size)

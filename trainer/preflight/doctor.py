@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
 from trainer import errors
+from trainer.config.schema import Config
 from trainer.data import labels as labels_module
 from trainer.data import reading
 from trainer.data.batch_plan import BatchPlan
@@ -181,7 +181,7 @@ def shared_output_dir(output_dir: Path, dist_env: DistEnv) -> tuple[str, list[in
     return error, seen
 
 
-def check_wandb(cfg: DictConfig, output_dir: Path) -> tuple[str, Findings]:
+def check_wandb(cfg: Config, output_dir: Path) -> tuple[str, Findings]:
     found = Findings()
     mode = cfg.wandb.mode
     where = os.environ.get("WANDB_DIR") or str(output_dir)
@@ -220,7 +220,7 @@ def _human_bytes(n: int) -> str:
     return f"{n} TiB"
 
 
-def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, backend: str) -> int:
+def run(cfg: Config, dist_env: DistEnv, device: torch.device, backend: str) -> int:
     """Every rank runs this; rank 0 prints the report. Returns the exit code (same on all)."""
     timeout_s = cfg.dist.timeout_s
     host = socket.gethostname()
@@ -379,7 +379,7 @@ def _forecast(cfg, dist_env: DistEnv, backend, sizes, results, computes, own,
     return lines, warnings
 
 
-def plan_or_reason(cfg: DictConfig, dist_env: DistEnv, device: torch.device) -> memory.MemoryPlan | str:
+def plan_or_reason(cfg: Config, dist_env: DistEnv, device: torch.device) -> memory.MemoryPlan | str:
     """Collective: the run's memory plan on this kind of device, or why there is none (a hub
     model this node can't reach: training may still reach it). Its labels are the config's,
     or the data's where only the data can tell."""

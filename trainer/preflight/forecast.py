@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from trainer.config.schema import Config, typed
 from trainer.data import loaders, reading
 from trainer.data.batch_plan import BatchPlan
 from trainer.train.step import StepObserver, TrainStep
@@ -189,7 +190,7 @@ def _powersgd_elements(p: Param, rank: int) -> int:
     return (rows + cols) * rank if (rows + cols) * rank * 2 < rows * cols else p.numel
 
 
-def traffic(params: list[Param], cfg: DictConfig, backend: str, sparse_rows: float,
+def traffic(params: list[Param], cfg: Config, backend: str, sparse_rows: float,
             bucket_cap_mb: float | None = None, comm_hook: str | None = None) -> Traffic:
     """What one DDP step puts on the wire per rank, bucket by bucket, under cfg's ddp.* and
     LoRA (already in `params`), or the given bucket size and hook. `sparse_rows`:
@@ -326,7 +327,7 @@ class Measured(NamedTuple):
     """The training data as the run tokenizes it (its loaders closed)."""
 
 
-def measure(cfg: DictConfig, dist_env, device: torch.device, alone: bool = True) -> Measured:
+def measure(cfg: Config, dist_env, device: torch.device, alone: bool = True) -> Measured:
     """This rank's compute on the job's real model, at the mean padded length of its real
     micro-batches: training's own model and step (trainer/train/build.py), LoRA, gradient
     checkpointing, precision, the sparse embedding gradient, DDP with ddp.comm_hook
@@ -344,14 +345,14 @@ def measure(cfg: DictConfig, dist_env, device: torch.device, alone: bool = True)
     splits = reading.load(cfg, dist_env)
     max_steps = Policy.from_config(cfg, splits.steps_per_epoch(plan, cfg.train)).max_steps
     # PowerSGD compresses from the first timed step: the two before it warm up.
-    timed = cast(DictConfig, OmegaConf.merge(cfg, {"ddp": {"powersgd_start_step": 2}}))
+    timed = typed(cast(DictConfig, OmegaConf.merge(cfg, {"ddp": {"powersgd_start_step": 2}})))
     group = dist.new_subgroups(group_size=1)[0] if alone else None  # collective: every rank makes its own
     try:
         built = build.build(timed, dist_env, device, splits.labels, max_steps=max_steps, group=group)
         # Without loader workers: they are not timed here, and their server's start-up (its
         # imports, ~2 s of CPU a rank) would run beside the timed steps, on the cores the ranks
         # share: at 4 ranks on 2 cores it doubled the compute timed (benchmarks/RESULTS.md).
-        loaderless = cast(DictConfig, OmegaConf.merge(cfg, {"data": {"num_workers": 0}}))
+        loaderless = typed(cast(DictConfig, OmegaConf.merge(cfg, {"data": {"num_workers": 0}})))
         tokenized = loaders.build(loaderless, dist_env, splits, built.tokenizer, device, plan)
         try:
             batches = describe_batches(tokenized.train_loader.dataset, tokenized.train_sampler, plan.micro_batch,
@@ -429,7 +430,7 @@ def table(found: list[Row]) -> list[str]:
     return lines
 
 
-def section(cfg: DictConfig, backend: str, link: Link, compute: Compute, batches: Batches, params: list[Param],
+def section(cfg: Config, backend: str, link: Link, compute: Compute, batches: Batches, params: list[Param],
             world: int, ranks_per_node: int) -> list[str]:
     """doctor's "Scaling forecast": what it was made from, the table, and what would help."""
     from trainer.errors import ConfigError

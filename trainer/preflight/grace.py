@@ -19,9 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
-
 from trainer.config import loading
+from trainer.config.schema import Config
 from trainer.data.batch_plan import BatchPlan
 from trainer.runtime import distributed
 from trainer.runtime.distributed import DistEnv
@@ -47,7 +46,7 @@ def _seconds(environ: Mapping[str, str], name: str) -> float | None:
         return None
 
 
-def time_save(cfg: DictConfig, dist_env: DistEnv, built: Built, run_data: Data, folder: Path) -> float:
+def time_save(cfg: Config, dist_env: DistEnv, built: Built, run_data: Data, folder: Path) -> float:
     """Collective: seconds to save the run's state as a stop saves it: the run's own
     Checkpointer, in its strategy's format, written and flushed to the disk in `folder` (on
     output_dir's storage), rank 0's time; every rank takes part, as it would. The folder is

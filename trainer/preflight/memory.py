@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 
+from trainer.config.schema import Config
 from trainer.data.labels import Labels
 from trainer.errors import ConfigError
 from trainer.model import lora
@@ -127,7 +127,7 @@ def human(n: int) -> str:
     return f"{n / 1024**2:.1f} MiB"
 
 
-def make(cfg: DictConfig, labels: Labels, device: torch.device | None = None, world_size: int = 1) -> MemoryPlan:
+def make(cfg: Config, labels: Labels, device: torch.device | None = None, world_size: int = 1) -> MemoryPlan:
     """The plan of `cfg` on `device`; None: a GPU with native bf16 (what `check` plans for,
     on a machine that may have none). Reads model.name's config.json and its tokenizer, if
     it has one, never its weights; data.max_length is checked against the model's positions

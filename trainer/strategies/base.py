@@ -11,14 +11,15 @@ DataParallel share. A strategy overrides what it does otherwise.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from trainer.checkpoint import formats
+from trainer.config.schema import Config
 from trainer.data.batch_plan import BatchPlan
 from trainer.runtime import distributed
 from trainer.runtime.distributed import DistEnv
@@ -56,6 +57,17 @@ class CommClock(Protocol):
     def take(self) -> float | None: ...
 
 
+@dataclass(frozen=True)
+class Parallel:
+    """What `Strategy.parallelize` built of a model on this rank."""
+
+    logits: LogitsUnderAutocast
+    """The bare model's logits in the run's precision, with no wrapper: what evaluation calls."""
+    module: nn.Module
+    """What the training step calls for logits: the wrapped model (DDP, DataParallel), or the
+    logits themselves."""
+
+
 class Strategy:
     name: ClassVar[str]
     checkpoint_format: ClassVar[formats.Format] = formats.WHOLE
@@ -63,16 +75,11 @@ class Strategy:
     forecast_unsupported: ClassVar[str | None] = None
     """Why doctor's scaling forecast does not model it; None: it does."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self.sharded = False
         """The model's weights are shards: every rank must run each forward (evaluation), and
         the export gathers them."""
-        self.logits: LogitsUnderAutocast | None = None
-        """The bare model's logits in the run's precision, with no wrapper: what evaluation calls."""
-        self.module: nn.Module | None = None
-        """What the training step calls for logits: the wrapped model (DDP, DataParallel), or
-        the logits themselves."""
         self.comm_clock: CommClock | None = None
         """When the last gradient bucket became ready, for the exposed-communication phase."""
 
@@ -99,12 +106,12 @@ class Strategy:
     # --- the run ------------------------------------------------------------------------
 
     def parallelize(self, model: PreTrainedModel, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype,
-                    group: ProcessGroup | None = None) -> None:
+                    group: ProcessGroup | None = None) -> Parallel:
         """Make `model` (the bare one, in place where the strategy shards it) run on this rank
-        as the step needs it, over `group` (None: every rank): sets `logits` and `module`."""
+        as the step needs it, over `group` (None: every rank)."""
         self.prepare(model, dist_env, device, amp_dtype)
-        self.logits = LogitsUnderAutocast(model, device.type, amp_dtype)
-        self.module = self.wrap(self.logits, dist_env, device, group)
+        logits = LogitsUnderAutocast(model, device.type, amp_dtype)
+        return Parallel(logits, self.wrap(logits, dist_env, device, group))
 
     def prepare(self, model: PreTrainedModel, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype) -> None:
         """The bare model, before its logits are wrapped."""

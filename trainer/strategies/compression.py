@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+
+from trainer.config.schema import DDPConfig
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -32,7 +33,7 @@ Hook = Callable[[Any, "torch.distributed.GradBucket"], "torch.futures.Future[tor
 class PowerSGD:
     """torch's PowerSGDState for this rank, and its checkpoint state (Stateful)."""
 
-    def __init__(self, ddp_cfg: DictConfig, group: ProcessGroup | None = None):
+    def __init__(self, ddp_cfg: DDPConfig, group: ProcessGroup | None = None):
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
         # The hook counts the all-reduces it has run (its `iter`), and compresses from
@@ -62,7 +63,7 @@ class PowerSGD:
         self.state.error_dict = dict(saved["error"]) if saved["world_size"] == dist.get_world_size() else {}
 
 
-def make(ddp_cfg: DictConfig, backend: str, group: ProcessGroup | None = None) -> tuple[Any, Hook, PowerSGD | None]:
+def make(ddp_cfg: DDPConfig, backend: str, group: ProcessGroup | None = None) -> tuple[Any, Hook, PowerSGD | None]:
     """(hook state, hook, PowerSGD's checkpointed state or None) for ddp.comm_hook, over
     `group` (None: every rank; DDP's group must be the same)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook

@@ -15,10 +15,10 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.config.schema import Config, DDPConfig
 from trainer.runtime import distributed
 from trainer.strategies import compression
 from trainer.strategies.base import Strategy
@@ -45,7 +45,7 @@ class SparseEmbeddingGrad:
         self.written_rows = torch.zeros(0, dtype=torch.long, device=self.weight.device)
 
     @classmethod
-    def maybe(cls, model: PreTrainedModel, cfg: DictConfig, device: torch.device) -> SparseEmbeddingGrad | None:
+    def maybe(cls, model: PreTrainedModel, cfg: Config, device: torch.device) -> SparseEmbeddingGrad | None:
         embedding = model.get_input_embeddings()
         if (cfg.ddp.sparse_embedding_grad and device.type == "cpu"
                 and isinstance(embedding, nn.Embedding)
@@ -75,7 +75,7 @@ _FORWARD_SYNC_BUFFERS = next(name for name in ("forward_sync_buffers", "broadcas
                              if name in inspect.signature(DistributedDataParallel).parameters)
 
 
-def ddp_wrap(model: nn.Module, ddp_cfg: DictConfig, device: torch.device,
+def ddp_wrap(model: nn.Module, ddp_cfg: DDPConfig, device: torch.device,
              group: ProcessGroup | None = None) -> DistributedDataParallel:
     """DDP as ddp.* configures it, over `group` (None: every rank)."""
     # Buffers (position ids) never change: no broadcast before each forward.
@@ -145,7 +145,7 @@ class BucketClock:
 class DDP(Strategy):
     name = "ddp"
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: Config):
         super().__init__(cfg)
         self.sparse_embedding: SparseEmbeddingGrad | None = None
         self.ddp: DistributedDataParallel | None = None

@@ -11,8 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
-
+from trainer.config.schema import Config
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -26,13 +25,13 @@ STRATEGIES = {
 }
 
 
-def of(cfg: DictConfig) -> Strategy:
+def of(cfg: Config) -> Strategy:
     """The strategy train.strategy names, for this run's config (chosen once, then asked)."""
     module, _, name = STRATEGIES[cfg.train.strategy].partition(":")
     return getattr(importlib.import_module(module), name)(cfg)
 
 
-def check(cfg: DictConfig) -> None:
+def check(cfg: Config) -> None:
     """What train.strategy asks of the other keys: a ConfigError naming the first key it refuses."""
     strategy = cfg.train.strategy
     if strategy not in STRATEGIES:

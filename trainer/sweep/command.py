@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 import optuna
-from omegaconf import DictConfig
 from optuna.trial import TrialState
 
 from trainer import exit_codes, files
 from trainer.config import loading
+from trainer.config.schema import Config
 from trainer.errors import ConfigError
 from trainer.sweep import pruning, results, runs, study
 from trainer.sweep.plan import Plan, check_same_sweep
@@ -29,7 +29,7 @@ CONFIG_FILE = "sweep.yaml"
 """The sweep's config as loaded (file and overrides), which every trial is launched with."""
 
 
-def write_config(cfg: DictConfig) -> Path:
+def write_config(cfg: Config) -> Path:
     """output_dir/sweep.yaml: the config as the sweep loaded it, which every run is launched with."""
     config_file = Path(cfg.output_dir) / CONFIG_FILE
     config_file.parent.mkdir(parents=True, exist_ok=True)
@@ -37,7 +37,7 @@ def write_config(cfg: DictConfig) -> Path:
     return config_file
 
 
-def array_runs(cfg: DictConfig, the_plan: Plan) -> tuple[Path, list[runs.Run]]:
+def array_runs(cfg: Config, the_plan: Plan) -> tuple[Path, list[runs.Run]]:
     """A job array's tasks (slurm/submit.py --sweep): every run of the grid, in grid order,
     each named as `run` names it, and the config file they are launched with. After the array,
     `python -m trainer sweep` with the same config finds them finished and reports (with
@@ -51,7 +51,7 @@ def array_runs(cfg: DictConfig, the_plan: Plan) -> tuple[Path, list[runs.Run]]:
     return write_config(cfg), each
 
 
-def run(cfg: DictConfig, the_plan: Plan) -> int:
+def run(cfg: Config, the_plan: Plan) -> int:
     """Every setting's runs to the end (those finished before read, not run again), then the
     results. Returns 0; a preemption signal (fault.preempt_signals) stops it with RunFailed,
     exit 75, once every run alive has saved and ended."""
@@ -106,7 +106,7 @@ def run(cfg: DictConfig, the_plan: Plan) -> int:
         return report(cfg, the_plan, the_study, config_file, slots)
 
 
-def setting_number(cfg: DictConfig, the_plan: Plan, trial: Any, setting: dict) -> int:
+def setting_number(cfg: Config, the_plan: Plan, trial: Any, setting: dict) -> int:
     """What names a setting's runs' folders: on a grid, its place in the grid (the same folders
     however the sweep ran, or was killed and started again); else its first trial's number."""
     if cfg.sweep.method == "grid":
@@ -114,7 +114,7 @@ def setting_number(cfg: DictConfig, the_plan: Plan, trial: Any, setting: dict) -
     return study.setting_number(trial)
 
 
-def report(cfg: DictConfig, the_plan: Plan, the_study: Any, config_file: Path, slots: runs.Slots) -> int:
+def report(cfg: Config, the_plan: Plan, the_study: Any, config_file: Path, slots: runs.Slots) -> int:
     out, sweep = Path(cfg.output_dir), cfg.sweep
     settings = []
     for trial in study.settled(the_study):

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import yaml
-from omegaconf import DictConfig
 
 from trainer.config import loading, schema
+from trainer.config.schema import Config
 from trainer.errors import ConfigError
 from trainer.sweep import space
 from trainer.tasks.registry import METRICS
@@ -31,7 +31,7 @@ class Plan:
     """Each train row's fold (sweep.folds), else None."""
 
 
-def check(cfg: DictConfig, load: Callable[[list[str]], DictConfig]) -> Plan:
+def check(cfg: Config, load: Callable[[list[str]], Config]) -> Plan:
     """The sweep checked before any trial starts; each problem a one-line ConfigError."""
     sweep = cfg.sweep
     searched = space.parse(loading.to_dict(cfg)["sweep"]["parameters"], schema.KEYS)
@@ -59,7 +59,7 @@ def check(cfg: DictConfig, load: Callable[[list[str]], DictConfig]) -> Plan:
     return Plan(searched, settings, metric, metrics[metric], fold_of)
 
 
-def _check_folds(cfg: DictConfig, folds: int) -> np.ndarray:
+def _check_folds(cfg: Config, folds: int) -> np.ndarray:
     from trainer.data import reading
 
     fold_of, classes = reading.train_folds(cfg)
@@ -80,7 +80,7 @@ SWEEP_KEYS_FIXED = ("sweep.parameters", "sweep.method", "sweep.seeds", "sweep.fo
 many settings (sweep.trials), how many at once and on how many ranks, and the refit may change."""
 
 
-def check_same_sweep(previous: Path, cfg: DictConfig) -> None:
+def check_same_sweep(previous: Path, cfg: Config) -> None:
     """A sweep started again in an output_dir whose sweep.yaml (`previous`, as the first start
     wrote it) differs in what its runs are, is refused: a finished run's folder would be read
     as a run of the new config. Keys a run may change on resume (FREE) and the sweep's own

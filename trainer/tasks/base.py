@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from omegaconf import DictConfig
 
 from trainer import files
+from trainer.config.schema import DataConfig, TrainConfig
 from trainer.data.labels import Labels
 from trainer.runtime.distributed import DistEnv
 
@@ -42,7 +42,7 @@ class Task:
     main_metrics: ClassVar[tuple[tuple[str, str], ...]]
     """(metric, how the done line names it), the ones a run ends by reporting."""
 
-    def __init__(self, labels: Labels, data_cfg: DictConfig, train_cfg: DictConfig | None = None):
+    def __init__(self, labels: Labels, data_cfg: DataConfig, train_cfg: TrainConfig | None = None):
         self.labels = labels
         self.threshold = float(data_cfg.threshold)
         self.weights = None if labels.weights is None else torch.tensor(labels.weights, dtype=torch.float32)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
+from trainer.config.schema import Config, DataConfig, TrainConfig, node
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -44,12 +45,12 @@ def of_transformers(hf_problem_type: str | None) -> str:
     return by_hf.get(hf_problem_type or "", "single_label")
 
 
-def of(labels: Labels, data_cfg: DictConfig, train_cfg: DictConfig | None = None) -> Task:
+def of(labels: Labels, data_cfg: DataConfig, train_cfg: TrainConfig | None = None) -> Task:
     """The task of a run's label space (trainer/data/labels.py), with its loss settings."""
     return task_class(labels.problem_type)(labels, data_cfg, train_cfg)
 
 
-def check(cfg: DictConfig) -> None:
+def check(cfg: Config) -> None:
     """What data.problem_type's task asks of the other keys: a ConfigError naming the first key
     it refuses. Fills checkpoint.best_mode with best_metric's own direction where it is unset."""
     data_cfg, train, ckpt = cfg.data, cfg.train, cfg.checkpoint
@@ -57,13 +58,13 @@ def check(cfg: DictConfig) -> None:
     metrics = METRICS[problem_type]
     if ckpt.best_metric is None:
         for key in ("checkpoint.load_best_at_end", "train.early_stopping_patience"):
-            if OmegaConf.select(cfg, key):
+            if OmegaConf.select(node(cfg), key):
                 raise ConfigError(f"{key}: needs checkpoint.best_metric ({', '.join(metrics)})")
     elif ckpt.best_metric not in metrics:
         raise ConfigError(f"checkpoint.best_metric: {ckpt.best_metric} is not a metric of data.problem_type="
                           f"{problem_type} ({', '.join(metrics)})")
     elif ckpt.best_mode is None:
-        ckpt.best_mode = metrics[ckpt.best_metric]
+        ckpt.best_mode = "max" if metrics[ckpt.best_metric] == "max" else "min"
     names, num_labels, weights = data_cfg.label_names, data_cfg.num_labels, train.class_weights
     if problem_type == "regression":
         for key, value, allowed in (("data.num_labels", num_labels, (None, 1)), ("data.label_names", names, (None,)),

@@ -13,13 +13,14 @@ import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from omegaconf import DictConfig
 
 from trainer.checkpoint.checkpointer import load_weights
 from trainer.checkpoint.store import read_state
+from trainer.config.schema import Config, ModelConfig, node
 from trainer.data import labels as labels_module
 from trainer.data import loaders
 from trainer.data.labels import Labels
@@ -62,7 +63,7 @@ torch._dynamo, which transformers imports with it (as torch.optim's step and DDP
 imports them while it waits for local rank 0's data (Trainer, startup.Prefetch)."""
 
 
-def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype, labels: Labels, *,
+def load(cfg: Config, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype, labels: Labels, *,
          on_meta: bool = False, trained: Path | None = None) -> Model:
     """model.name's classifier for `labels` as training builds it: its tokenizer,
     data.max_length checked against its positions before any weight loads, the weights (frozen
@@ -74,7 +75,8 @@ def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: to
     or a checkpoint step-N, whose weights go into model.name's architecture."""
     model_cfg, merged = cfg.model, trained is not None and pretrained.is_model_folder(trained)
     if merged:  # final/: a folder of its own, whatever revision of model.name it was trained from
-        model_cfg = DictConfig({**cfg.model, "name": str(trained), "pretrained": True, "revision": None})
+        model_cfg = cast(ModelConfig, DictConfig({**node(cfg.model), "name": str(trained), "pretrained": True,
+                                                  "revision": None}))
     if model_cfg.trust_remote_code and dist_env.is_rank_zero:
         log.warning("model.trust_remote_code: %s runs the modeling code its repository ships", model_cfg.name)
     # One download per node: local rank 0 fetches a hub model into the HF cache (shared by
@@ -103,8 +105,10 @@ def load(cfg: DictConfig, dist_env: DistEnv, device: torch.device, amp_dtype: to
 @dataclass
 class Built(Model):
     strategy: Strategy
-    """The model as this rank runs it: `strategy.module` for the step, `strategy.logits` for
-    evaluation."""
+    """How the model runs across the ranks."""
+    logits: LogitsUnderAutocast
+    """The model's logits in the run's precision, unwrapped: what evaluation calls (the step
+    calls what the strategy wrapped them in)."""
     step: TrainStep
     """The training step, with the optimizer, the LR schedule and the loss scaler it steps."""
     task: Task
@@ -117,7 +121,7 @@ class Built(Model):
                 "scaler": step.scaler, "train": train, **self.strategy.states()}
 
 
-def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, labels: Labels, *, max_steps: int,
+def build(cfg: Config, dist_env: DistEnv, device: torch.device, labels: Labels, *, max_steps: int,
           group: ProcessGroup | None = None, strategy: Strategy | None = None) -> Built:
     """The model for `labels`, parallelized by the run's strategy over `group` (None: every
     rank), and the step that trains it for `max_steps` steps (the LR schedule's length)."""
@@ -126,7 +130,7 @@ def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, labels: Labe
     strategy = strategy or registry.of(cfg)
     if pretrained.compiles(cfg.train.compile, device, max_steps):  # before FSDP2 wraps the blocks, as torchtitan
         pretrained.compile_blocks(loaded.model)
-    strategy.parallelize(loaded.model, dist_env, device, amp_dtype, group)
+    parallel = strategy.parallelize(loaded.model, dist_env, device, amp_dtype, group)
     # After the strategy: FSDP2 has made the parameters the optimizer holds into shards.
     optimizer = optim.optimizer(loaded.model, cfg.train)
     scheduler = optim.lr_schedule(optimizer, cfg.train, max_steps)
@@ -135,10 +139,10 @@ def build(cfg: DictConfig, dist_env: DistEnv, device: torch.device, labels: Labe
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     task = tasks.of(labels, cfg.data, cfg.train)
     guard = LossGuard(cfg.fault, dist_env, group)
-    step = TrainStep(loaded.model, strategy, task, optimizer, scheduler, scaler, guard, cfg.train.max_grad_norm,
-                     device, non_blocking=loaders.pins_memory(cfg, device), sdpa_backend=cfg.model.sdpa_backend,
-                     recomputes=cfg.model.gradient_checkpointing)
-    return Built(loaded.model, loaded.tokenizer, loaded.config, amp_dtype, strategy, step, task)
+    step = TrainStep(loaded.model, strategy, parallel.module, task, optimizer, scheduler, scaler, guard,
+                     cfg.train.max_grad_norm, device, non_blocking=loaders.pins_memory(cfg, device),
+                     sdpa_backend=cfg.model.sdpa_backend, recomputes=cfg.model.gradient_checkpointing)
+    return Built(loaded.model, loaded.tokenizer, loaded.config, amp_dtype, strategy, parallel.logits, step, task)
 
 
 @dataclass
@@ -149,7 +153,7 @@ class Trained(Model):
     """The task of the labels it was trained on."""
 
 
-def trained(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) -> Trained:
+def trained(cfg: Config, dist_env: DistEnv, device: torch.device, folder: Path) -> Trained:
     """A trained model (`load`'s `trained`) for evaluate and predict, with the label space it
     was trained on: final/'s config holds it, a checkpoint's state.json, or (a checkpoint of
     an older run) the config."""

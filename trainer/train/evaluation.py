@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
+from trainer.config.schema import Config
 from trainer.data import loaders, reading
 from trainer.model import pretrained
 from trainer.runtime import distributed
@@ -110,7 +110,7 @@ def _gather_rows(kept: list, dist_env: DistEnv) -> tuple[list[int], torch.Tensor
 # --- `python -m trainer evaluate` ----------------------------------------------------------
 
 
-def run(cfg: DictConfig, dist_env: DistEnv, device: torch.device, folder: Path) -> dict | None:
+def run(cfg: Config, dist_env: DistEnv, device: torch.device, folder: Path) -> dict | None:
     """Evaluate the model in `folder` (a `resume.trained_folder`) on data.eval_split; rank 0
     prints the table and writes eval-SPLIT.json and eval-SPLIT.png into the folder. Returns
     the report on rank 0."""

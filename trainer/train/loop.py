@@ -10,20 +10,20 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from omegaconf import DictConfig
 
 from trainer.checkpoint import resume
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.store import read_state
 from trainer.config import loading
+from trainer.config.schema import Config
 from trainer.data import loaders, reading
 from trainer.errors import describe
 from trainer.exit_codes import Exit
 from trainer.faults import inject, numerics, preemption, replicas, timeline, watchdog
 from trainer.faults.attempts import Attempt
 from trainer.model import lora, optim, pretrained
-from trainer.outputs import card, curves, push, report, summary
-from trainer.outputs.export import export_final
+from trainer.outputs import card, summary
+from trainer.outputs.ending import Ending, publish
 from trainer.runtime import distributed
 from trainer.runtime.distributed import DistEnv
 from trainer.runtime.startup import Prefetch, StartupClock
@@ -40,7 +40,7 @@ class _Unasked:
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, dist_env: DistEnv, device: torch.device, startup: StartupClock):
+    def __init__(self, cfg: Config, dist_env: DistEnv, device: torch.device, startup: StartupClock):
         self.cfg, self.dist_env, self.device, self.startup = cfg, dist_env, device, startup
         self.output_dir = Path(cfg.output_dir)
         self.strategy = registry.of(cfg)
@@ -91,9 +91,10 @@ class Trainer:
         """Where the run is: step, data position, run id, selection, ..."""
         self.meter = metrics.Meter(dist_env, device, self.batch.global_batch, flops.FlopModel.of(self.model),
                                    self.policy.max_steps)
-        self.tracker: tracking.Tracker | None = None
+        self.tracker = tracking.Tracker(cfg, dist_env)
         self.first_step_end_unix: float | None = None
         inject.configure(dist_env)
+        inject.into_step(self.train_step)
         self.preemption = preemption.Preemption(cfg.fault.preempt_signals, dist_env)
         self.watchdog = watchdog.Watchdog(cfg, dist_env, self.output_dir)
         self.timeline = timeline.Timeline(self.output_dir, dist_env)
@@ -107,7 +108,7 @@ class Trainer:
         start_step = self.restore()
         self.replicas.check_start()
         steps = loaders.micro_batches(self.data, self.batch.grad_accum, self.state.batches_read)
-        self.tracker = tracking.Tracker(self.cfg, self.dist_env, self.state.run_id, start_step)
+        self.tracker.start(self.state.run_id, start_step)
         self._log_plan()
         self.meter.begin(start_step)
         self.watchdog.start()
@@ -179,7 +180,7 @@ class Trainer:
         spike it trained on, the one before for a skipped try, or a rollback's checkpoint."""
         batch = self.state.batches_read  # the batch just read (the count before it)
         where = loaders.batch_position(self.data, batch)
-        self._run_tracker.record_bad_batch({"step": step, "why": outcome.bad or "loss spike", "loss": outcome.loss,
+        self.tracker.record_bad_batch({"step": step, "why": outcome.bad or "loss spike", "loss": outcome.loss,
                                             "grad_norm": outcome.grad_norm, "batch": batch, **where})
         described = (f"batch {batch} (epoch {where['epoch']}, samples {where['samples_in_epoch'][0]}-"
                      f"{where['samples_in_epoch'][1] - 1} of its order)")
@@ -206,9 +207,9 @@ class Trainer:
         self.state.skipped_batches = read - self.state.step
         log.warning("rolled back from step %d to %s: going on with the batches after the bad ones (from batch %d)",
                     failing, path, read)
-        self._run_tracker.forget_after(self.state.step)
+        self.tracker.forget_after(self.state.step)
         self.timeline.rollback(failing, self.state.step)
-        self._run_tracker.log({"fault/rollbacks": self.state.bad_steps.rollbacks,
+        self.tracker.log({"fault/rollbacks": self.state.bad_steps.rollbacks,
                                "fault/rolled_back_from": failing}, self.state.step)
         return self.state.step
 
@@ -219,12 +220,6 @@ class Trainer:
         timeline (trainer/faults/timeline.py)."""
         with self.watchdog.phase(name, step), self.timeline.phase(name, step):
             yield
-
-    @property
-    def _run_tracker(self) -> tracking.Tracker:
-        """The tracker, which train() starts before anything is logged, evaluated or saved."""
-        assert self.tracker is not None, "train() starts the tracker first"
-        return self.tracker
 
     def _between_steps(self, step: int, epoch: int, preempted_by: str | type[_Unasked] | None = _Unasked) -> None:
         """Log, evaluate, save and stop as the policy says, each in a phase (`_phase`);
@@ -283,58 +278,26 @@ class Trainer:
         if self.data.test_loader is not None:
             with watch("test-eval", last):
                 test_eval = self.evaluate(self.data.test_loader, self.data.num_test)
-            self._run_tracker.log(_prefixed("test", test_eval), last)
+            self.tracker.log(_prefixed("test", test_eval), last)
         facts = card.Facts(self.cfg, self.labels, final_step, final_eval, test_eval,
                            {"train": self.data.num_train, "validation": self.data.num_eval, "test": self.data.num_test},
                            self.dist_env.world_size, card.hardware(self.device.type), totals["train_seconds"] or 0.0,
                            self.model_commit, self.dropped_rows)
-        with watch("export", last):
-            if self.cfg.tracking.curves and self.dist_env.is_rank_zero:
-                self._draw_pictures()
-            export_final(self.output_dir, self.model, self.built.tokenizer, self.built.strategy, self.dist_env,
-                         adapter=self.cfg.checkpoint.export_adapter, facts=facts)
-        with watch("gather", last):
-            made = self._summarize(start_step, last, (final_step, final_eval), last_eval, test_eval, totals)
-        if self.cfg.hub.push_at_end and self.dist_env.is_rank_zero:
-            # Rank 0 alone, after the last collective: an upload may take longer than any timeout.
-            made["hub"] = self._push()
-            self._run_tracker.summary(made)
-        return made
-
-    def _draw_pictures(self) -> None:
-        """tracking.curves: output_dir/curves.png, and goodput.png (`report`'s timeline of the
-        attempts so far), which final/ and its card then carry. A picture that fails costs a
-        warning, never the run."""
-        try:
-            curves.draw(self.output_dir)
-            report.draw(self.output_dir, self.output_dir / report.PICTURE, ending=Exit.DONE)
-        except Exception as e:  # noqa: BLE001 (matplotlib's failures are many; the run is done)
-            log.warning("tracking.curves: a picture is missing: %s", describe(e))
-
-    def _push(self) -> dict:
-        """hub.push_at_end: final/ to hub.repo_id. A failure is one error line and summary.json's
-        `hub.error`; final/ stays, and `python -m trainer push` uploads it later."""
-        hub = self.cfg.hub
-        try:
-            url = push.push(self.output_dir / "final", hub.repo_id, hub.private, hub.revision)
-        except push.PushError as e:
-            log.error("%s; final/ is kept: upload it with python -m trainer push %s --repo-id %s", e, self.output_dir,
-                      hub.repo_id)
-            return {"repo_id": hub.repo_id, "commit_url": None, "error": str(e)}
-        return {"repo_id": hub.repo_id, "commit_url": url, "error": None}
+        made = self._summary(start_step, last, (final_step, final_eval), last_eval, test_eval, totals)
+        ending = Ending(facts, self.model, self.built.tokenizer, self.built.strategy, made, self.built.task.scores)
+        return publish(self.cfg, self.dist_env, ending, lambda name: watch(name, last), self.tracker.summary)
 
     def evaluate(self, loader, num_samples: int) -> dict[str, float]:
         """Exact global metrics of the model as it is now, the same on every rank."""
         strategy = self.built.strategy
-        assert strategy.logits is not None, "build() parallelized the model"
-        return evaluation.evaluate(strategy.logits, loader, num_samples, self.built.task, self.device,
+        return evaluation.evaluate(self.built.logits, loader, num_samples, self.built.task, self.device,
                                    self.dist_env, sharded=strategy.sharded,
                                    sdpa_backend=self.built.step.sdpa_backend).metrics
 
     def _validate(self, step: int) -> dict[str, float]:
         """Evaluate the validation split, log it, and let the selection see it."""
         results = self.evaluate(self.data.eval_loader, self.data.num_eval)
-        self._run_tracker.log(_prefixed("eval", results), step)
+        self.tracker.log(_prefixed("eval", results), step)
         self.selection.observe(step, results)
         self.state.last_eval = (step, results)  # a resume at an evaluated step doesn't evaluate it twice
         if self.selection.stop and step < self.policy.max_steps:  # every rank says so: all stop here
@@ -377,7 +340,7 @@ class Trainer:
         self.checkpointer.save(self.state.step, self.states, loading.to_yaml(self.cfg), keep_also=self.selection.step)
         # What training paused for (every rank waits for rank 0's snapshot or write);
         # benchmarks/RESULTS.md puts it against the default checkpoint interval.
-        self._run_tracker.log({"checkpoint/save_s": time.perf_counter() - started}, self.state.step)
+        self.tracker.log({"checkpoint/save_s": time.perf_counter() - started}, self.state.step)
 
     # --- ending ---------------------------------------------------------------------------
 
@@ -397,8 +360,7 @@ class Trainer:
         self.timeline.close()
         self.preemption.close(clean_exit=exit_code == 0)
         self.attempt.end(exit_code)
-        if self.tracker is not None:
-            self.tracker.close(exit_code)
+        self.tracker.close(exit_code)
 
     # --- what the run says ------------------------------------------------------------
 
@@ -441,13 +403,14 @@ class Trainer:
         window = self.meter.take_window(epoch, lr)
         if self.train_step.scaler.is_enabled():  # fp16: a falling scale means overflowing gradients, skipped steps
             window["loss_scale"] = self.train_step.scaler.get_scale()
-        self._run_tracker.log(window, step)
+        self.tracker.log(window, step)
         log.info("%s", self.meter.log_line(step, window))
 
-    def _summarize(self, start_step: int, last: int, final: tuple[int, dict], last_eval: dict,
-                   test_eval: dict | None, totals: dict) -> dict:
-        """summary.json (trainer/outputs/summary.py), and the done line."""
-        made = summary.make(
+    def _summary(self, start_step: int, last: int, final: tuple[int, dict], last_eval: dict,
+                 test_eval: dict | None, totals: dict) -> dict:
+        """summary.json as the run knows it (trainer/outputs/summary.py); the files and the
+        hosts' names are `publish`'s to add."""
+        return summary.make(
             final=final, last_eval=last_eval, test_eval=test_eval, best=self.selection.summary(),
             start_step=start_step, last=last, max_steps=self.policy.max_steps,
             steps_per_epoch=self.data.steps_per_epoch, world_size=self.dist_env.world_size,
@@ -459,21 +422,8 @@ class Trainer:
                  "first_step_end_unix": self.first_step_end_unix, "startup_s": self.startup.phases(),
                  "checkpoint_write_s": self.checkpointer.write_seconds,
                  "deterministic_kernels": torch.are_deterministic_algorithms_enabled(),
-                 "bad_steps": self.state.bad_steps.summary(),
-                 # Rank 0 reads the files (trainer/outputs/report.py); the summary is rank 0's to write.
-                 "goodput": report.account(self.output_dir, ending=Exit.DONE) if self.dist_env.is_rank_zero else None,
-                 "wandb_run_id": self.state.run_id,
-                 "hosts": sorted(set(distributed.all_gather(self.dist_env, _hostname())))})
-        self._run_tracker.summary(made)
-        log.info("%s", summary.done_line(made, self.built.task.scores))
-        return made
+                 "bad_steps": self.state.bad_steps.summary(), "wandb_run_id": self.state.run_id})
 
 
 def _prefixed(prefix: str, values: dict) -> dict:
     return {f"{prefix}/{k}": v for k, v in values.items()}
-
-
-def _hostname() -> str:
-    import socket
-
-    return socket.gethostname()

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, cast
 
-from omegaconf import DictConfig
+from trainer.config.schema import Config
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,16 @@ class Policy:
     """With a best_metric: the best checkpoint must exist, whichever eval turns out best."""
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, steps_per_epoch: int) -> Policy:
+    def from_config(cls, cfg: Config, steps_per_epoch: int) -> Policy:
         train = cfg.train
-        max_steps = train.max_steps if train.max_steps is not None else train.epochs * steps_per_epoch
-        return cls(max_steps, steps_per_epoch, train.log_every, train.eval_every, cfg.checkpoint.every,
+        if train.max_steps is not None:
+            max_steps = train.max_steps
+        else:
+            assert train.epochs is not None, "the config sets one of train.max_steps and train.epochs"
+            max_steps = train.epochs * steps_per_epoch
+        # An interval's check (schema.STEPS_OR_EPOCH) leaves a step count or "epoch".
+        every = cast(Interval, train.eval_every), cast(Interval, cfg.checkpoint.every)
+        return cls(max_steps, steps_per_epoch, train.log_every, *every,
                    cfg.checkpoint.best_metric is not None)
 
     def _due(self, every: Interval, step: int) -> bool:
@@ -86,7 +92,7 @@ class Selection:
     evals_without_improvement: int = 0
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> Selection:
+    def from_config(cls, cfg: Config) -> Selection:
         ckpt, train = cfg.checkpoint, cfg.train
         return cls(ckpt.best_metric, ckpt.best_mode != "min", train.early_stopping_patience,
                    train.early_stopping_threshold)

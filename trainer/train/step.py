@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from trainer.faults import inject
 from trainer.faults.numerics import LossGuard, Outcome, Verdict
 from trainer.model.pretrained import sdpa_kernel
 
@@ -86,12 +85,13 @@ class TrainStep:
     Holds the optimizer, the LR schedule and the fp16 loss scaler it steps, and the guard that
     skips a step whose loss or gradients are not finite."""
 
-    def __init__(self, model: nn.Module, strategy: Strategy, task: Task, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: nn.Module, strategy: Strategy, module: nn.Module, task: Task,
+                 optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler,
                  guard: LossGuard, max_grad_norm: float, device: torch.device, non_blocking: bool,
                  sdpa_backend: str = "auto", recomputes: bool = False):
-        assert strategy.module is not None, "the strategy has parallelized the model"
-        self.model, self.strategy, self.module, self.task = model, strategy, strategy.module, task
+        # `module`: what the strategy wrapped the model in (Strategy.parallelize); `model`: the bare one.
+        self.model, self.strategy, self.module, self.task = model, strategy, module, task
         self.optimizer, self.scheduler, self.scaler, self.guard = optimizer, scheduler, scaler, guard
         self.max_grad_norm, self.device, self.non_blocking = max_grad_norm, device, non_blocking
         self.sdpa_backend, self.recomputes = sdpa_backend, recomputes
@@ -154,9 +154,7 @@ class TrainStep:
             observer.phase(None)
             return Try(self, None, previous)
         observer.phase("optimizer")
-        self.strategy.gradients_ready()
-        inject.point("loss", step, loss=step_loss, model=self.model)
-        inject.point("gradients", step, model=self.model)
+        self.gradients_ready(step, step_loss)
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         grad_norm = None
         if self.max_grad_norm > 0:
@@ -184,6 +182,12 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         self._conclude(pending)
         return Try(self, pending, previous)
+
+    def gradients_ready(self, step: int, step_loss: torch.Tensor) -> None:
+        """After the last backward, before the gradients are unscaled and clipped: the
+        strategy's moment. A test's fault that poisons the loss or the gradients wraps this
+        (trainer/faults/inject.py's `into_step`): nothing of it is in a run's own step."""
+        self.strategy.gradients_ready()
 
     def _casts_kept(self, micro_batches: int) -> AbstractContextManager:
         """Autocast casts each trained fp32 weight to the compute dtype and keeps the copy until

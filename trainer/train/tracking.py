@@ -19,10 +19,9 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
-
 from trainer import files
 from trainer.config import loading
+from trainer.config.schema import Config
 from trainer.errors import describe
 from trainer.runtime import distributed
 from trainer.runtime.distributed import DistEnv
@@ -47,14 +46,22 @@ def new_run_id() -> str:
 
 
 class Tracker:
-    def __init__(self, cfg: DictConfig, dist_env: DistEnv, run_id: str, resume_step: int):
+    """Made with the Trainer, once; `start`ed when the run knows where it starts (a resume's
+    step and wandb run), before anything is logged."""
+
+    def __init__(self, cfg: Config, dist_env: DistEnv):
+        self.cfg, self.dist_env = cfg, dist_env
         self.enabled = dist_env.is_rank_zero
-        self.run_id = run_id
         self.output_dir = Path(cfg.output_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self._wandb_run = None
         self._tensorboard: SummaryWriter | None = None
         self.tensorboard = cfg.tracking.tensorboard
+
+    def start(self, run_id: str, resume_step: int) -> None:
+        """Rank 0 opens what it writes to: metrics.jsonl cut back to `resume_step`, wandb's
+        run `run_id` (continued on a resume), TensorBoard's events."""
+        cfg = self.cfg
 
         def start() -> None:
             self._truncate_metrics(resume_step)
@@ -63,7 +70,7 @@ class Tracker:
             self._start_tensorboard(resume_step)
 
         # Rank 0's disk or wandb failing stops every rank now, not at the next collective.
-        distributed.rank_zero_does(dist_env, f"wandb ({cfg.wandb.mode}) in {self.output_dir}", start)
+        distributed.rank_zero_does(self.dist_env, f"wandb ({cfg.wandb.mode}) in {self.output_dir}", start)
 
     def _truncate_metrics(self, resume_step: int) -> None:
         """On resume, forget lines logged after the checkpoint: those steps are redone."""
@@ -88,7 +95,7 @@ class Tracker:
         self._tensorboard = SummaryWriter(str(self.output_dir / "tensorboard"),
                                           purge_step=resume_step + 1 if resume_step else None)
 
-    def _start_wandb(self, cfg: DictConfig, run_id: str):
+    def _start_wandb(self, cfg: Config, run_id: str):
         import wandb  # imported on rank 0 only: it is slow to import and starts a service
 
         return wandb.init(
