@@ -30,6 +30,8 @@ from trainer.cli import config
 from trainer.data import labels
 from trainer.preflight import forecast
 from trainer.runtime.distributed import DistEnv
+from trainer.strategies.ddp import DDP
+from trainer.strategies.traffic import Param
 from trainer.train import build
 from trainer.train.flops import FlopModel
 
@@ -73,7 +75,7 @@ def main() -> None:
                                          "powersgd_rank": 4}})
     out: dict = {"assumptions": __doc__, "gpus_per_node": GPUS_PER_NODE, "forecast": {}}
     for job, (model, compute) in jobs().items():
-        traffic = forecast.traffic(forecast.Param.all_of(model), settings, "nccl", 0)
+        traffic = DDP(settings).traffic(Param.all_of(model), "nccl", 0)
         single = compute.forward_s + compute.backward_s + compute.optimizer_s
         print(f"\n{job}: {traffic.nbytes / 1e6:.1f} MB of gradients a step, {single * 1e3:.0f} ms of compute\n")
         print("| GPUs | " + " | ".join(LINKS) + " |")

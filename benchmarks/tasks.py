@@ -85,7 +85,6 @@ def hf_side(task: str, path: Path, out: Path, precision: str) -> None:
 
     from benchmarks.hf_trainer import StepClock
     from trainer.cli import config
-    from trainer.data import labels as labels_module
     from trainer.data import reading
     from trainer.runtime.distributed import DistEnv
     from trainer.tasks.registry import task_class
@@ -102,7 +101,7 @@ def hf_side(task: str, path: Path, out: Path, precision: str) -> None:
 
     def encode(batch):
         encoded = tokenizer(batch[text], truncation=True, max_length=cfg.data.max_length)
-        encoded["labels"] = labels_module.encode(batch[label], task, labels.stored_as, labels.names)
+        encoded["labels"] = task_class(task).encode(batch[label], labels.stored_as, labels.names)
         return encoded
 
     train, validation = (split.map(encode, batched=True, remove_columns=split.column_names)

@@ -15,11 +15,11 @@ import torch
 from omegaconf import OmegaConf
 
 from trainer.checkpoint.writer import host_copy
-from trainer.data.labels import Labels
 from trainer.errors import LaunchError
 from trainer.runtime.distributed import DistEnv, granted_gpus, has_native_bf16, pick_device, resolve_precision
 from trainer.strategies.base import LogitsUnderAutocast
 from trainer.tasks import registry as tasks
+from trainer.tasks.space import Labels
 from trainer.train.flops import peak_flops
 
 TWO_LOCAL_RANKS = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1",

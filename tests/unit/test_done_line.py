@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from trainer.data.labels import Labels
 from trainer.outputs import summary as summary_module
 from trainer.tasks import registry as tasks
+from trainer.tasks.space import Labels
 
 SCORES = tasks.of(Labels("single_label", ("a", "b"), "test", "ids"), OmegaConf.create({"threshold": 0.5})).scores
 

@@ -14,7 +14,9 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from trainer.model import lora
 from trainer.preflight import forecast
-from trainer.preflight.forecast import Bucket, Compute, Link, Traffic
+from trainer.preflight.forecast import Compute, Link
+from trainer.strategies.ddp import DDP
+from trainer.strategies.traffic import Bucket, Param, Traffic
 
 MB = 1e6
 
@@ -48,7 +50,7 @@ def test_buckets_are_the_ones_ddp_cuts_in_the_order_backward_fills_them():
     autograd produced the gradients: the forecast's buckets hold the same bytes, in order."""
     model = tiny_bert()
     model.get_input_embeddings().sparse = True  # as trainer/strategies/ddp.py does on CPU
-    params = forecast.Param.all_of(model)
+    params = Param.all_of(model)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in process: no address
     try:
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)
@@ -59,7 +61,7 @@ def test_buckets_are_the_ones_ddp_cuts_in_the_order_backward_fills_them():
         dist.destroy_process_group()
     sparse_bytes = model.get_input_embeddings().weight.numel() * 4
     real.remove(sparse_bytes)
-    modelled = forecast.traffic(params, cfg(bucket_cap_mb=0.05), "gloo", sparse_rows=10)
+    modelled = DDP(cfg(bucket_cap_mb=0.05)).traffic(params, "gloo", sparse_rows=10)
     dense = [b for b in modelled.buckets if not b.sparse]
     assert [int(b.nbytes) for b in dense] == real
     assert [b.ready for b in dense] == sorted(b.ready for b in dense)
@@ -67,16 +69,16 @@ def test_buckets_are_the_ones_ddp_cuts_in_the_order_backward_fills_them():
     (sparse,) = [b for b in modelled.buckets if b.sparse]
     assert sparse.nbytes == 10 * (64 * 4 + 8)  # the touched rows' values and indices
     # NCCL has no sparse all-reduce: the embedding goes dense, in a bucket.
-    on_nccl = forecast.traffic(params, cfg(bucket_cap_mb=0.05), "nccl", sparse_rows=10)
+    on_nccl = DDP(cfg(bucket_cap_mb=0.05)).traffic(params, "nccl", sparse_rows=10)
     assert not any(b.sparse for b in on_nccl.buckets)
     assert on_nccl.nbytes == sum(real) + sparse_bytes
 
 
 def test_each_hook_sends_what_torch_s_hook_sends():
-    params = forecast.Param.all_of(tiny_bert())
-    dense = forecast.traffic(params, cfg(), "nccl", 0)
-    assert forecast.traffic(params, cfg(comm_hook="bf16"), "nccl", 0).nbytes == dense.nbytes / 2
-    powersgd = forecast.traffic(params, cfg(comm_hook="powersgd", powersgd_rank=4), "nccl", 0)
+    params = Param.all_of(tiny_bert())
+    dense = DDP(cfg()).traffic(params, "nccl", 0)
+    assert DDP(cfg(comm_hook="bf16")).traffic(params, "nccl", 0).nbytes == dense.nbytes / 2
+    powersgd = DDP(cfg(comm_hook="powersgd", powersgd_rank=4)).traffic(params, "nccl", 0)
     # torch's rule, matrix by matrix: factors where they are under half the matrix.
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
@@ -87,15 +89,15 @@ def test_each_hook_sends_what_torch_s_hook_sends():
         expected += 4 * (compressed if compress and len(p.shape) > 1 else plain)
     assert powersgd.nbytes == expected < dense.nbytes / 4
     assert all(b.collectives == 3 for b in powersgd.buckets)
-    assert powersgd.overlapped and not forecast.traffic(params, cfg(comm_hook="powersgd"), "gloo", 0).overlapped
+    assert powersgd.overlapped and not DDP(cfg(comm_hook="powersgd")).traffic(params, "gloo", 0).overlapped
 
 
 def test_lora_sends_only_what_trains():
     model = lora.apply(tiny_bert(), OmegaConf.create({"lora": {"r": 4, "alpha": 8, "dropout": 0.0,
                                                                "target_modules": None}}))
-    params = forecast.Param.all_of(model)
+    params = Param.all_of(model)
     trained = sum(p.numel * p.element_size for p in params if p.trained)
-    assert forecast.traffic(params, cfg(), "gloo", 10).nbytes == trained  # the embedding is frozen: no rows
+    assert DDP(cfg()).traffic(params, "gloo", 10).nbytes == trained  # the embedding is frozen: no rows
     assert trained < sum(p.numel * p.element_size for p in params) / 5
 
 

@@ -1,4 +1,4 @@
-"""Labels as users store them (trainer/data/labels.py, through data.load as training and `check`
+"""Labels as users store them (trainer/data/labels.py, through reading.load as training and `check`
 load them): names, ids, ClassLabel, lists, numbers; a validation split held out of train; class
 weights; and each mistake as one line naming the column, the split, the row and the value."""
 
@@ -18,6 +18,7 @@ from trainer.data import reading
 from trainer.data.batch_plan import BatchPlan
 from trainer.errors import ConfigError, DataError
 from trainer.runtime.distributed import DistEnv
+from trainer.tasks.registry import task_class
 
 ONE_BATCH = BatchPlan(16, 16, 1)
 TEXTS = ["the food was great", "rude staff", "it was fine", "slow but tasty", "never again", "lovely place"]
@@ -67,7 +68,7 @@ def test_label_names_given_fix_the_ids_and_refuse_any_other_name(tmp_path):
     path = write_csv(tmp_path / "reviews.csv", sentiment(30))
     splits = load(tmp_path, path, "data.label_names=[positive,neutral,negative]")
     assert splits.labels.names == ("positive", "neutral", "negative") and splits.labels.source == "data.label_names"
-    assert labels_module.encode(["negative", "positive"], "single_label", "names", splits.labels.names) == [2, 0]
+    assert task_class("single_label").encode(["negative", "positive"], "names", splits.labels.names) == [2, 0]
     with pytest.raises(DataError, match=r"^data.label_field: column 'label' in data.train_split has 'neutral' in "
                                         r"row 1, which is not one of the labels from data.label_names "
                                         r"\(positive, negative\)$"):
@@ -147,7 +148,7 @@ def test_multi_label_reads_lists_of_names_into_multi_hot_rows(tmp_path):
     labels = splits.labels
     assert labels.names == ("food", "price", "service") and labels.problem_type == "multi_label"
     assert splits.held_out.startswith("10% of data.train_split, seeded")  # lists are not stratified
-    assert labels_module.encode([["service", "price"], []], "multi_label", "names", labels.names) == [[0.0, 1.0, 1.0],
+    assert task_class("multi_label").encode([["service", "price"], []], "names", labels.names) == [[0.0, 1.0, 1.0],
                                                                                                        [0.0, 0.0, 0.0]]
     with pytest.raises(DataError, match=r"column 'label' in data.train_split holds lists: for a set of classes per "
                                         r"row, set data.problem_type=multi_label"):
@@ -180,7 +181,7 @@ def test_multi_label_reads_multi_hot_rows_of_ints_or_floats(tmp_path):
     labels = splits.labels
     assert (labels.names, labels.stored_as, labels.counts) == (("LABEL_0", "LABEL_1", "LABEL_2"), "multi-hot rows",
                                                                (10, 10, 5))
-    assert labels_module.encode([[1, 0, 1]], "multi_label", labels.stored_as, labels.names) == [[1.0, 0.0, 1.0]]
+    assert task_class("multi_label").encode([[1, 0, 1]], labels.stored_as, labels.names) == [[1.0, 0.0, 1.0]]
     floats = [{"text": row["text"], "label": [float(v) for v in row["label"]]} for row in rows]
     named = load(tmp_path, write_jsonl(tmp_path / "floats.jsonl", floats), "data.problem_type=multi_label",
                  "data.label_names=[food,price,service]", "data.eval_split=train[:4]").labels
@@ -217,7 +218,7 @@ def test_regression_reads_numbers_and_refuses_what_is_not_one(tmp_path):
     rows = [{"text": TEXTS[i % 6], "label": i / 10} for i in range(30)]
     splits = load(tmp_path, write_jsonl(tmp_path / "scores.jsonl", rows), "data.problem_type=regression")
     assert (splits.labels.problem_type, splits.labels.num_labels, splits.labels.names) == ("regression", 1, ())
-    assert labels_module.encode([1, 2.5], "regression", "numbers", ()) == [1.0, 2.5]
+    assert task_class("regression").encode([1, 2.5], "numbers", ()) == [1.0, 2.5]
     with pytest.raises(DataError, match=r"holds numbers that are not class ids \(0.1 in row 1\): single_label needs "
                                         r"class ids \(integers\) or names \(strings\); for a number to predict, "
                                         r"set data.problem_type=regression"):

@@ -5,7 +5,8 @@
   preflight needs costs training nothing and cannot break it.
 - Which strategy runs is asked of the strategy object (trainer/strategies/), never decided
   by comparing train.strategy with a name elsewhere, the config's checks included: a new
-  strategy is a module and a line of registration.
+  strategy is a module and a line of registration. The same for the task (trainer/tasks/)
+  and data.problem_type.
 - Every module sits in a layer of docs/layout.md's "Layers" and imports from its own layer or
   below, counting every import; no two packages (a root module counts as one) import each
   other, even through others.
@@ -83,36 +84,49 @@ def test_the_training_path_never_imports_preflight():
 
 
 def compared_with_a_name(tree: ast.AST, attribute: str) -> list[int]:
-    """The lines where `<x>.<attribute>` is compared with a string, or tested against strings
-    (`in ("ddp", "fsdp")`)."""
+    """The lines where `<x>.<attribute>` or a variable `<attribute>` is compared with a string,
+    or tested against strings (`in ("ddp", "fsdp")`)."""
     def names_a_string(node: ast.AST) -> bool:
         if isinstance(node, ast.Constant):
             return isinstance(node.value, str)
         return isinstance(node, ast.Tuple | ast.List | ast.Set) and any(names_a_string(e) for e in node.elts)
 
+    def is_the_key(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == attribute) or (
+            isinstance(node, ast.Name) and node.id == attribute)
+
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
-            named = any(isinstance(s, ast.Attribute) and s.attr == attribute for s in sides)
-            if named and any(map(names_a_string, sides)):
+            if any(map(is_the_key, sides)) and any(map(names_a_string, sides)):
                 found.append(node.lineno)
     return found
 
 
+def compared_outside(package: str, attribute: str) -> list[str]:
+    return [f"{file.relative_to(PACKAGE).as_posix()}:{line}" for file in sorted(PACKAGE.rglob("*.py"))
+            if not file.relative_to(PACKAGE).as_posix().startswith(f"{package}/")
+            for line in compared_with_a_name(ast.parse(file.read_text()), attribute)]
+
+
 def test_only_the_strategies_tell_the_strategies_apart():
-    """No comparison of a `.strategy` (train.strategy) with a name outside trainer/strategies/,
-    the config's checks included: what a strategy asks of the config is its own rule."""
-    compared = [f"{file.relative_to(PACKAGE).as_posix()}:{line}" for file in sorted(PACKAGE.rglob("*.py"))
-                if not file.relative_to(PACKAGE).as_posix().startswith("strategies/")
-                for line in compared_with_a_name(ast.parse(file.read_text()), "strategy")]
-    assert not compared, f"train.strategy compared with a name: {compared}"
+    """No comparison of train.strategy with a name outside trainer/strategies/, the config's
+    checks included: what a strategy asks of the config is its own rule."""
+    assert not compared_outside("strategies", "strategy"), "train.strategy compared with a name"
+
+
+def test_only_the_tasks_tell_the_tasks_apart():
+    """No comparison of data.problem_type (a task's name) outside trainer/tasks/: what a task's
+    labels are, how they are read, encoded and weighed, and what it asks of the config, the
+    task says."""
+    assert not compared_outside("tasks", "problem_type"), "data.problem_type compared with a name"
 
 
 def test_the_name_check_sees_every_form():
     tree = ast.parse("a = cfg.train.strategy == 'ddp'\nb = 'fsdp' != x.strategy\nc = x.strategy in ('dp', 'ddp')\n"
-                     "d = x.strategy == y\ne = x.other == 'ddp'")
-    assert compared_with_a_name(tree, "strategy") == [1, 2, 3]
+                     "d = x.strategy == y\ne = x.other == 'ddp'\nf = strategy == 'ddp'")
+    assert compared_with_a_name(tree, "strategy") == [1, 2, 3, 6]
 
 
 def module_name(file: Path) -> str:

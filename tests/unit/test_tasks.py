@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 from scipy import stats
 from sklearn import metrics as sk
 
-from trainer.data.labels import Labels
 from trainer.runtime.distributed import DistEnv
 from trainer.tasks import registry as tasks
+from trainer.tasks.space import Labels
 
 DATA = OmegaConf.create({"threshold": 0.5})
 

@@ -8,7 +8,7 @@ A checkpoint holds (trainer/checkpoint/store.py: how it is published, verified a
                       scaler), loaded with weights_only=True
 - rng.pt              every rank's RNG streams (trainer/checkpoint/rng.py)
 - state.json          where the run is (trainer/train/state.py)
-- config.yaml         the resolved config of the run (config.to_yaml)
+- config.yaml         the resolved config of the run (loading.to_yaml)
 - per-rank/rank-N.pt  with ddp.comm_hook=powersgd: each rank's own PowerSGD state (its error
                       feedback), written by that rank
 - COMPLETE            written last: the sha256 of every file above

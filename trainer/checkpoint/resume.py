@@ -23,11 +23,11 @@ from trainer.checkpoint.store import Store, read_state, verify
 from trainer.config import loading, schema
 from trainer.config.schema import Config
 from trainer.data.batch_plan import BatchPlan
-from trainer.data.labels import SPACE, Labels
 from trainer.errors import CheckpointError, ConfigError
 from trainer.model.pretrained import is_model_folder
 from trainer.runtime import distributed
 from trainer.runtime.distributed import DistEnv
+from trainer.tasks.space import SPACE, Labels
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def describe(plan: ResumePlan, dist_env: DistEnv) -> None:
 def _check_config_changes(path: Path, saved: dict, cfg: Config) -> list[Change]:
     """Refuse a resume whose config would silently change the run; return the changes it
     accepts, logged."""
-    saved_cfg = cast(DictConfig, OmegaConf.load(path / "config.yaml"))  # written by config.to_yaml: a mapping
+    saved_cfg = cast(DictConfig, OmegaConf.load(path / "config.yaml"))  # written by loading.to_yaml: a mapping
     refused, accepted = config_changes(saved_cfg, cfg)
     reasons = [str(change) for change in refused]
     global_batch = cfg.train.global_batch
@@ -172,10 +172,10 @@ def _check_config_changes(path: Path, saved: dict, cfg: Config) -> list[Change]:
 
 def config_changes(saved: DictConfig, cfg: Config) -> tuple[list[Change], list[Change]]:
     """(refused, accepted): each key of `cfg` that differs from the resumed checkpoint's
-    config `saved`, split by the key's rule (config.RESUME_RULES) and
+    config `saved`, split by the key's rule (schema.RESUME_RULES) and
     checkpoint.allow_changes. Keys the saved config doesn't have (an older schema) are not
     changes. A key both configs take from the environment as the same `${oc.env:NAME}` is
-    the same: its value is not in the checkpoint (config.to_yaml) to compare."""
+    the same: its value is not in the checkpoint (loading.to_yaml) to compare."""
     try:
         old = loading.flatten(loading.to_dict(saved))  # the saved `${oc.env:...}` read from this environment
     except OmegaConfBaseException:  # a variable this environment lacks: compared as written

@@ -142,6 +142,7 @@ def run_check(cfg, arguments: dict) -> int:
     from trainer.model import pretrained
     from trainer.preflight import data_check, memory
     from trainer.strategies import registry
+    from trainer.tasks import space
 
     try:
         gpu_bytes = memory.parse_gib(str(arguments["gpu_gib"]))
@@ -165,7 +166,7 @@ def run_check(cfg, arguments: dict) -> int:
         run_labels, warnings = checked.labels, checked.warnings
         lines += checked.lines
     if run_labels is None:  # --no-data without num_labels: a stand-in head, a few bytes off
-        run_labels = labels.Labels(cfg.data.problem_type, labels.placeholder_names(2), "a stand-in", labels.IDS)
+        run_labels = space.Labels(cfg.data.problem_type, space.placeholder_names(2), "a stand-in", space.IDS)
         lines.append("memory plan: data.num_labels not given and the data not read: planned with 2 labels")
     try:
         plan = memory.make(cfg, run_labels, world_size=world_size)  # transformers, the tokenizer and config.json

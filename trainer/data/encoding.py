@@ -5,6 +5,7 @@ by what decides its tokens, which a rerun and the node's other ranks read instea
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -13,9 +14,10 @@ import time
 from pathlib import Path
 
 from trainer.config.schema import DataConfig
-from trainer.data import labels as labels_module
-from trainer.data.labels import Labels
 from trainer.runtime.distributed import DistEnv
+from trainer.tasks.base import Task
+from trainer.tasks.registry import task_class
+from trainer.tasks.space import Labels
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +56,12 @@ _LOADING_ONLY = {"name_or_path", "is_local", "local_files_only", "cache_dir", "r
 model elsewhere (staged to a node's disk, say) reads the same cache."""
 
 
-def _encoding_digest(tokenizer, settings: list) -> str | None:
+def _encoding_digest(tokenizer, settings: list, task: type[Task]) -> str | None:
     """A digest of what `tokenize_split`'s encode turns a row into tokens with: the tokenizer as a
     fast tokenizer serializes itself (its vocabulary, added tokens, normalizer and the rest,
     not the truncation and padding state a call leaves in it) and its Python-side settings,
-    the data settings, and the code (this module and trainer/data/labels.py). None for a tokenizer
+    the data settings, and the code (this module, and the module of the `task` that encodes the
+    labels). None for a tokenizer
     with no fast backend: `datasets` then hashes `encode` and all it closes over, pickling the
     tokenizer by value, in every run and on every rank: the tiny run's tokenize phase (two
     splits read from the cache) took 0.19 s so, 0.04 s with this (benchmarks/RESULTS.md).
@@ -72,7 +75,7 @@ def _encoding_digest(tokenizer, settings: list) -> str | None:
     python_side = {k: v for k, v in tokenizer.init_kwargs.items() if k not in _LOADING_ONLY}
     digest = hashlib.sha256(pickle.dumps(serialized, protocol=5))
     for part in (json.dumps([type(tokenizer).__name__, python_side, settings], sort_keys=True, default=str).encode(),
-                 Path(__file__).read_bytes(), Path(labels_module.__file__).read_bytes()):
+                 Path(__file__).read_bytes(), Path(inspect.getfile(task)).read_bytes()):
         digest.update(part)
     return digest.hexdigest()
 
@@ -87,11 +90,12 @@ def tokenize_split(ds, data_cfg: DataConfig, split_key: str, tokenizer, labels: 
     pair = None if pair is None else str(pair)
     max_length = int(data_cfg.max_length)
     problem_type, stored_as, names = labels.problem_type, labels.stored_as, labels.names
-    encoding = _encoding_digest(tokenizer, [text, pair, label, max_length, problem_type, stored_as, names])
+    task = task_class(problem_type)
+    encoding = _encoding_digest(tokenizer, [text, pair, label, max_length, problem_type, stored_as, names], task)
 
     def encode(batch):
         encoded = tokenizer(batch[text], batch[pair] if pair else None, truncation=True, max_length=max_length)
-        encoded["labels"] = labels_module.encode(batch[label], problem_type, stored_as, names)
+        encoded["labels"] = task.encode(batch[label], stored_as, names)
         encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
         return encoded
 

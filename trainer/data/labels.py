@@ -1,96 +1,30 @@
-"""The labels as a dataset stores them, and the label space the model learns: resolved once
-from the train split's label column and checked on every split, in Arrow (trainer/data/arrow.py:
-milliseconds for 400,000 rows).
-
-`Labels` is the run's label space: the task (data.problem_type), the class names in id order
-and where they came from, how the column stores them (class ids, names, multi-hot rows,
-numbers), each class's count in the train split, and the class weights (train.class_weights).
-It is saved in every checkpoint, whose resume refuses data that gives another
-(trainer/train/state.py), goes into final/'s config (id2label, problem_type) and
-summary.json, and `check` prints it.
+"""The labels as a dataset stores them, read as the task says its labels are (one number, one
+class or a set of classes per row: trainer/tasks/), into the label space the model learns
+(`Labels`, trainer/tasks/space.py): resolved once from the train split's label column and
+checked on every split, in Arrow (trainer/data/arrow.py: milliseconds for 400,000 rows).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from trainer.data import arrow
 from trainer.errors import DataError
-
-IDS, NAMES, MULTI_HOT, NUMBERS = "ids", "names", "multi-hot rows", "numbers"
-"""How a label column stores its labels: class ids, class names (single_label, or lists of
-them: multi_label), a row of 0 or 1 per label (multi_label), numbers (regression)."""
-
-
-@dataclass(frozen=True)
-class Labels:
-    problem_type: str
-    names: tuple[str, ...]
-    """The class names in id order (LABEL_0, ... for ids without names); () for regression."""
-    source: str
-    """Where the names come from: data.label_names, ClassLabel, the train split, ..."""
-    stored_as: str
-    """IDS, NAMES, MULTI_HOT or NUMBERS."""
-    counts: tuple[int, ...] = ()
-    """The train split's rows of each class (multi_label: the rows that hold it)."""
-    rows: int = 0
-    """The train split's rows."""
-    weights: tuple[float, ...] | None = None
-    """Each class's weight in the loss (train.class_weights), None: unweighted."""
-
-    @property
-    def num_labels(self) -> int:
-        """The classification head's outputs."""
-        return 1 if self.problem_type == "regression" else len(self.names)
-
-    def state_dict(self) -> dict:
-        return {**asdict(self), "names": list(self.names), "counts": list(self.counts),
-                "weights": None if self.weights is None else list(self.weights)}
-
-    @classmethod
-    def from_state(cls, state: dict) -> Labels:
-        return cls(state["problem_type"], tuple(state["names"]), state["source"], state["stored_as"],
-                   tuple(state["counts"]), state["rows"], None if state["weights"] is None else tuple(state["weights"]))
-
-    def imbalance(self) -> float | None:
-        """The largest class's rows over the smallest's (inf when one has none)."""
-        if not self.counts:
-            return None
-        return max(self.counts) / min(self.counts) if min(self.counts) else float("inf")
-
-    def describe(self) -> str:
-        """One line: the task and its classes."""
-        if self.problem_type == "regression":
-            return "regression on one number"
-        weighted = "" if self.weights is None else ", class-weighted"
-        return f"{self.problem_type}, {self.num_labels} labels from {self.source}: {_shown(self.names, 8)}{weighted}"
-
-    def differences(self, other: Labels, among: Sequence[str] | None = None) -> list[str]:
-        """What differs from `other`, field by field (of `among`, else all): `name: mine -> other's`."""
-        names = [field.name for field in fields(self)] if among is None else among
-        return [f"{name}: {_shown_value(getattr(self, name))} -> {_shown_value(getattr(other, name))}"
-                for name in names if getattr(self, name) != getattr(other, name)]
-
-
-SPACE = ("problem_type", "names", "stored_as")
-"""The fields that give each class its id and the model its head: what a resume must keep."""
-
-
-def placeholder_names(count: int) -> tuple[str, ...]:
-    """The names of class ids without names, as transformers names them."""
-    return tuple(f"LABEL_{i}" for i in range(count))
+from trainer.tasks.base import Task
+from trainer.tasks.registry import task_class
+from trainer.tasks.space import IDS, MULTI_HOT, NAMES, NUMBERS, Labels, placeholder_names, shown
 
 
 def from_config(data_cfg) -> Labels | None:
     """The label space the config alone gives (no data read): for `check --no-data`'s memory
     plan; None where only the data can tell."""
-    if data_cfg.problem_type == "regression":
-        return Labels("regression", (), "the task", NUMBERS)
+    if task_class(data_cfg.problem_type).predicts_a_number:
+        return _a_number(data_cfg.problem_type)
     if data_cfg.label_names is not None:
         return Labels(data_cfg.problem_type, tuple(data_cfg.label_names), "data.label_names", IDS)
     if data_cfg.num_labels is not None:
@@ -98,12 +32,9 @@ def from_config(data_cfg) -> Labels | None:
     return None
 
 
-def _shown(names: Sequence, most: int = 6) -> str:
-    return ", ".join(map(str, names[:most])) + (f", ... ({len(names)} in all)" if len(names) > most else "")
-
-
-def _shown_value(value: Any) -> str:
-    return f"({_shown(value)})" if isinstance(value, tuple) else str(value)
+def _a_number(problem_type: str) -> Labels:
+    """The label space of a task whose label is one number: no classes."""
+    return Labels(problem_type, (), "the task", NUMBERS)
 
 
 # --- reading the label column ---------------------------------------------------------------
@@ -170,10 +101,10 @@ def _read(column, data_cfg, split_key: str, multi_hot: bool | None = None) -> _R
     null = arrow.first_null(column)
     if null is not None:
         raise _error(data_cfg, split_key, f"has no label in row {null}")
-    kind, problem = _kind(column.type), data_cfg.problem_type
-    if problem == "multi_label":
+    kind, problem, task = _kind(column.type), data_cfg.problem_type, task_class(data_cfg.problem_type)
+    if task.label_sets:
         if kind != "lists":
-            raise _error(data_cfg, split_key, f"holds {kind}, not lists: data.problem_type=multi_label reads a list "
+            raise _error(data_cfg, split_key, f"holds {kind}, not lists: data.problem_type={problem} reads a list "
                                               "of class names or ids per row (JSONL or Parquet: [\"a\", \"c\"])")
         return _read_lists(column, data_cfg, split_key, multi_hot)
     if kind == "lists":
@@ -182,15 +113,15 @@ def _read(column, data_cfg, split_key: str, multi_hot: bool | None = None) -> _R
     if kind not in (IDS, NAMES, NUMBERS):  # a JSON column of mixed values, a struct, ...
         raise _error(data_cfg, split_key, f"holds values of type {kind}, not class ids, names, lists or numbers "
                                           "(are its rows of one kind?)")
-    if problem == "regression":
+    if task.predicts_a_number:
         if kind == NAMES:
-            raise _error(data_cfg, split_key, "holds names: data.problem_type=regression needs numbers")
+            raise _error(data_cfg, split_key, f"holds names: data.problem_type={problem} needs numbers")
         nan = arrow.first_true(pc.is_nan(column.cast("float64")))
         if nan is not None:
             raise _error(data_cfg, split_key, f"has NaN in row {nan}")
         return _Read(column, None, NUMBERS)
     if kind == NUMBERS:
-        ids = _as_ids(column, data_cfg, split_key, lambda i: f"row {i}", "single_label needs class ids (integers) "
+        ids = _as_ids(column, data_cfg, split_key, lambda i: f"row {i}", f"{problem} needs class ids (integers) "
                       "or names (strings); for a number to predict, set data.problem_type=regression")
         return _Read(ids, None, IDS)
     return _Read(column, None, kind)
@@ -239,7 +170,7 @@ def _read_lists(column, data_cfg, split_key: str, multi_hot: bool | None) -> _Re
 
 def unlabelled_rows(column, problem_type: str) -> np.ndarray:
     """The rows of a label column that hold no label: null, a NaN number (regression), a
-    null list or a null in a list (multi_label)."""
+    null list or a null in a list (a set of classes: multi_label)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -247,7 +178,7 @@ def unlabelled_rows(column, problem_type: str) -> np.ndarray:
     if _kind(column.type) == NUMBERS:
         missing = pc.or_(missing, pc.fill_null(pc.is_nan(column.cast(pa.float64())), False))
     rows = np.flatnonzero(missing.to_numpy(zero_copy_only=False))
-    if problem_type == "multi_label" and _kind(column.type) == "lists":
+    if task_class(problem_type).label_sets and _kind(column.type) == "lists":
         values = pc.list_flatten(column)
         if values.null_count:
             parents = pc.list_parent_indices(column).to_numpy()
@@ -333,8 +264,8 @@ def resolve(train_ds, data_cfg) -> Labels:
     feature_names = _class_label_names(train_ds.features.get(field))
     # A list of ClassLabel holds ids, whatever their values.
     read = _read(column, data_cfg, "data.train_split", multi_hot=False if feature_names else None)
-    if data_cfg.problem_type == "regression":
-        return Labels("regression", (), "the task", NUMBERS)
+    if task_class(data_cfg.problem_type).predicts_a_number:
+        return _a_number(data_cfg.problem_type)
     if data_cfg.label_names is not None:
         names, source = list(data_cfg.label_names), "data.label_names"
         _same_order(names, feature_names, field)
@@ -351,10 +282,10 @@ def resolve(train_ds, data_cfg) -> Labels:
         names, source = list(placeholder_names(0 if high is None else int(high) + 1)), "the train split's ids"
     if data_cfg.num_labels is not None and len(names) != data_cfg.num_labels:
         raise DataError(f"data.num_labels: {data_cfg.num_labels}, but the labels are {len(names)} "
-                        f"({_shown(names)}, from {source})")
+                        f"({shown(names)}, from {source})")
     if len(names) < 2:
         raise DataError(f"data.label_field: column {field!r} in data.train_split has {len(names)} "
-                        f"class{'es' if len(names) != 1 else ''} ({_shown(names)}): {data_cfg.problem_type} needs "
+                        f"class{'es' if len(names) != 1 else ''} ({shown(names)}): {data_cfg.problem_type} needs "
                         "2 or more")
     stored_as = read.kind if read.kind in (NAMES, MULTI_HOT) else IDS
     labels = Labels(data_cfg.problem_type, tuple(map(str, names)), source, stored_as)
@@ -369,7 +300,7 @@ def _same_order(names: list[str], feature_names: list[str] | None, field: str) -
     moved = [name for name in names if name in feature_names and names.index(name) != feature_names.index(name)]
     if moved:
         raise DataError(f"data.label_names: {moved[0]!r} is id {names.index(moved[0])} there and id "
-                        f"{feature_names.index(moved[0])} in column {field!r}'s ClassLabel ({_shown(feature_names)}): "
+                        f"{feature_names.index(moved[0])} in column {field!r}'s ClassLabel ({shown(feature_names)}): "
                         "the column stores ids, so the names follow ClassLabel's order; leave data.label_names unset "
                         "to use them")
 
@@ -395,14 +326,14 @@ def _ids(ds, labels: Labels, data_cfg, split_key: str) -> tuple[np.ndarray, np.n
                                           f"{labels.stored_as}")
     if read.kind == MULTI_HOT and read.width != labels.num_labels:
         raise _error(data_cfg, split_key, f"holds multi-hot rows of {read.width} values, for the {labels.num_labels} "
-                                          f"labels from {labels.source} ({_shown(labels.names)})")
+                                          f"labels from {labels.source} ({shown(labels.names)})")
     if read.kind == NAMES:
         ids = pc.index_in(read.values, value_set=pa.array(labels.names))
         missing = arrow.first_null(ids)
         if missing is not None:
             raise _error(data_cfg, split_key, f"has {read.values[missing].as_py()!r} in row {row_of(missing)}, which "
                                               f"is not one of the labels from {labels.source} "
-                                              f"({_shown(labels.names)})")
+                                              f"({shown(labels.names)})")
         return ids.to_numpy(zero_copy_only=False).astype(np.int64), read.rows
     ids = read.values.cast(pa.int64())
     outside = arrow.first_true(pc.or_(pc.less(ids, 0), pc.greater_equal(ids, labels.num_labels)))
@@ -417,15 +348,15 @@ def _ids(ds, labels: Labels, data_cfg, split_key: str) -> tuple[np.ndarray, np.n
 
 def check_split(ds, labels: Labels, data_cfg, split_key: str) -> None:
     """Every label of another split (validation, test) is one the run knows."""
-    if labels.problem_type == "regression":
+    if _task(labels).predicts_a_number:
         _read(arrow.column(ds, data_cfg.label_field), data_cfg, split_key)
     else:
         _ids(ds, labels, data_cfg, split_key)
 
 
 def single_label_ids(ds, labels: Labels, data_cfg) -> np.ndarray | None:
-    """Each row's class id, for stratifying a split: single_label only, else None."""
-    if labels.problem_type != "single_label":
+    """Each row's class id, for stratifying a split; None where a row holds no one class."""
+    if not _task(labels).one_class_per_row():
         return None
     return _ids(ds, labels, data_cfg, "data.train_split")[0]
 
@@ -433,7 +364,7 @@ def single_label_ids(ds, labels: Labels, data_cfg) -> np.ndarray | None:
 def with_counts_and_weights(labels: Labels, train_ds, data_cfg, train_cfg) -> Labels:
     """`labels` with the count of each class in the rows that train (after a held-out
     validation share and data.max_train_samples), and the class weights."""
-    if labels.problem_type == "regression":
+    if _task(labels).predicts_a_number:
         return replace(labels, rows=len(train_ds))
     ids, rows = _ids(train_ds, labels, data_cfg, "data.train_split")
     if rows is not None:  # the rows holding each label: a label listed twice in a row counts once
@@ -450,42 +381,16 @@ def _weights(labels: Labels, setting: Any) -> tuple[float, ...] | None:
     if setting != "balanced":
         if len(setting) != labels.num_labels:
             raise DataError(f"train.class_weights: expected {labels.num_labels} weights, one per label "
-                            f"({_shown(labels.names)}), got {len(setting)}")
+                            f"({shown(labels.names)}), got {len(setting)}")
         return tuple(float(w) for w in setting)
     empty = [name for name, count in zip(labels.names, labels.counts, strict=True) if count == 0]
     if empty:
         raise DataError(f"train.class_weights: balanced weighs each class by its train rows, and "
-                        f"{_shown(empty)} {'has' if len(empty) == 1 else 'have'} none")
-    if labels.problem_type == "multi_label":
-        everywhere = [name for name, count in zip(labels.names, labels.counts, strict=True) if count == labels.rows]
-        if everywhere:
-            raise DataError(f"train.class_weights: balanced weighs each label's positives against its negatives, "
-                            f"and {_shown(everywhere)} is in every train row")
-        return tuple((labels.rows - count) / count for count in labels.counts)
-    return tuple(labels.rows / (labels.num_labels * count) for count in labels.counts)
+                        f"{shown(empty)} {'has' if len(empty) == 1 else 'have'} none")
+    return _task(labels).balanced_weights(labels)
 
 
 # --- into the model's labels -----------------------------------------------------------------
-
-
-def encode(values: list, problem_type: str, stored_as: str, names: tuple[str, ...]) -> list:
-    """A batch of the column's labels as the model's: class ids (single_label), multi-hot rows
-    of floats (multi_label), floats (regression). Run in the tokenizing map, on labels `_ids`
-    has checked; plain arguments, which `datasets` hashes into the cache's name."""
-    if problem_type == "regression":
-        return [float(v) for v in values]
-    if stored_as == MULTI_HOT:
-        return [[float(v) for v in row] for row in values]
-    index = {name: i for i, name in enumerate(names)} if stored_as == NAMES else None
-    if problem_type == "single_label":
-        return [index[v] for v in values] if index is not None else [int(v) for v in values]
-    rows = []
-    for row in values:
-        hot = [0.0] * len(names)
-        for value in row:
-            hot[index[value] if index is not None else int(value)] = 1.0
-        rows.append(hot)
-    return rows
 
 
 def ledger_keys(column) -> np.ndarray:
@@ -504,3 +409,7 @@ def ledger_keys(column) -> np.ndarray:
     packed = np.pad(packed, ((0, 0), (0, -packed.shape[1] % 8))).view(np.uint64)
     powers = np.uint64(1_000_003) ** np.arange(packed.shape[1], dtype=np.uint64)
     return (packed * powers).sum(axis=1, dtype=np.uint64).view(np.int64)
+
+
+def _task(labels: Labels) -> type[Task]:
+    return task_class(labels.problem_type)

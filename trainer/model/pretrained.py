@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from trainer.config.schema import ModelConfig
-from trainer.data.labels import IDS, NUMBERS, Labels, placeholder_names
 from trainer.errors import ConfigError, describe
+from trainer.tasks.space import IDS, NUMBERS, Labels, placeholder_names
 
 if TYPE_CHECKING:  # transformers is imported where a model is loaded: it is slow to import
     from transformers import PretrainedConfig, PreTrainedModel
@@ -263,11 +263,11 @@ def labels_of(config: PretrainedConfig) -> Labels:
     saved = getattr(config, "trainer_labels", None)
     if saved:
         return Labels.from_state(saved)
-    from trainer.tasks.registry import of_transformers
+    from trainer.tasks.registry import of_transformers, task_class
 
     problem_type = of_transformers(getattr(config, "problem_type", None))
-    if problem_type == "regression":
-        return Labels("regression", (), "the task", NUMBERS)
+    if task_class(problem_type).predicts_a_number:
+        return Labels(problem_type, (), "the task", NUMBERS)
     # A loaded config's id2label has int keys (transformers converts config.json's strings).
     id2label = cast("dict[int, str]", config.id2label)
     return Labels(problem_type, tuple(id2label[i] for i in range(config.num_labels)), "the model's config", IDS)

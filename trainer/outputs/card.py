@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trainer.config import loading
 from trainer.config.schema import Config
-from trainer.data.labels import Labels
+from trainer.tasks.space import Labels
 
 PIPELINE = "text-classification"
 

@@ -15,11 +15,12 @@ import numpy as np
 from trainer.config.schema import Config
 from trainer.data import reading
 from trainer.data.batch_plan import BatchPlan
-from trainer.data.labels import Labels
 from trainer.data.reading import Splits
 from trainer.errors import ConfigError
 from trainer.model import pretrained
 from trainer.runtime.distributed import DistEnv
+from trainer.tasks.registry import task_class
+from trainer.tasks.space import Labels
 
 SAMPLE_ROWS = 2_000
 """The rows per split whose token lengths are measured: seeded, a few hundred milliseconds."""
@@ -46,7 +47,8 @@ def check(cfg: Config, world_size: int) -> DataCheck:
               for split, kinds in splits.dropped.items()]
     warnings: list[str] = list(splits.warnings)
     if labels.counts:
-        lines.append(f"  {'rows holding each label' if labels.problem_type == 'multi_label' else 'rows of each label'}"
+        held = "rows holding each label" if task_class(labels.problem_type).label_sets else "rows of each label"
+        lines.append(f"  {held}"
                      f" (train): " + ", ".join(f"{name} {count:,} ({count / max(labels.rows, 1):.1%})"
                                                for name, count in zip(labels.names, labels.counts, strict=True)))
         imbalance = labels.imbalance() or 1.0

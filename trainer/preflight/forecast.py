@@ -5,7 +5,7 @@ It is the product of three measurements and one model:
 - the link: doctor's timed all-reduces, fitted as latency plus bytes over bus bandwidth
   (alpha-beta, `Link.fit`);
 - the gradient traffic: the job's own buckets, in the order backward fills them, with the
-  bytes that ddp.comm_hook puts on the wire (`traffic`);
+  bytes that ddp.comm_hook puts on the wire (the strategy's `traffic`, trainer/strategies/);
 - the compute: forward, backward and optimizer seconds of the real model on a micro-batch
   of the data's mean padded length, timed on every rank (`time_compute`);
 - the model (`step_seconds`): each bucket's all-reduce starts when backward has produced its
@@ -15,7 +15,6 @@ It is the product of three measurements and one model:
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,18 +23,18 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
 from trainer.config.schema import Config, typed
 from trainer.data import loaders, reading
 from trainer.data.batch_plan import BatchPlan
+from trainer.strategies import registry
+from trainer.strategies.traffic import MIB, Bucket, Param, Traffic
 from trainer.train.step import StepObserver, TrainStep
 
 if TYPE_CHECKING:
     from trainer.data.loaders import Data
     from trainer.train.build import Built
 
-MIB = 1024**2
 BUCKET_SIZES_MB = (5.0, 10.0, 25.0, 50.0, 100.0)
 """ddp.bucket_cap_mb values the forecast compares."""
 NODE_COUNTS = (1, 2, 4, 8, 16, 32)
@@ -79,34 +78,6 @@ class Link:
 
 
 @dataclass(frozen=True)
-class Bucket:
-    nbytes: float
-    """Bytes each rank puts in: all-reduced, or (sparse) all-gathered."""
-    ready: float
-    """The fraction of backward done when its last gradient is ready."""
-    collectives: int = 1
-    """All-reduces it takes one after another: PowerSGD's are three."""
-    sparse: bool = False
-
-    def seconds(self, link: Link, world: int) -> float:
-        if self.sparse:
-            return link.all_gather_s(self.nbytes, world)
-        return link.all_reduce_s(self.nbytes, world) + (self.collectives - 1) * link.all_reduce_s(0, world)
-
-
-@dataclass(frozen=True)
-class Traffic:
-    buckets: list[Bucket]
-    overlapped: bool
-    """Each all-reduce runs beside backward (DDP), or backward waits for it: PowerSGD on
-    gloo runs its buckets one at a time (trainer/strategies/compression.py)."""
-
-    @property
-    def nbytes(self) -> float:
-        return sum(b.nbytes for b in self.buckets)
-
-
-@dataclass(frozen=True)
 class Compute:
     """Seconds of one micro-batch's forward and backward, and of the optimizer step, on
     `micro_batch` samples; forward and backward scale with the samples."""
@@ -121,120 +92,24 @@ class Compute:
         return Compute(self.forward_s * scale, self.backward_s * scale, self.optimizer_s, micro_batch)
 
 
+def bucket_seconds(bucket: Bucket, link: Link, world: int) -> float:
+    """A bucket's collectives on `link` across `world` ranks."""
+    if bucket.sparse:
+        return link.all_gather_s(bucket.nbytes, world)
+    return link.all_reduce_s(bucket.nbytes, world) + (bucket.collectives - 1) * link.all_reduce_s(0, world)
+
+
 def step_seconds(compute: Compute, traffic: Traffic, link: Link, world: int, grad_accum: int = 1) -> float:
     """One optimizer step: the micro-batches before the last compute alone; the last one's
     backward releases the buckets, in order, onto one link."""
     backward_s, delay, link_free = compute.backward_s, 0.0, 0.0
     for bucket in traffic.buckets:
         start = max(bucket.ready * backward_s + delay, link_free)
-        link_free = start + bucket.seconds(link, world)
+        link_free = start + bucket_seconds(bucket, link, world)
         if not traffic.overlapped:
             delay = link_free - bucket.ready * backward_s  # backward resumes when it is done
     last_backward = max(backward_s + delay, link_free)
     return grad_accum * compute.forward_s + (grad_accum - 1) * backward_s + last_backward + compute.optimizer_s
-
-
-# --- the job's gradient traffic -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Param:
-    """What the traffic model needs of a parameter, in the model's definition order."""
-
-    name: str
-    shape: tuple[int, ...]
-    element_size: int
-    trained: bool
-    lookup: bool
-    """An embedding's table: a lookup does no matmul, and its gradient may go sparse."""
-    input_embedding: bool = False
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @classmethod
-    def all_of(cls, model: nn.Module) -> list[Param]:
-        lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-        get = getattr(model, "get_input_embeddings", None)
-        embedding = get() if callable(get) else None
-        source = embedding.weight if isinstance(embedding, nn.Embedding) else None
-        return [cls(name, tuple(p.shape), p.element_size(), p.requires_grad, id(p) in lookups, p is source)
-                for name, p in model.named_parameters()]
-
-
-def _ready_fractions(params: list[Param]) -> list[float]:
-    """When backward has produced each parameter's gradient, as the fraction of backward's
-    matmul work done by then. Backward visits the modules in reverse; a module's weight and
-    bias are ready together, when its work, proportional to its weights, is done. Embedding
-    lookups do no matmul: their rows are ready last."""
-    def module(p: Param) -> str:
-        return p.name.rsplit(".", 1)[0]
-
-    work: dict[str, int] = {}
-    for p in params:
-        work[module(p)] = work.get(module(p), 0) + (0 if p.lookup else p.numel)
-    total, done, finished = max(sum(work.values()), 1), 0, {}
-    for name in reversed(work):
-        done += work[name]
-        finished[name] = done / total
-    return [1.0 if p.lookup else finished[module(p)] for p in params]
-
-
-def _powersgd_elements(p: Param, rank: int) -> int:
-    """Elements sent for one gradient: rank-`rank` factors P and Q where they are under half
-    the matrix (torch's rule), else the gradient as it is; vectors as they are."""
-    if len(p.shape) <= 1:
-        return p.numel
-    rows, cols = p.shape[0], p.numel // p.shape[0]
-    return (rows + cols) * rank if (rows + cols) * rank * 2 < rows * cols else p.numel
-
-
-def traffic(params: list[Param], cfg: Config, backend: str, sparse_rows: float,
-            bucket_cap_mb: float | None = None, comm_hook: str | None = None) -> Traffic:
-    """What one DDP step puts on the wire per rank, bucket by bucket, under cfg's ddp.* and
-    LoRA (already in `params`), or the given bucket size and hook. `sparse_rows`:
-    the embedding rows a micro-batch touches, where its gradient goes sparse
-    (ddp.sparse_embedding_grad, on gloo)."""
-    hook = comm_hook or cfg.ddp.comm_hook
-    cap = (bucket_cap_mb or cfg.ddp.bucket_cap_mb) * MIB
-    ready = dict(zip((p.name for p in params), _ready_fractions(params), strict=True))
-    trained = [p for p in params if p.trained]
-    buckets: list[Bucket] = []
-    if backend == "gloo" and cfg.ddp.sparse_embedding_grad:
-        for p in [p for p in trained if p.input_embedding]:
-            row_bytes = p.numel // p.shape[0] * p.element_size + 8  # its values and an int64 index
-            buckets.append(Bucket(sparse_rows * row_bytes, 1.0, sparse=True))
-            trained.remove(p)
-
-    powersgd = hook == "powersgd"
-    # DDP rebuilds its buckets after the first step, in the order gradients became ready;
-    # under PowerSGD it keeps the first ones, cut in definition order (trainer/strategies/ddp.py).
-    position = {p.name: i for i, p in enumerate(params)}
-
-    def ready_order(p: Param) -> tuple:  # ties as autograd breaks them: later-defined first, lookups last
-        return ready[p.name], p.lookup, position[p.name] if p.lookup else -position[p.name]
-
-    order = trained if powersgd else sorted(trained, key=ready_order)
-    groups: list[list[Param]] = [[]]
-    size = 0
-    for p in order:
-        groups[-1].append(p)
-        size += p.numel * p.element_size
-        if size >= cap:
-            groups.append([])
-            size = 0
-    for group in filter(None, groups):
-        when = max(ready[p.name] for p in group)
-        if powersgd:
-            elements = sum(_powersgd_elements(p, cfg.ddp.powersgd_rank) for p in group)
-            buckets.append(Bucket(4.0 * elements, when, collectives=3))  # the plain ones, P, then Q
-        elif hook in ("bf16", "fp16"):
-            buckets.append(Bucket(2.0 * sum(p.numel for p in group), when))
-        else:
-            buckets.append(Bucket(float(sum(p.numel * p.element_size for p in group)), when))
-    buckets.sort(key=lambda b: b.ready)
-    return Traffic(buckets, overlapped=not (powersgd and backend == "gloo"))
 
 
 # --- timing the real model ------------------------------------------------------------------
@@ -435,7 +310,7 @@ def section(cfg: Config, backend: str, link: Link, compute: Compute, batches: Ba
     """doctor's "Scaling forecast": what it was made from, the table, and what would help."""
     from trainer.errors import ConfigError
 
-    nodes = world // ranks_per_node
+    nodes, strategy = world // ranks_per_node, registry.of(cfg)
 
     def batch_plan(ranks: int) -> tuple[int, int, int] | None:
         try:
@@ -445,7 +320,7 @@ def section(cfg: Config, backend: str, link: Link, compute: Compute, batches: Ba
         return plan.global_batch, plan.micro_batch, plan.grad_accum
 
     def make_traffic(micro_batch: int, **what_if) -> Traffic:
-        return traffic(params, cfg, backend, batches.sparse_rows * micro_batch / compute.micro_batch, **what_if)
+        return strategy.traffic(params, backend, batches.sparse_rows * micro_batch / compute.micro_batch, **what_if)
 
     def seconds_at(ranks: int, **what_if) -> float:
         plan = batch_plan(ranks)

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainer.config.schema import Config
-from trainer.data.labels import Labels
 from trainer.errors import ConfigError
 from trainer.model import lora
 from trainer.runtime import distributed
 from trainer.runtime.distributed import DistEnv
 from trainer.strategies import registry
+from trainer.tasks.space import Labels
 from trainer.train import build
 
 if TYPE_CHECKING:

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
     from transformers import PreTrainedModel
 
+    from trainer.strategies.traffic import Param, Traffic
+
 
 class LogitsUnderAutocast(nn.Module):
     """The classifier's logits, computed under autocast with the configured dtype in
@@ -102,6 +104,14 @@ class Strategy:
     def gathered_bytes(self, model: nn.Module, compute: torch.dtype, world_size: int) -> int:
         """The weights a rank gathers whole for compute at once, beside its own."""
         return 0
+
+    # --- doctor's forecast ----------------------------------------------------------------
+
+    def traffic(self, params: list[Param], backend: str, sparse_rows: float, bucket_cap_mb: float | None = None,
+                comm_hook: str | None = None) -> Traffic:
+        """What one step puts on the wire per rank (trainer/strategies/traffic.py), for the
+        scaling forecast; asked only where `forecast_unsupported` is None."""
+        raise NotImplementedError(f"{self.name}: {self.forecast_unsupported}")
 
     # --- the run ------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from trainer.config.schema import Config, DDPConfig
 from trainer.runtime import distributed
 from trainer.strategies import compression
 from trainer.strategies.base import Strategy
+from trainer.strategies.traffic import MIB, Bucket, Param, Traffic, powersgd_elements, ready_fractions
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -154,6 +155,52 @@ class DDP(Strategy):
 
     def gradient_copies(self) -> int:
         return 1 if self.cfg.ddp.gradient_as_bucket_view else 2  # DDP's buckets hold a second copy
+
+    def traffic(self, params: list[Param], backend: str, sparse_rows: float, bucket_cap_mb: float | None = None,
+                comm_hook: str | None = None) -> Traffic:
+        """What one DDP step puts on the wire per rank, bucket by bucket, under ddp.* and LoRA
+        (already in `params`), or the given bucket size and hook. `sparse_rows`: the embedding
+        rows a micro-batch touches, where its gradient goes sparse (ddp.sparse_embedding_grad,
+        on gloo)."""
+        hook = comm_hook or self.cfg.ddp.comm_hook
+        cap = (bucket_cap_mb or self.cfg.ddp.bucket_cap_mb) * MIB
+        ready = dict(zip((p.name for p in params), ready_fractions(params), strict=True))
+        trained = [p for p in params if p.trained]
+        buckets: list[Bucket] = []
+        if backend == "gloo" and self.cfg.ddp.sparse_embedding_grad:
+            for p in [p for p in trained if p.input_embedding]:
+                row_bytes = p.numel // p.shape[0] * p.element_size + 8  # its values and an int64 index
+                buckets.append(Bucket(sparse_rows * row_bytes, 1.0, sparse=True))
+                trained.remove(p)
+
+        powersgd = hook == "powersgd"
+        # DDP rebuilds its buckets after the first step, in the order gradients became ready;
+        # under PowerSGD it keeps the first ones, cut in definition order (`wrap`).
+        position = {p.name: i for i, p in enumerate(params)}
+
+        def ready_order(p: Param) -> tuple:  # ties as autograd breaks them: later-defined first, lookups last
+            return ready[p.name], p.lookup, position[p.name] if p.lookup else -position[p.name]
+
+        order = trained if powersgd else sorted(trained, key=ready_order)
+        groups: list[list[Param]] = [[]]
+        size = 0
+        for p in order:
+            groups[-1].append(p)
+            size += p.numel * p.element_size
+            if size >= cap:
+                groups.append([])
+                size = 0
+        for group in filter(None, groups):
+            when = max(ready[p.name] for p in group)
+            if powersgd:
+                elements = sum(powersgd_elements(p, self.cfg.ddp.powersgd_rank) for p in group)
+                buckets.append(Bucket(4.0 * elements, when, collectives=3))  # the plain ones, P, then Q
+            elif hook in ("bf16", "fp16"):
+                buckets.append(Bucket(2.0 * sum(p.numel for p in group), when))
+            else:
+                buckets.append(Bucket(float(sum(p.numel * p.element_size for p in group)), when))
+        buckets.sort(key=lambda b: b.ready)
+        return Traffic(buckets, overlapped=not (powersgd and backend == "gloo"))
 
     def prepare(self, model, dist_env, device, amp_dtype) -> None:
         # Before DDP is built: DDP reads `sparse` to put the embedding's gradient in its own bucket.

@@ -1,11 +1,12 @@
 """A task (data.problem_type): the loss the model trains on, the validation metrics, what
 `evaluate` reports and draws and what `predict` writes. Chosen once from the run's label space
-(trainer/data/labels.py) by trainer/tasks/registry.py, then asked by the step, evaluation, the
-evaluate and predict commands and the forecast. Reading the label column for the task is
-trainer/data/labels.py's.
+(trainer/tasks/space.py) by trainer/tasks/registry.py, then asked by the step, evaluation, the
+evaluate and predict commands and the forecast. It says what its labels are: one number,
+one class or a set of classes per row, their encoding and their balanced weights; reading
+them from the data in Arrow, as it says, is trainer/data/labels.py's.
 
 Exact evaluation: each rank tallies its shard of the split (every sample once,
-data.EvalShardSampler), the tallies are summed (or gathered) across ranks, and the metrics are
+samplers.EvalShardSampler), the tallies are summed (or gathered) across ranks, and the metrics are
 rank 0's, the same bits on every rank: model selection and early stopping decide on them.
 """
 
@@ -18,8 +19,8 @@ import torch
 
 from trainer import files
 from trainer.config.schema import DataConfig, TrainConfig
-from trainer.data.labels import Labels
 from trainer.runtime.distributed import DistEnv
+from trainer.tasks.space import Labels
 
 
 class Tally:
@@ -41,6 +42,31 @@ class Task:
     """transformers' config.problem_type: how a pipeline on final/ turns logits into scores."""
     main_metrics: ClassVar[tuple[tuple[str, str], ...]]
     """(metric, how the done line names it), the ones a run ends by reporting."""
+
+    # --- its labels, as trainer/data/labels.py reads them from the data --------------------
+
+    predicts_a_number: ClassVar[bool] = False
+    """A row's label is one number, and there are no classes."""
+    label_sets: ClassVar[bool] = False
+    """A row's label is a set of classes: a list of names or ids, or a multi-hot row."""
+
+    @classmethod
+    def one_class_per_row(cls) -> bool:
+        """Each row holds exactly one class: what a split can be stratified by."""
+        return not (cls.predicts_a_number or cls.label_sets)
+
+    @classmethod
+    def encode(cls, values: list, stored_as: str, names: tuple[str, ...]) -> list:
+        """A batch of the label column's values as the model's labels. Run in the tokenizing
+        map on labels trainer/data/labels.py has checked; plain arguments, which `datasets`
+        hashes into the cache's name."""
+        raise NotImplementedError
+
+    @classmethod
+    def balanced_weights(cls, labels: Labels) -> tuple[float, ...]:
+        """train.class_weights=balanced: each class's weight from the train split's counts,
+        none of them 0."""
+        raise NotImplementedError
 
     def __init__(self, labels: Labels, data_cfg: DataConfig, train_cfg: TrainConfig | None = None):
         self.labels = labels

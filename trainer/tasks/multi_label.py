@@ -16,10 +16,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer.errors import DataError
 from trainer.runtime import distributed
 from trainer.runtime.distributed import DistEnv
 from trainer.tasks.base import Tally, Task, figure, save
 from trainer.tasks.single_label import per_label_table, precision_recall_f1
+from trainer.tasks.space import MULTI_HOT, NAMES, Labels, shown
 
 
 class Decisions(Tally):
@@ -50,6 +52,30 @@ class MultiLabel(Task):
     name = "multi_label"
     hf_problem_type = "multi_label_classification"
     main_metrics = (("f1_micro", "micro F1"), ("f1_macro", "macro F1"), ("subset_accuracy", "subset accuracy"))
+    label_sets = True
+
+    @classmethod
+    def encode(cls, values: list, stored_as: str, names: tuple[str, ...]) -> list:
+        """Multi-hot rows of floats, from multi-hot rows or lists of names or ids."""
+        if stored_as == MULTI_HOT:
+            return [[float(v) for v in row] for row in values]
+        index = {name: i for i, name in enumerate(names)} if stored_as == NAMES else None
+        rows = []
+        for row in values:
+            hot = [0.0] * len(names)
+            for value in row:
+                hot[index[value] if index is not None else int(value)] = 1.0
+            rows.append(hot)
+        return rows
+
+    @classmethod
+    def balanced_weights(cls, labels: Labels) -> tuple[float, ...]:
+        """Each label's negatives over its positives (BCE's pos_weight)."""
+        everywhere = [name for name, count in zip(labels.names, labels.counts, strict=True) if count == labels.rows]
+        if everywhere:
+            raise DataError(f"train.class_weights: balanced weighs each label's positives against its negatives, "
+                            f"and {shown(everywhere)} is in every train row")
+        return tuple((labels.rows - count) / count for count in labels.counts)
 
     def sample_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         pos_weight = None if self.weights is None else self.weights.to(logits.device)

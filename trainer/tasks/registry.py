@@ -19,8 +19,8 @@ from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
 
-    from trainer.data.labels import Labels
     from trainer.tasks.base import Task
+    from trainer.tasks.space import Labels
 
 TASKS: dict[str, tuple[str, dict[str, str]]] = {
     "single_label": ("trainer.tasks.single_label:SingleLabel", {"accuracy": "max", "f1_macro": "max", "loss": "min"}),
@@ -46,7 +46,7 @@ def of_transformers(hf_problem_type: str | None) -> str:
 
 
 def of(labels: Labels, data_cfg: DataConfig, train_cfg: TrainConfig | None = None) -> Task:
-    """The task of a run's label space (trainer/data/labels.py), with its loss settings."""
+    """The task of a run's label space (trainer/tasks/space.py), with its loss settings."""
     return task_class(labels.problem_type)(labels, data_cfg, train_cfg)
 
 

@@ -73,6 +73,12 @@ class Regression(Task):
     name = "regression"
     hf_problem_type = "regression"
     main_metrics = (("mse", "MSE"), ("pearson", "Pearson"), ("spearman", "Spearman"))
+    predicts_a_number = True
+
+    @classmethod
+    def encode(cls, values: list, stored_as: str, names: tuple[str, ...]) -> list:
+        """Floats."""
+        return [float(v) for v in values]
 
     def sample_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return (logits.float().squeeze(-1) - labels.float()).square()

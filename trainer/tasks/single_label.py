@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from trainer.runtime import distributed
 from trainer.runtime.distributed import DistEnv
 from trainer.tasks.base import Tally, Task, figure, save
+from trainer.tasks.space import NAMES, Labels
 
 
 class Confusion(Tally):
@@ -82,6 +83,19 @@ class SingleLabel(Task):
     name = "single_label"
     hf_problem_type = "single_label_classification"
     main_metrics = (("accuracy", "accuracy"), ("f1_macro", "macro F1"))
+
+    @classmethod
+    def encode(cls, values: list, stored_as: str, names: tuple[str, ...]) -> list:
+        """Class ids."""
+        if stored_as == NAMES:
+            index = {name: i for i, name in enumerate(names)}
+            return [index[v] for v in values]
+        return [int(v) for v in values]
+
+    @classmethod
+    def balanced_weights(cls, labels: Labels) -> tuple[float, ...]:
+        """Rows over (classes x the class's rows): each class weighs as much in the loss."""
+        return tuple(labels.rows / (labels.num_labels * count) for count in labels.counts)
 
     def sample_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         losses = F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=self.label_smoothing)

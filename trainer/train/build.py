@@ -23,7 +23,6 @@ from trainer.checkpoint.store import read_state
 from trainer.config.schema import Config, ModelConfig, node
 from trainer.data import labels as labels_module
 from trainer.data import loaders
-from trainer.data.labels import Labels
 from trainer.errors import ConfigError
 from trainer.faults.numerics import LossGuard
 from trainer.model import lora, optim, pretrained
@@ -32,6 +31,7 @@ from trainer.runtime.distributed import DistEnv
 from trainer.strategies import registry
 from trainer.strategies.base import LogitsUnderAutocast
 from trainer.tasks import registry as tasks
+from trainer.tasks.space import Labels
 from trainer.train.step import TrainStep
 
 log = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ class Evaluation:
 def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, task: Task, device: torch.device,
              dist_env: DistEnv, sharded: bool = False, keep_rows: bool = False,
              sdpa_backend: str = "auto") -> Evaluation:
-    """Exact global metrics: each rank's shard once (data.EvalShardSampler), tallies summed.
+    """Exact global metrics: each rank's shard once (samplers.EvalShardSampler), tallies summed.
 
     `logits_of` is the bare model's (no DDP wrapper), so no rank enters a collective per
     batch: ranks may hold one eval batch more or less than others. A `sharded` model (FSDP)

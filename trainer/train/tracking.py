@@ -1,7 +1,7 @@
 """Metrics: wandb on global rank 0 (offline unless asked), plus files that need no service.
 
 - `output_dir/config.yaml`: the resolved config (a value from the environment as written,
-  `${oc.env:NAME}`: config.to_yaml), written as a fresh run starts.
+  `${oc.env:NAME}`: loading.to_yaml), written as a fresh run starts.
 - `output_dir/metrics.jsonl`: one JSON object per log step, the same numbers sent to wandb.
 - `output_dir/tensorboard/`: the same again as TensorBoard events (tracking.tensorboard).
 - `output_dir/bad-batches.jsonl`: each step try skipped as not finite, and each loss spike.
