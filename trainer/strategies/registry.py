@@ -15,7 +15,6 @@ from trainer.config.schema import Config
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-
     from trainer.strategies.base import Strategy
 
 STRATEGIES = {

@@ -10,7 +10,7 @@ trainer/cli/config.py) before torch is imported.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from omegaconf import OmegaConf
 
@@ -18,11 +18,13 @@ from trainer.config.schema import Config, DataConfig, TrainConfig, node
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-
     from trainer.tasks.base import Task
     from trainer.tasks.space import Labels
 
-TASKS: dict[str, tuple[str, dict[str, str]]] = {
+Direction = Literal["max", "min"]
+"""Where a metric improves: "max" where higher is better, "min" where lower is."""
+
+TASKS: dict[str, tuple[str, dict[str, Direction]]] = {
     "single_label": ("trainer.tasks.single_label:SingleLabel", {"accuracy": "max", "f1_macro": "max", "loss": "min"}),
     "multi_label": ("trainer.tasks.multi_label:MultiLabel",
                     {"f1_micro": "max", "f1_macro": "max", "subset_accuracy": "max", "loss": "min"}),
@@ -64,7 +66,7 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.best_metric: {ckpt.best_metric} is not a metric of data.problem_type="
                           f"{problem_type} ({', '.join(metrics)})")
     elif ckpt.best_mode is None:
-        ckpt.best_mode = "max" if metrics[ckpt.best_metric] == "max" else "min"
+        ckpt.best_mode = metrics[ckpt.best_metric]
     names, num_labels, weights = data_cfg.label_names, data_cfg.num_labels, train.class_weights
     if problem_type == "regression":
         for key, value, allowed in (("data.num_labels", num_labels, (None, 1)), ("data.label_names", names, (None,)),
