@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from benchmarks.__main__ import random_init_model
-from trainer.cli import config
 from trainer.faults.replicas import digest, replicated_state
 
 BATCH, LENGTH, INTERVAL = 16, 128, 100
@@ -44,6 +43,7 @@ def training_step(model_dir: str, work: Path, *overrides: str):
     strategy, AdamW, clipping at train.max_grad_norm, the loss check, train.precision's
     default: bf16 where native), and one training step of it on a fixed batch of BATCH x
     LENGTH tokens, with `overrides` to the config."""
+    from trainer.cli import config
     from trainer.data import labels
     from trainer.runtime.distributed import DistEnv
     from trainer.train import build

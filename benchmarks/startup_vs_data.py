@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 
 from benchmarks.__main__ import REPO, Worktree
-from trainer.cli import config
-from trainer.data import encoding
 from trainer.runtime.launch import torchrun_argv, trainer_program
 
 
@@ -68,6 +66,8 @@ def tokenize_in_process(data_dir: Path, cache: Path, reps: int) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the trainer sets it
     import datasets
 
+    from trainer.cli import config
+    from trainer.data import encoding
     from trainer.model import pretrained
     from trainer.runtime.distributed import DistEnv
 

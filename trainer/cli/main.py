@@ -20,7 +20,6 @@ from pathlib import Path
 from trainer import errors
 from trainer.cli import config
 from trainer.config import loading
-from trainer.data import worker_server
 from trainer.errors import ConfigError, TrainerError
 from trainer.exit_codes import MEANING, Exit
 
@@ -219,6 +218,7 @@ def run_train(cfg, arguments: dict) -> int:
         return errors.report(e)
 
     setup_logging(dist_env)
+    from trainer.data import worker_server
     from trainer.faults import watchdog
     from trainer.faults.preemption import Preempted
     from trainer.runtime import distributed

@@ -188,9 +188,8 @@ def unlabelled_rows(column, problem_type: str) -> np.ndarray:
 
 PLACEHOLDERS = ("", "n/a", "na", "none", "null", "nan", "-", "?", "unknown")
 """Label names that usually stand for no label (after stripping and case-folding). A tuple,
-not a set: the tokenizing map's fingerprint pickles this module's globals (through `encode`),
-and a set's order, so its pickle, changes with each process's string hash seed: every rank
-and every rerun would tokenize again (tests/e2e/test_tokenize_cache.py)."""
+not a set: a set's order, so its pickle, changes with each process's string hash seed, and
+`datasets` names a map's cache by pickling what its function reaches."""
 
 
 def name_warnings(labels: Labels) -> list[str]:

@@ -9,7 +9,6 @@ Two properties matter and are tested:
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import Iterator
 
 import numpy as np
@@ -18,9 +17,6 @@ from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from trainer.runtime.distributed import DistEnv
-
-log = logging.getLogger(__name__)
-
 
 _MEGABATCH = 50  # length grouping sorts within windows of 50 global batches, as HF Trainer does
 

@@ -1,9 +1,7 @@
-"""The train loader's workers' server: a forkserver, so that no worker is a fork of its rank.
-"""
+"""The train loader's workers' server: a forkserver, so that no worker is a fork of its rank."""
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -11,9 +9,6 @@ import signal
 import threading
 
 from trainer.config.schema import Config
-
-log = logging.getLogger(__name__)
-
 
 WORKER_SERVER_PRELOAD = ["trainer.data.loader_server", "trainer.data.loaders", "datasets"]
 """The server's set-up (trainer/data/loader_server.py), then what a worker unpickles its loader

@@ -25,7 +25,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config.schema import Config, typed
-from trainer.data import loaders, reading
 from trainer.data.batch_plan import BatchPlan
 from trainer.strategies import registry
 from trainer.strategies.traffic import MIB, Bucket, Param, Traffic
@@ -213,6 +212,7 @@ def measure(cfg: Config, dist_env, device: torch.device, alone: bool = True) -> 
     strategy the forecast does not model (its steps and state for the grace check)."""
     import torch.distributed as dist
 
+    from trainer.data import loaders, reading
     from trainer.train import build
     from trainer.train.policy import Policy
 

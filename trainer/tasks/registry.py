@@ -12,9 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Literal
 
-from omegaconf import OmegaConf
-
-from trainer.config.schema import Config, DataConfig, TrainConfig, node
+from trainer.config.schema import Config, DataConfig, TrainConfig
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -59,8 +57,9 @@ def check(cfg: Config) -> None:
     problem_type = data_cfg.problem_type
     metrics = METRICS[problem_type]
     if ckpt.best_metric is None:
-        for key in ("checkpoint.load_best_at_end", "train.early_stopping_patience"):
-            if OmegaConf.select(node(cfg), key):
+        for key, asked in (("checkpoint.load_best_at_end", ckpt.load_best_at_end),
+                           ("train.early_stopping_patience", train.early_stopping_patience)):
+            if asked:
                 raise ConfigError(f"{key}: needs checkpoint.best_metric ({', '.join(metrics)})")
     elif ckpt.best_metric not in metrics:
         raise ConfigError(f"checkpoint.best_metric: {ckpt.best_metric} is not a metric of data.problem_type="

@@ -181,7 +181,7 @@ class Trainer:
         batch = self.state.batches_read  # the batch just read (the count before it)
         where = loaders.batch_position(self.data, batch)
         self.tracker.record_bad_batch({"step": step, "why": outcome.bad or "loss spike", "loss": outcome.loss,
-                                            "grad_norm": outcome.grad_norm, "batch": batch, **where})
+                                       "grad_norm": outcome.grad_norm, "batch": batch, **where})
         described = (f"batch {batch} (epoch {where['epoch']}, samples {where['samples_in_epoch'][0]}-"
                      f"{where['samples_in_epoch'][1] - 1} of its order)")
         roll_back = self.state.bad_steps.observe(step, outcome, described)
@@ -210,7 +210,7 @@ class Trainer:
         self.tracker.forget_after(self.state.step)
         self.timeline.rollback(failing, self.state.step)
         self.tracker.log({"fault/rollbacks": self.state.bad_steps.rollbacks,
-                               "fault/rolled_back_from": failing}, self.state.step)
+                          "fault/rolled_back_from": failing}, self.state.step)
         return self.state.step
 
     @contextmanager
