@@ -38,6 +38,7 @@ def barriers(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(distributed.dist, "barrier", barrier)
+    monkeypatch.setattr(distributed, "all_gather", lambda dist_env, value: [None, value])  # local rank 0 did well
     monkeypatch.setattr(distributed, "_ALREADY_THERE_S", 0.0)
     return made
 
@@ -54,7 +55,7 @@ def test_a_waiting_rank_works_until_the_barrier_is_passed_then_waits_on_it(barri
         passed_at_call.append(barrier.polls < 0)
         return True
 
-    with distributed.meanwhile(work), distributed.local_rank_zero_first(RANK_1):
+    with distributed.meanwhile(work), distributed.local_rank_zero_first(RANK_1, "data"):
         pass
     barrier = barriers[0]
     assert passed_at_call and not any(passed_at_call)  # called while waiting, never after
@@ -64,7 +65,7 @@ def test_a_waiting_rank_works_until_the_barrier_is_passed_then_waits_on_it(barri
 
 def test_work_that_runs_out_leaves_the_rank_waiting_on_the_barrier(barriers):
     left = [True, False]
-    with distributed.meanwhile(lambda: left.pop(0)), distributed.local_rank_zero_first(RANK_1):
+    with distributed.meanwhile(lambda: left.pop(0)), distributed.local_rank_zero_first(RANK_1, "data"):
         pass
     barrier = barriers[0]
     assert left == [] and barrier is not None and barrier.waited
@@ -73,14 +74,14 @@ def test_work_that_runs_out_leaves_the_rank_waiting_on_the_barrier(barriers):
 def test_a_barrier_the_others_already_wait_at_is_passed_without_work(barriers, monkeypatch):
     monkeypatch.setattr(distributed, "_ALREADY_THERE_S", 5.0)  # passed at the 4th poll, long before
     calls = []
-    with distributed.meanwhile(lambda: calls.append(1) or True), distributed.local_rank_zero_first(RANK_1):
+    with distributed.meanwhile(lambda: calls.append(1) or True), distributed.local_rank_zero_first(RANK_1, "data"):
         pass
     barrier = barriers[0]
     assert calls == [] and barrier is not None and barrier.waited
 
 
 def test_without_work_the_barrier_is_the_plain_one(barriers):
-    with distributed.local_rank_zero_first(RANK_1):
+    with distributed.local_rank_zero_first(RANK_1, "data"):
         pass
     assert barriers == [None]
 

@@ -89,6 +89,65 @@ def test_a_changed_max_length_tokenizes_again_and_the_same_one_reads_the_cache(t
     assert len(tokenize(settings(tiny_model, reviews, tmp_path, **{"data.max_length": 32})) - written) == 1
 
 
+def cpus_and_rows_per_process(monkeypatch, cpus: int, rows: int) -> None:
+    """tokenize_processes' rule at a test's size: the CPUs this rank may use, and the rows a
+    process is worth (10,000 in the product, beyond a unit test's split)."""
+    monkeypatch.setattr(encoding.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(encoding, "_ROWS_PER_PROCESS", rows)
+
+
+@pytest.mark.parametrize("first, then", [(1, 2), (2, 1), (2, 3), (3, 2)])
+def test_a_split_tokenized_by_any_number_of_processes_is_read_again_by_any_other(
+        tiny_model, reviews, tmp_path, monkeypatch, caplog, first, then):
+    """num_proc of 2 or more writes a cache file per process, named by the fingerprint and a
+    suffix (`_00000_of_00002`) that `datasets` counts in the fingerprint's 64 characters: the
+    path every split of 20,000 rows or more takes. A rerun with another count (another node's
+    CPUs, another local rank's share) reads those files, and tokenizes nothing."""
+    ds = datasets.load_dataset("json", data_files=str(reviews / "train.jsonl"), split="train",
+                               cache_dir=str(tmp_path / "hf"))
+    cfg = settings(tiny_model, reviews, tmp_path)
+    tokenizer, space = pretrained.load_tokenizer(cfg.model), labels.from_config(cfg.data)
+
+    def tokenize(processes: int):
+        cpus_and_rows_per_process(monkeypatch, processes, rows=len(ds) // 3)
+        caplog.clear()
+        with caplog.at_level("INFO", logger=encoding.__name__):
+            tokenized = encoding.tokenize_split(ds, cfg.data, "train_split", tokenizer, space, DistEnv())
+        return tokenized, encoding._cache_files(ds) or set(), caplog.text
+
+    tokenized, written, said = tokenize(first)
+    assert ("in process" if first == 1 else f"({first} processes)") in said, said
+    shards = [name for name in written if f"_of_{first:05d}" in name]
+    assert len(shards) == (first if first > 1 else 0), sorted(written)
+    expected = tokenizer(list(ds["text"]), truncation=True, max_length=cfg.data.max_length)["input_ids"]
+    assert tokenized["input_ids"] == expected  # every row once, in the split's order
+
+    again, after, said = tokenize(then)
+    assert after == written and "tokenized before: read from the cache" in said, (sorted(after - written), said)
+    assert again["input_ids"] == expected
+
+
+def test_a_failure_of_datasets_while_tokenizing_is_one_line_naming_the_split(tiny_model, reviews, tmp_path):
+    """A cache disk that takes no more (here: a file size limit, which fails the map's write of
+    the tokenized split with EFBIG as a full disk fails it with ENOSPC) is one line, not
+    `datasets`' traceback."""
+    import resource
+
+    ds = datasets.load_dataset("json", data_files=str(reviews / "train.jsonl"), split="train",
+                               cache_dir=str(tmp_path / "hf"))
+    cfg = settings(tiny_model, reviews, tmp_path)
+    tokenizer, space = pretrained.load_tokenizer(cfg.model), labels.from_config(cfg.data)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))  # Python ignores SIGXFSZ: a write fails
+    try:
+        with pytest.raises(DataError) as refused:
+            encoding.tokenize_split(ds, cfg.data, "train_split", tokenizer, space, DistEnv())
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(refused.value).startswith("data.train_split: tokenizing: OSError: [Errno 27] File too large"), \
+        refused.value
+
+
 def test_tokenize_processes(monkeypatch):
     monkeypatch.setattr(encoding.os, "sched_getaffinity", lambda pid: set(range(4)))
     first, second = (DistEnv(rank=r, local_rank=r, world_size=2, local_world_size=2, master_addr="127.0.0.1",

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from trainer.config.schema import DataConfig
+from trainer.data import datasets_errors
 from trainer.runtime.distributed import DistEnv
 from trainer.tasks.base import Task
 from trainer.tasks.registry import task_class
@@ -42,6 +43,13 @@ def tokenize_processes(rows: int, dist_env: DistEnv) -> int | None:
         cpus //= dist_env.local_world_size
     processes = min(cpus, rows // _ROWS_PER_PROCESS)
     return processes if processes > 1 else None
+
+
+_FINGERPRINT_CHARS = 32
+"""The map's fingerprint, in hex characters: 128 bits of the digest. `datasets` names the
+cache file by it and refuses a fingerprint over 64 characters, counting the suffix it
+appends to each shard's with num_proc (`_00000_of_00002`: 15 more); the whole sha256 (64)
+refused every split big enough for 2 processes (tokenize_processes)."""
 
 
 def _cache_files(ds) -> set[str] | None:
@@ -102,9 +110,11 @@ def tokenize_split(ds, data_cfg: DataConfig, split_key: str, tokenizer, labels: 
     cached = _cache_files(ds)
     processes = tokenize_processes(len(ds), dist_env)
     started = time.perf_counter()
-    fingerprint = None if encoding is None else hashlib.sha256(f"{ds._fingerprint} {encoding}".encode()).hexdigest()
-    tokenized = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=processes,
-                       new_fingerprint=fingerprint, desc=f"tokenize {split_key}")
+    fingerprint = None if encoding is None else hashlib.sha256(
+        f"{ds._fingerprint} {encoding}".encode()).hexdigest()[:_FINGERPRINT_CHARS]
+    with datasets_errors.as_data_error(f"data.{split_key}", "tokenizing"):
+        tokenized = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=processes,
+                           new_fingerprint=fingerprint, desc=f"tokenize {split_key}")
     if cached is not None and {f["filename"] for f in tokenized.cache_files} <= cached:
         log.info("%s: %d rows, tokenized before: read from the cache", split_key, len(tokenized))
     else:

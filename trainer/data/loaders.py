@@ -82,7 +82,7 @@ def build(cfg: Config, dist_env: DistEnv, splits: reading.Splits, tokenizer, dev
           plan: BatchPlan) -> Data:
     """The loaders of the `load`ed splits: tokenized (once per node), batched by `plan`."""
     data_cfg = cfg.data
-    with local_rank_zero_first(dist_env):
+    with local_rank_zero_first(dist_env, "tokenizing"):
         train_ds = encoding.tokenize_split(splits.train, data_cfg, "train_split", tokenizer, splits.labels, dist_env)
         eval_ds = encoding.tokenize_split(splits.eval, data_cfg, "eval_split", tokenizer, splits.labels, dist_env)
         test_ds = None if splits.test is None else encoding.tokenize_split(
@@ -110,7 +110,7 @@ def build_eval(cfg: Config, dist_env: DistEnv, splits: reading.Splits, tokenizer
                ) -> tuple[DataLoader, int]:
     """The validation split of the `load`ed splits alone, for `python -m trainer evaluate`:
     (loader, samples)."""
-    with local_rank_zero_first(dist_env):
+    with local_rank_zero_first(dist_env, "tokenizing"):
         eval_ds = encoding.tokenize_split(splits.eval, cfg.data, "eval_split", tokenizer, splits.labels, dist_env)
     return _eval_loader(eval_ds, cfg, dist_env, _loader_options(cfg, tokenizer, device)), len(eval_ds)
 

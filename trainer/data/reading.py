@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from trainer.config.schema import Config, DataConfig, TrainConfig
-from trainer.data import arrow, sources
+from trainer.data import arrow, datasets_errors, sources
 from trainer.data import folds as folds_module
 from trainer.data import labels as labels_module
 from trainer.data.batch_plan import BatchPlan
@@ -78,10 +78,8 @@ def _load_split(data_cfg: DataConfig, split_key: str, available: list[str]):
 
 
 def _describe(e: BaseException) -> str:
-    """The root cause says what is wrong with the file (a JSON parse error and its row); the
-    wrappers raised from it ("An error occurred while generating the dataset") don't."""
-    while e.__cause__ is not None:
-        e = e.__cause__
+    """What is wrong with the file, by the root cause."""
+    e = datasets_errors.root_cause(e)
     return describe(e) if one_line(e) else f"{describe(e)}: no rows could be read (is the file empty?)"
 
 
@@ -113,9 +111,12 @@ def _check_columns(ds, data_cfg: DataConfig, split_key: str) -> None:
                                   f"in row {row}: {ds[row][column]!r}")
 
 
-def _subsample(ds, limit: int | None, seed: int):
+def _subsample(ds, limit: int | None, seed: int, split_key: str):
     """Seeded, before tokenization: no wasted work."""
-    return ds.shuffle(seed=seed).select(range(limit)) if limit is not None and limit < len(ds) else ds
+    if limit is None or limit >= len(ds):
+        return ds
+    with datasets_errors.as_data_error(f"data.{split_key}", "subsampling"):
+        return ds.shuffle(seed=seed).select(range(limit))
 
 
 def _hold_out(train, labels: Labels, data_cfg: DataConfig, seed: int) -> tuple[Any, Any, str]:
@@ -123,30 +124,33 @@ def _hold_out(train, labels: Labels, data_cfg: DataConfig, seed: int) -> tuple[A
     for single_label, stratified by class: the same rows on every rank and every restart."""
     import datasets
 
-    fraction, ids = data_cfg.eval_fraction, labels_module.single_label_ids(train, labels, data_cfg)
-    parts, how = None, "seeded"
-    if ids is not None:
-        by_class = train.add_column("__class__", ids).cast_column(
-            "__class__", datasets.ClassLabel(num_classes=labels.num_labels))
-        try:
-            parts = by_class.train_test_split(test_size=fraction, seed=seed, stratify_by_column="__class__")
-            parts = {name: part.remove_columns("__class__") for name, part in parts.items()}
-            how = "stratified by label"
-        except ValueError as e:  # a class of one row, or more classes than held-out rows
-            how = f"not stratified: {one_line(e)}"
-    if parts is None:
-        parts = train.train_test_split(test_size=fraction, seed=seed)
+    fraction, parts, how = data_cfg.eval_fraction, None, "seeded"
+    with datasets_errors.as_data_error("data.train_split", "holding out data.eval_fraction"):
+        ids = labels_module.single_label_ids(train, labels, data_cfg)
+        if ids is not None:
+            by_class = train.add_column("__class__", ids).cast_column(
+                "__class__", datasets.ClassLabel(num_classes=labels.num_labels))
+            try:
+                parts = by_class.train_test_split(test_size=fraction, seed=seed, stratify_by_column="__class__")
+                parts = {name: part.remove_columns("__class__") for name, part in parts.items()}
+                how = "stratified by label"
+            except ValueError as e:  # a class of one row, or more classes than held-out rows
+                how = f"not stratified: {one_line(e)}"
+        if parts is None:
+            parts = train.train_test_split(test_size=fraction, seed=seed)
     return parts["train"], parts["test"], f"{fraction * 100:g}% of data.train_split, {how}, seed {seed}"
 
 
 def _fold_out(train, labels: Labels, data_cfg: DataConfig) -> tuple[Any, Any, str]:
     """(train, validation, how): fold data.fold of the train split's data.folds held out."""
     assert data_cfg.folds is not None, "a fold is held out of data.folds"
-    ids = labels_module.single_label_ids(train, labels, data_cfg)
-    training, validating = folds_module.held_out(folds_module.assign(len(train), data_cfg.folds, ids), data_cfg.fold)
-    how = "stratified by label" if ids is not None else "seeded"
-    return (train.select(training), train.select(validating),
-            f"fold {data_cfg.fold} of {data_cfg.folds} of data.train_split, {how}")
+    with datasets_errors.as_data_error("data.train_split", "holding out data.fold"):
+        ids = labels_module.single_label_ids(train, labels, data_cfg)
+        training, validating = folds_module.held_out(folds_module.assign(len(train), data_cfg.folds, ids),
+                                                     data_cfg.fold)
+        how = "stratified by label" if ids is not None else "seeded"
+        return (train.select(training), train.select(validating),
+                f"fold {data_cfg.fold} of {data_cfg.folds} of data.train_split, {how}")
 
 
 def train_folds(cfg: Config) -> tuple[np.ndarray, np.ndarray | None]:
@@ -197,11 +201,12 @@ def load(cfg: Config, dist_env: DistEnv, labels: Labels | None = None) -> Splits
     data_cfg = cfg.data
     import datasets  # noqa: F401  (~0.5 s) before the wait below, not after it
 
-    with local_rank_zero_first(dist_env):
+    with local_rank_zero_first(dist_env, f"data.path: {data_cfg.path}"):
         available = list(_load(data_cfg, None).keys())
         dropped: dict[str, dict[str, int]] = {}
         train = _readable_split(data_cfg, "train_split", available, dropped)
-        labels = labels or labels_module.resolve(train, data_cfg)
+        with datasets_errors.as_data_error("data.train_split", "reading its labels"):
+            labels = labels or labels_module.resolve(train, data_cfg)
         held_out = None
         if data_cfg.folds is not None:
             train, evaluated, held_out = _fold_out(train, labels, data_cfg)
@@ -220,13 +225,15 @@ def load(cfg: Config, dist_env: DistEnv, labels: Labels | None = None) -> Splits
                     "train rows%s", data_cfg.eval_split, data_cfg.path, ", ".join(available), held_out, len(evaluated),
                     len(train), f"; data.eval_split={others[0]} would validate on that split" if others else "")
         test = None if data_cfg.test_split is None else _readable_split(data_cfg, "test_split", available, dropped)
-    train = _subsample(train, data_cfg.max_train_samples, cfg.seed)
-    evaluated = _subsample(evaluated, data_cfg.max_eval_samples, cfg.seed)
-    test = None if test is None else _subsample(test, data_cfg.max_eval_samples, cfg.seed)
+    train = _subsample(train, data_cfg.max_train_samples, cfg.seed, "train_split")
+    evaluated = _subsample(evaluated, data_cfg.max_eval_samples, cfg.seed, "eval_split")
+    test = None if test is None else _subsample(test, data_cfg.max_eval_samples, cfg.seed, "test_split")
     for split, split_key in ((evaluated, "eval_split"), (test, "test_split")):
         if split is not None:
-            labels_module.check_split(split, labels, data_cfg, f"data.{split_key}")
-    counted = labels_module.with_counts_and_weights(labels, train, data_cfg, cfg.train)
+            with datasets_errors.as_data_error(f"data.{split_key}", "reading its labels"):
+                labels_module.check_split(split, labels, data_cfg, f"data.{split_key}")
+    with datasets_errors.as_data_error("data.train_split", "counting its labels"):
+        counted = labels_module.with_counts_and_weights(labels, train, data_cfg, cfg.train)
     return Splits(train, evaluated, test, counted, held_out, dropped, labels_module.name_warnings(counted))
 
 
@@ -235,8 +242,9 @@ def _readable_split(data_cfg: DataConfig, split_key: str, available: list[str], 
     (data.normalize_labels, data.label_map), and its rows that cannot train refused or, with
     data.drop_invalid_rows, dropped and counted into `dropped` (split: kind: rows)."""
     ds = _load_split(data_cfg, split_key, available)
-    _check_columns(ds, data_cfg, f"data.{split_key}")
-    ds, counts = sources.drop_or_refuse(labels_module.relabel(ds, data_cfg), data_cfg, f"data.{split_key}")
+    with datasets_errors.as_data_error(f"data.{split_key}", "reading its rows"):
+        _check_columns(ds, data_cfg, f"data.{split_key}")
+        ds, counts = sources.drop_or_refuse(labels_module.relabel(ds, data_cfg), data_cfg, f"data.{split_key}")
     if counts:
         dropped[split_name(getattr(data_cfg, split_key))] = counts
     return ds

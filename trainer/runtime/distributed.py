@@ -365,20 +365,39 @@ def close() -> None:
 
 
 @contextmanager
-def local_rank_zero_first(dist_env: DistEnv) -> Iterator[None]:
+def local_rank_zero_first(dist_env: DistEnv, what: str) -> Iterator[None]:
     """Local rank 0 runs the body first (it fills the node's caches), then the others.
 
-    The barrier after the body is in a `finally`: if local rank 0 raises, it still releases
-    the ranks waiting for it, which then hit the same error themselves instead of waiting
-    until the init timeout.
+    A failure of any node's local rank 0 in the body is every rank's, at once: after the
+    barrier the ranks share local rank 0's outcome, and each raises its one-line error (`what:
+    rank N: ...` where it is not already a TrainerError). The others would otherwise run the
+    body themselves, where they may not meet the same error (they read what local rank 0 left
+    in the cache, or redo its work in another way, for minutes), and then wait at a collective
+    that local rank 0 never joins. The barrier is in a `finally`, so that a failed local rank 0
+    still releases the ranks waiting for it.
     """
-    if dist_env.is_distributed and not dist_env.is_local_rank_zero:
+    if not dist_env.is_distributed:
+        yield
+        return
+    if not dist_env.is_local_rank_zero:
         _barrier()
+        _raise_on_every_rank(_first_error(dist_env, None))
+        yield
+        return
+    error = None
     try:
         yield
+    except Exception as e:  # raised again below, as every rank raises it
+        error = _error_of(f"{what}: rank {dist_env.rank}", e)
+        raise
     finally:
-        if dist_env.is_distributed and dist_env.is_local_rank_zero:
-            _barrier()
+        _barrier()
+        _raise_on_every_rank(_first_error(dist_env, error))
+
+
+def _first_error(dist_env: DistEnv, error: tuple[str, str] | None) -> tuple[str, str] | None:
+    """The first rank's error of those that ranks hold, by rank, on every rank."""
+    return next((e for e in all_gather(dist_env, error) if e is not None), None)
 
 
 _meanwhile: list[Callable[[], bool]] = []
@@ -473,18 +492,24 @@ def every_rank_does(dist_env: DistEnv, what: str, action: Callable[[], T]) -> T:
     rank's one-line error (`what: rank N: ...` where it is not already a TrainerError), instead
     of the others going on to a collective that rank will never join."""
     result, error = _attempt(f"{what}: rank {dist_env.rank}", action)
-    _raise_on_every_rank(next((e for e in all_gather(dist_env, error) if e is not None), None))
+    _raise_on_every_rank(_first_error(dist_env, error))
     return cast(T, result)
 
 
 def _attempt(what: str, action: Callable[[], T]) -> tuple[T | None, tuple[str, str] | None]:
-    """(action's result, None) or (None, the error as (TrainerError class name, message))."""
+    """(action's result, None) or (None, the error as `_error_of` says it)."""
     try:
         return action(), None
-    except TrainerError as e:
-        return None, (type(e).__name__, str(e))
     except Exception as e:  # a full or read-only disk, a service that refuses: one line  # noqa: BLE001
-        return None, (LaunchError.__name__, f"{what}: {errors.describe(e)}")
+        return None, _error_of(what, e)
+
+
+def _error_of(what: str, e: Exception) -> tuple[str, str]:
+    """An error as every rank raises it: (TrainerError class name, message), `what: ...` for
+    another library's."""
+    if isinstance(e, TrainerError):
+        return type(e).__name__, str(e)
+    return LaunchError.__name__, f"{what}: {errors.describe(e)}"
 
 
 def _raise_on_every_rank(error: tuple[str, str] | None) -> None:

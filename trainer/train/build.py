@@ -82,7 +82,7 @@ def load(cfg: Config, dist_env: DistEnv, device: torch.device, amp_dtype: torch.
     # One download per node: local rank 0 fetches a hub model into the HF cache (shared by
     # the node's ranks, or by every node on a PVC), the others then read it from there.
     from_hub = pretrained.from_hub(model_cfg) and not on_meta
-    first = distributed.local_rank_zero_first(dist_env) if from_hub else nullcontext()
+    first = distributed.local_rank_zero_first(dist_env, f"model.name: {model_cfg.name}") if from_hub else nullcontext()
     with first:
         tokenizer = pretrained.load_tokenizer(model_cfg) if not on_meta or pretrained.has_tokenizer(model_cfg) else None
         pad_token_id = None if tokenizer is None else tokenizer.pad_token_id
