@@ -161,16 +161,19 @@ def test_evaluate_under_torchrun_equals_scikit_learn_on_one_process(selected, ti
         assert image.format == "PNG" and min(image.size) > 100
 
 
+@pytest.mark.parametrize("count", [51, 1], ids=["batches-per-rank", "fewer-rows-than-ranks"])
 def test_predict_under_torchrun_gives_each_row_once_in_input_order(selected, tiny_model, labeled_reviews, reviews,
-                                                                   tmp_path):
-    rows = [json.loads(line) for line in (reviews / "test.jsonl").read_text().splitlines()][:51]
+                                                                   tmp_path, count):
+    """51 rows: each rank's shard in 4 batches of 8, the last partial, sorted longest first and
+    written back in input order. 1 row: rank 1's shard is empty, and gathers nothing."""
+    rows = [json.loads(line) for line in (reviews / "test.jsonl").read_text().splitlines()][:count]
     source = tmp_path / "in.csv"
     with source.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["text"])
         writer.writeheader()
         writer.writerows({"text": row["text"]} for row in rows)
     output = tmp_path / "out" / "predictions.jsonl"
-    settings = [*selection_overrides(tiny_model, labeled_reviews, selected),
+    settings = [*selection_overrides(tiny_model, labeled_reviews, selected, **{"train.eval_batch_size": 8}),
                 "checkpoint=final", f"input={source}", f"output={output}"]
     result = launch(trainer_command(settings, nproc=2, command="predict"))
     assert result.returncode == 0, result.output[-3000:]

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from trainer.checkpoint.rng import ProcessRNG
 from trainer.config.schema import TrainConfig
 from trainer.data.batch_plan import BatchPlan
-from trainer.data.samplers import GlobalBatchSampler
+from trainer.data.samplers import _MEGABATCH, GlobalBatchSampler
 from trainer.errors import ConfigError
 from trainer.runtime.distributed import DistEnv
 
@@ -44,9 +44,10 @@ def test_the_global_batch_is_split_over_any_world_size_that_divides_it():
         plan(3, 16)
 
 
-def sampler(world_size: int, rank: int, lengths, labels, global_batch=12, seed=0) -> GlobalBatchSampler:
+def sampler(world_size: int, rank: int, lengths, labels, global_batch=12, seed=0, group_by_length=True
+            ) -> GlobalBatchSampler:
     return GlobalBatchSampler(lengths, labels, global_batch, DistEnv(rank=rank, world_size=world_size), seed,
-                              group_by_length=True)
+                              group_by_length)
 
 
 def test_any_world_size_reads_the_same_global_batches_from_a_global_position():
@@ -70,6 +71,34 @@ def test_any_world_size_reads_the_same_global_batches_from_a_global_position():
             assert sorted(i for reads in per_rank for i in reads) == sorted(order[start:96])
             ledgers.add(ranks[0].ledger(3, start))
     assert sorted(count for count, _ in ledgers) == [0, 36]  # one ledger per position, whatever the world size
+
+
+@pytest.mark.parametrize("group_by_length", [True, False], ids=["grouped", "shuffled"])
+def test_several_length_windows_and_a_partial_last_one_are_read_alike_by_every_world_size(group_by_length):
+    """The other tests fit in one length-grouping window (50 global batches); a real epoch has
+    many, and a last partial one, whose last partial global batch is dropped. Every world size
+    must read the same global batches in the same order, each row at most once, and drop the
+    same rows; grouping only reorders each window, longest first."""
+    rng = np.random.default_rng(1)
+    window = 4 * _MEGABATCH  # a global batch of 4
+    rows = 3 * window + 135  # 3 windows and a partial one: 183 global batches, 3 rows dropped
+    lengths, labels = rng.integers(5, 60, rows), rng.integers(0, 5, rows)
+    order = sampler(1, 0, lengths, labels, 4, group_by_length=group_by_length).global_order(0).tolist()
+    for world_size in (1, 2, 4):
+        per_rank = [list(sampler(world_size, r, lengths, labels, 4, group_by_length=group_by_length))
+                    for r in range(world_size)]
+        share = 4 // world_size
+        batches = [{i for reads in per_rank for i in reads[k * share:(k + 1) * share]}
+                   for k in range(len(per_rank[0]) // share)]
+        assert batches == [set(order[k * 4:(k + 1) * 4]) for k in range(rows // 4)]
+        read = [i for reads in per_rank for i in reads]
+        assert len(read) == len(set(read)) and set(range(rows)) - set(read) == set(order[-3:])
+    if group_by_length:  # each window holds the shuffle's rows of that window, longest first
+        shuffle = sampler(1, 0, lengths, labels, 4, group_by_length=False).global_order(0).tolist()
+        for start in range(0, rows, window):
+            part = order[start:start + window]
+            assert sorted(part) == sorted(shuffle[start:start + window])
+            assert lengths[part].tolist() == sorted(lengths[part], reverse=True)
 
 
 def test_the_ledger_changes_with_the_data_the_seed_and_the_global_batch():

@@ -5,6 +5,7 @@ weights; and each mistake as one line naming the column, the split, the row and 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import re
 
@@ -274,6 +275,30 @@ def test_the_ledger_key_changes_with_the_label():
     for column in (numbers, hot):
         keys = labels_module.ledger_keys(column)
         assert keys.dtype == np.int64 and keys[0] == keys[2] != keys[1]
+
+
+
+def test_the_ledger_key_of_more_than_64_labels_changes_with_the_labels_beyond_the_first_64():
+    """Above 64 labels a multi-hot row packs into several 64-bit words, folded into one key: a
+    label beyond the first word (64, 65, the last: 129) must change it, alone or beside others,
+    and equal rows must give equal keys. Every set of one or two labels of 130 gets a key of
+    its own: a sum of the words times powers of an odd number gave {56} and {120} (each the top
+    bit of its word) the same one, and 145 such pairs of 8,256."""
+    import pyarrow as pa
+
+    sets = [set(), {0}, {63}, {64}, {65}, {129}, {0, 64}, {0, 65}, {0, 129}, {64, 65}, {64, 129}, {65, 129},
+            {0, 64, 65, 129}, set(range(64)), set(range(64)) | {64}, set(range(130)), set(range(129))]
+    rows = sets + sets[::-1]  # each set twice, apart
+    hot = pa.array([[float(i in row) for i in range(130)] for row in rows], type=pa.list_(pa.float32()))
+    keys = labels_module.ledger_keys(hot)
+    assert keys.dtype == np.int64 and len(set(keys[:len(sets)].tolist())) == len(sets)
+    assert keys[:len(sets)].tolist() == keys[len(sets):][::-1].tolist()
+
+    pairs = np.zeros((130 + 130 * 129 // 2, 130), dtype=np.float32)
+    for row, chosen in enumerate([(i,) for i in range(130)] + list(itertools.combinations(range(130), 2))):
+        pairs[row, list(chosen)] = 1
+    keys = labels_module.ledger_keys(pa.FixedSizeListArray.from_arrays(pa.array(pairs.ravel()), 130))
+    assert len(np.unique(keys)) == len(pairs)
 
 
 def test_a_resume_whose_data_gives_other_labels_is_refused(tmp_path):

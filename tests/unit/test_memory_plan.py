@@ -28,11 +28,30 @@ def tiny_models(tmp_path_factory):
     made: dict[str, object] = {}
 
     def tiny(family: str):
+        if family == LARGE_VOCABULARY and family not in made:
+            made[family] = with_vocabulary(tiny("llama"), 128_256, tmp_path_factory.mktemp(f"plan-{family}"))
         if family not in made:
             made[family] = make_tiny_model(tmp_path_factory.mktemp(f"plan-{family}"), 0.1, family)
         return made[family]
 
     return tiny
+
+
+LARGE_VOCABULARY = "llama-128k-vocabulary"
+"""The tiny Llama with Llama 3's 128,256 embedding rows: where the embedding, its gradient and
+its optimizer state are most of a classifier's bytes."""
+
+
+def with_vocabulary(model_dir, rows: int, out):
+    """`model_dir`'s model, random-init with an embedding of `rows` rows, and its tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.vocab_size = rows
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
 
 
 def run_config(model_dir, tmp_path, **overrides):
@@ -58,11 +77,11 @@ def nbytes(tensors) -> int:
 
 
 @pytest.mark.parametrize(("family", "settings"), [
-    ("bert", {}), ("llama", {}), ("bert", {"model.lora.r": 4}), ("gpt2", {"model.lora.r": 4}),
+    ("bert", {}), ("llama", {}), (LARGE_VOCABULARY, {}), ("bert", {"model.lora.r": 4}), ("gpt2", {"model.lora.r": 4}),
     ("llama", {"model.lora.r": 4, "train.precision": "bf16"}),  # a bf16 base (model.dtype auto)
     ("modernbert", {"model.lora.r": 4, "model.lora.target_modules": "[Wqkv]", "model.dtype": "bf16",
                     "train.precision": "bf16", "train.fused_adamw": False}),
-], ids=["bert", "llama", "bert-lora", "gpt2-lora", "llama-lora-bf16", "modernbert-lora-bf16-unfused"])
+], ids=["bert", "llama", LARGE_VOCABULARY, "bert-lora", "gpt2-lora", "llama-lora-bf16", "modernbert-lora-bf16-unfused"])
 def test_weights_gradients_and_optimizer_state_are_exact_to_the_byte(tiny_models, tmp_path, family, settings):
     cfg = run_config(tiny_models(family), tmp_path, **settings)
     cpu = torch.device("cpu")

@@ -88,3 +88,27 @@ def test_predictions_answer_with_names():
     assert (multi["labels"], multi["label_names"]) == ([0, 2], ["a", "c"])
     assert task("multi_label").csv_row(multi)[:2] == ["0|2", "a|c"]
     assert task("regression").predictions(torch.tensor([[1.5]])) == [{"value": 1.5}]
+
+
+@pytest.mark.parametrize("problem_type", ["single_label", "multi_label"])
+def test_a_picture_of_many_classes_keeps_a_size_that_can_be_drawn(problem_type, tmp_path):
+    """The evaluation's picture grew with the classes: a confusion matrix of 300 took 122 s and
+    8 GB, one of 1,000 ran out of memory on rank 0, which draws it while the other ranks wait.
+    Beyond the classes a picture can name, it keeps the size of that many."""
+    from PIL import Image
+
+    from trainer.tasks.base import NAMED_IN_PLOTS
+    from trainer.tasks.space import placeholder_names
+
+    def drawn(classes: int) -> tuple[int, int]:
+        t = task(problem_type, names=placeholder_names(classes))
+        generator = torch.Generator().manual_seed(classes)
+        truth = torch.randint(0, classes, (4 * classes,), generator=generator)
+        if problem_type == "multi_label":
+            truth = torch.nn.functional.one_hot(truth, classes).float()
+        _, details = tallied(t, torch.randn(4 * classes, classes, generator=generator), truth)
+        t.plot(details, "validation", tmp_path / f"{classes}.png")
+        with Image.open(tmp_path / f"{classes}.png") as image:
+            return image.size
+
+    assert drawn(100) == drawn(NAMED_IN_PLOTS)

@@ -9,15 +9,20 @@ proves the same across real launches.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import datasets
+import numpy as np
 import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.cli import config
 from trainer.data import encoding, labels, loaders, reading, sources
+from trainer.data.demo import generate
 from trainer.errors import DataError
 from trainer.model import pretrained
+from trainer.preflight import data_check
 from trainer.runtime.distributed import DistEnv
 from trainer.train import build
 
@@ -187,3 +192,75 @@ def test_the_rows_without_text_or_label_are_found_in_a_subsample_in_its_own_orde
         "no text in column 'text'": [0, 2], "no label in column 'label'": [3]}
     assert not sources.invalid_rows(ds.select([1]), OmegaConf.create(CHECKED))
     checked({"text": ["a", "b"], "title": ["x", "y"], "label": [0, 4]}, text_pair_field="title")
+
+
+def rows_read(loader) -> list[tuple]:
+    """Each row a loader yields, as (its real tokens, its label), and asserts on the way that
+    each batch is padded to its own longest row and no further."""
+    rows = []
+    for batch in loader:
+        real = batch["attention_mask"].sum(dim=1)
+        assert batch["input_ids"].shape[1] == int(real.max()), real.tolist()
+        rows += [(tuple(ids[:n].tolist()), int(label))
+                 for ids, n, label in zip(batch["input_ids"], real, batch["labels"], strict=True)]
+    return rows
+
+
+def test_an_eval_split_cut_by_max_eval_samples_is_read_whole_each_row_once_on_one_rank_or_two(
+        tiny_model, reviews, tmp_path):
+    """data.max_eval_samples below the split's 203 rows takes `_subsample`'s branch, which no
+    test of the whole split reaches: the eval loader must then read exactly the seeded 50 rows,
+    each once, in batches of train.eval_batch_size (the last one shorter), and two ranks'
+    unpadded shards must together read each of them once."""
+    cfg = settings(tiny_model, reviews, tmp_path, **{"data.max_eval_samples": 50, "train.eval_batch_size": 12})
+    splits = reading.load(cfg, DistEnv())
+    tokenizer = pretrained.load_tokenizer(cfg.model)
+    whole = datasets.load_dataset("json", data_files=str(reviews / "test.jsonl"), split="train",
+                                  cache_dir=str(tmp_path / "hf"))
+    chosen = whole.shuffle(seed=cfg.seed).select(range(50))  # the seeded subsample, drawn here
+    ids = tokenizer(list(chosen["text"]), truncation=True, max_length=cfg.data.max_length)["input_ids"]
+    expected = Counter(zip(map(tuple, ids), chosen["label"], strict=True))
+    assert len(whole) == 203 and sum(expected.values()) == 50
+
+    loader, samples = loaders.build_eval(cfg, DistEnv(), splits, tokenizer, torch.device("cpu"))
+    assert samples == 50 and [len(batch["input_ids"]) for batch in loader] == [12, 12, 12, 12, 2]
+    assert Counter(rows_read(loader)) == expected
+
+    tokenized = encoding.tokenize_split(splits.eval, cfg.data, "eval_split", tokenizer, splits.labels, DistEnv())
+    options = loaders._loader_options(cfg, tokenizer, torch.device("cpu"))
+    shards = [rows_read(loaders._eval_loader(tokenized, cfg, DistEnv(
+        rank=r, local_rank=r, world_size=2, local_world_size=2, master_addr="localhost", master_port=1), options))
+        for r in (0, 1)]
+    assert [len(shard) for shard in shards] == [25, 25]
+    assert Counter(shards[0] + shards[1]) == expected
+
+
+def test_check_measures_the_token_lengths_of_a_seeded_sample_of_2000_rows_of_a_larger_split(tiny_model, tmp_path):
+    """`check` tokenizes at most data_check.SAMPLE_ROWS (2,000) rows of a split, seeded: a
+    train split of 2,500 rows takes the sampled side, which the 600-row reviews never reach.
+    Its figures must be those of that seeded sample, not of the whole split (the 100
+    validation rows are all measured)."""
+    data = generate(tmp_path / "data", num_train=2500, num_test=100)
+    cfg = settings(tiny_model, data, tmp_path, **{"data.max_length": 30})
+    tokenizer = pretrained.load_tokenizer(cfg.model)
+
+    def lengths(split: str, rows: int, seed: int | None = cfg.seed) -> np.ndarray:
+        ds = datasets.load_dataset("json", data_files=str(data / f"{split}.jsonl"), split="train",
+                                   cache_dir=str(tmp_path / "hf"))
+        texts = (ds if seed is None else ds.shuffle(seed=seed)).select(range(rows))["text"]
+        return np.array([len(ids) for ids in tokenizer(list(texts))["input_ids"]])
+
+    def tokens(name: str, sample: np.ndarray) -> str:
+        p50, p90, p99 = (int(np.percentile(sample, q)) for q in (50, 90, 99))
+        return f"  tokens ({name}, {len(sample):,} sampled rows): p50 {p50}, p90 {p90}, p99 {p99}, max {sample.max()}"
+
+    def truncation(sample: np.ndarray) -> str:
+        return (f"  data.max_length 30 truncates {(sample > 30).mean():.1%} of the train sample; "
+                f"data.max_length={int(np.ceil(np.percentile(sample, 99)))} keeps 99% of it whole")
+
+    sample = lengths("train", 2000)
+    expected = [tokens("train", sample), tokens("validation", lengths("test", 100)), truncation(sample)]
+    # The sample tells apart: the whole split, or its first 2,000 rows, truncate another share.
+    assert expected[2] not in {truncation(lengths("train", 2500, None)), truncation(lengths("train", 2000, None))}
+    checked = data_check.check(cfg, world_size=1)
+    assert [line for line in checked.lines if line.startswith(("  tokens", "  data.max_length"))] == expected

@@ -405,9 +405,24 @@ def ledger_keys(column) -> np.ndarray:
     width = len(column[0]) if len(column) else 0
     hot = np.asarray(column.flatten().to_numpy(zero_copy_only=False), dtype=bool).reshape(len(column), width)
     packed = np.packbits(hot, axis=1)
-    packed = np.pad(packed, ((0, 0), (0, -packed.shape[1] % 8))).view(np.uint64)
-    powers = np.uint64(1_000_003) ** np.arange(packed.shape[1], dtype=np.uint64)
-    return (packed * powers).sum(axis=1, dtype=np.uint64).view(np.int64)
+    words = np.pad(packed, ((0, 0), (0, -packed.shape[1] % 8))).view(np.uint64)
+    if words.shape[1] <= 1:  # up to 64 labels: the row's bits themselves
+        return words.sum(axis=1, dtype=np.uint64).view(np.int64)
+    # More: the words chained through a bijective mix, so that rows differing in one word
+    # always differ, and others as by chance (a sum of each word times a power of an odd
+    # number gave two rows with the top bit of words 0 and 1 the same key).
+    key = np.zeros(len(words), dtype=np.uint64)
+    for word in words.T:
+        key = _mix64(key ^ word)
+    return key.view(np.int64)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer: a bijection of uint64 in which every output bit depends on every
+    input bit (products wrap modulo 2**64)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def _task(labels: Labels) -> type[Task]:

@@ -125,6 +125,12 @@ class Task:
         raise NotImplementedError
 
 
+NAMED_IN_PLOTS = 40
+"""The classes a task's picture names, one by one (and a confusion matrix counts in each
+cell); with more, the picture keeps this size and shows class ids: growing with the classes,
+a confusion matrix of 300 took 122 s and 8 GB to draw, and one of 1,000 ran out of memory."""
+
+
 def figure(width: float, height: float):
     """A matplotlib figure for a file: no display on a cluster node."""
     import matplotlib

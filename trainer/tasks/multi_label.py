@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from trainer.errors import DataError
 from trainer.runtime import distributed
 from trainer.runtime.distributed import DistEnv
-from trainer.tasks.base import Tally, Task, figure, save
+from trainer.tasks.base import NAMED_IN_PLOTS, Tally, Task, figure, save
 from trainer.tasks.single_label import per_label_table, precision_recall_f1
 from trainer.tasks.space import MULTI_HOT, NAMES, Labels, shown
 
@@ -99,13 +99,17 @@ class MultiLabel(Task):
 
     def plot(self, details: dict[str, Any], title: str, path: Path) -> None:
         rows = self.report(details)["per_label"]
-        fig, ax = figure(2 + 0.5 * len(rows), 4)
+        fig, ax = figure(2 + 0.5 * min(len(rows), NAMED_IN_PLOTS), 4)
         width = 0.27
         for offset, metric in enumerate(("precision", "recall", "f1")):
             ax.bar([i + (offset - 1) * width for i in range(len(rows))], [row[metric] for row in rows], width,
                    label=metric)
-        ax.set(xticks=range(len(rows)), ylim=(0, 1.05), ylabel="per label", title=title)
-        ax.set_xticklabels([row["name"] for row in rows], rotation=45, ha="right")
+        ax.set(ylim=(0, 1.05), ylabel="per label", title=title)
+        if len(rows) <= NAMED_IN_PLOTS:
+            ax.set(xticks=range(len(rows)))
+            ax.set_xticklabels([row["name"] for row in rows], rotation=45, ha="right")
+        else:
+            ax.set(xlabel="label id")
         ax.legend(fontsize=8)
         save(fig, path)
 

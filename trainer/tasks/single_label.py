@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from trainer.runtime import distributed
 from trainer.runtime.distributed import DistEnv
-from trainer.tasks.base import Tally, Task, figure, save
+from trainer.tasks.base import NAMED_IN_PLOTS, Tally, Task, figure, save
 from trainer.tasks.space import NAMES, Labels
 
 
@@ -120,18 +120,25 @@ class SingleLabel(Task):
                   for name, counts in zip(names, report["confusion_matrix"], strict=True))]
 
     def plot(self, details: dict[str, Any], title: str, path: Path) -> None:
+        """The confusion matrix; up to NAMED_IN_PLOTS classes each cell shows its count and
+        each class its name, beyond that the matrix alone, by class id, in a figure of that size."""
         confusion, names = details["confusion"], list(self.labels.names)
-        size = 1.5 + 0.6 * len(names)
+        size = 1.5 + 0.6 * min(len(names), NAMED_IN_PLOTS)
         fig, ax = figure(size + 1, size)
         image = ax.imshow(confusion.numpy(), cmap="Blues")
         fig.colorbar(image, ax=ax)
-        ax.set(xticks=range(len(names)), yticks=range(len(names)), xlabel="predicted", ylabel="true", title=title)
-        ax.set_xticklabels(names, rotation=45, ha="right")
-        ax.set_yticklabels(names)
-        half = confusion.max().item() / 2
-        for (true, predicted), count in zip(torch.cartesian_prod(*[torch.arange(len(names))] * 2).tolist(),
-                                            confusion.flatten().tolist(), strict=True):
-            ax.text(predicted, true, str(count), ha="center", va="center", color="white" if count > half else "black")
+        ax.set(xlabel="predicted", ylabel="true", title=title)
+        if len(names) > NAMED_IN_PLOTS:
+            ax.set(xlabel="predicted (class id)", ylabel="true (class id)")
+        else:
+            ax.set(xticks=range(len(names)), yticks=range(len(names)))
+            ax.set_xticklabels(names, rotation=45, ha="right")
+            ax.set_yticklabels(names)
+            half = confusion.max().item() / 2
+            for (true, predicted), count in zip(torch.cartesian_prod(*[torch.arange(len(names))] * 2).tolist(),
+                                                confusion.flatten().tolist(), strict=True):
+                ax.text(predicted, true, str(count), ha="center", va="center",
+                        color="white" if count > half else "black")
         save(fig, path)
 
     def predictions(self, logits: torch.Tensor) -> list[dict[str, Any]]:
