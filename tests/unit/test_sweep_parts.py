@@ -151,6 +151,19 @@ def test_a_good_sweep_plans_its_settings_metric_and_folds(data_file, tmp_path):
     assert loss.metric == "loss" and loss.direction == "min"
 
 
+def test_an_empty_mapping_on_the_command_line_empties_the_files_grid(data_file, tmp_path):
+    """OmegaConf merges a mapping into the one there, and an empty one changes nothing: a
+    folds-only sweep of a config whose YAML has a grid silently ran the grid."""
+    config_file = tmp_path / "sweep.yaml"
+    config_file.write_text(f"data: {{path: {data_file}}}\nmodel: {{name: org/model}}\ntrain: {{max_steps: 2}}\n"
+                           f"output_dir: {tmp_path / 'out'}\nsweep: {{parameters: {{train.lr: [1e-4, 1e-3]}}}}\n")
+    load = lambda more: config.load(str(config_file), ["sweep.folds=3", *more])  # noqa: E731
+    assert plan.check(load([]), load).settings == 2
+    folds_only = plan.check(load(["sweep.parameters={}"]), lambda more: load(["sweep.parameters={}", *more]))
+    assert folds_only.settings == 1 and folds_only.fold_of is not None
+    assert load(["train={}"]).train.max_steps == 2  # a section of the schema keeps its keys
+
+
 def test_data_fold_is_checked_against_data_folds(data_file, tmp_path):
     with pytest.raises(ConfigError, match=r"data.fold: must be below data.folds \(3\), got 3"):
         config.load(None, [f"data.path={data_file}", "model.name=org/model", "train.max_steps=2",

@@ -151,11 +151,15 @@ def test_bad_rows_of_json_lines_and_of_a_validation_split_are_named_too(tmp_path
         "test": {"no text in column 'text'": 1, "no label in column 'label'": 1}}
 
 
-def test_a_broken_json_line_is_named(tmp_path):
+@pytest.mark.parametrize("cut, why", [
+    ('{"text": "cut off in the mid', r"Unterminated string .*"),
+    ('{"text": "oops", "label": ', r"Expecting value, column 27"),  # pyarrow reports this one, by byte
+], ids=["inside-a-string", "after-a-key"])
+def test_a_broken_json_line_is_named(tmp_path, cut, why):
     path = tmp_path / "reviews.jsonl"
     lines = [json.dumps({"text": f"{WORDS[i % 6]} {i}", "label": i % 2}) for i in range(30)]
-    lines[16] = '{"text": "cut off in the mid'
+    lines[16] = cut
     path.write_text("\n".join(lines[:5]) + "\n\n" + "\n".join(lines[5:]) + "\n")  # and a blank line before it
-    with pytest.raises(DataError, match=r"^data.path: .*reviews.jsonl: line 18 is not valid JSON \(Unterminated "
-                                        r"string .*\): '\{\"text\": \"cut off in the mid'$"):
+    with pytest.raises(DataError, match=rf"^data.path: .*reviews.jsonl: line 18 is not valid JSON \({why}\): "
+                                        rf"{re.escape(repr(cut.strip()))}$"):
         load(tmp_path, path)

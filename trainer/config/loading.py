@@ -57,6 +57,17 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"override: {one_line(e)}") from None
 
 
+def _empty_the_emptied(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """`KEY={}` empties the mapping at KEY (`sweep.parameters={}`: no search). OmegaConf
+    merges a mapping into the one there, and an empty one changes nothing: the YAML's grid
+    would have run, silently. A config section (a dataclass of the schema) keeps its keys."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        node = OmegaConf.select(cfg, key.strip())
+        if value.strip() == "{}" and isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict:
+            OmegaConf.update(cfg, key.strip(), {}, merge=False)
+
+
 def _read_yaml(path: str) -> DictConfig:
     file = Path(path)
     if not file.is_file():
@@ -82,6 +93,7 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> DictConfig:
         if path is not None:
             cfg = cast(DictConfig, OmegaConf.merge(cfg, _read_yaml(path)))
         cfg = cast(DictConfig, OmegaConf.merge(cfg, _parse_overrides(list(overrides))))
+        _empty_the_emptied(cfg, overrides)
         _resolve_but_the_environment(cfg)
         # Touch every value, so a missing mandatory one fails here rather than mid-run.
         OmegaConf.to_container(cfg, throw_on_missing=True)

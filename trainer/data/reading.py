@@ -48,14 +48,16 @@ def _load(data_cfg: DataConfig, split: str | None):
         return datasets.load_dataset(data_cfg.path, data_cfg.name, split=split)
     except TrainerError:
         raise
-    except ValueError as e:
-        if split is not None and "split" in str(e).lower():  # a slice `datasets` can't take
-            raise ConfigError(f"data split {split!r}: {one_line(e)}") from None
-        raise DataError(f"data.path: {data_cfg.path}: {one_line(e)}") from None
     except Exception as e:  # datasets raises many types for an unreadable or unknown source  # noqa: BLE001
+        # A broken JSON line is named by its line, whichever type reports it: pyarrow's
+        # ValueError for a line cut after a key, datasets' own for one cut inside a string.
         broken = sources.broken_json_line(path)
         if broken is not None:
             raise DataError(f"data.path: {data_cfg.path}: {broken}") from None
+        if isinstance(e, ValueError):
+            if split is not None and "split" in str(e).lower():  # a slice `datasets` can't take
+                raise ConfigError(f"data split {split!r}: {one_line(e)}") from None
+            raise DataError(f"data.path: {data_cfg.path}: {one_line(e)}") from None
         raise DataError(f"data.path: {data_cfg.path}: {_describe(e)}{sources.delimiter_hint(path, used_delimiter)}"
                         ) from None
 
