@@ -8,7 +8,7 @@ launch each), the host syncs (each drains the GPU's queue), the copies and casts
 collectives; and the line that asked for each sync. The step is the Trainer's own
 (`Trainer.train_step`, built as a run builds it, in bf16 and SDPA as on a GPU), warmed up, then
 counted over --steps steps, which must all count the same. Counting needs no GPU:
-trainer/train/perf_counts.py says how. Run from another commit's worktree on PYTHONPATH, it counts
+tests/support/perf_counts.py says how. Run from another commit's worktree on PYTHONPATH, it counts
 that commit's step (the counter is read from this file's checkout, by path).
 
 - ddp: one process, no process group (how a 1-GPU run trains);
@@ -40,8 +40,8 @@ STRATEGIES = {"ddp": [], "lora": ["model.lora.r=8"], "fsdp": ["train.strategy=fs
 
 
 def counter_module():
-    """trainer/train/perf_counts.py of this checkout, whatever `trainer` is on the path."""
-    spec = importlib.util.spec_from_file_location("_perf_counts", HERE / "trainer" / "perf_counts.py")
+    """tests/support/perf_counts.py of this checkout, whatever `trainer` is on the path."""
+    spec = importlib.util.spec_from_file_location("_perf_counts", HERE / "tests" / "support" / "perf_counts.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

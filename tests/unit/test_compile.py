@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.perf_counts import CompileCounts
 from support.runs import tiny_overrides
 
 from trainer.cli import config
@@ -15,7 +16,6 @@ from trainer.data import labels
 from trainer.model import pretrained
 from trainer.runtime.distributed import DistEnv
 from trainer.train import build
-from trainer.train.perf_counts import CompileCounts
 from trainer.train.step import StepObserver
 
 LENGTHS = [9, 16, 23, 5, 31]
@@ -53,8 +53,7 @@ def train(cfg, dist_env) -> tuple[dict[str, torch.Tensor], torch.Tensor, Compile
     built = build.build(cfg, dist_env, torch.device("cpu"), labels.from_config(cfg.data), max_steps=20)
     with CompileCounts() as compiled:
         for step, length in enumerate(LENGTHS, start=1):
-            assert built.step([micro_batch(length, step)], step, StepObserver()).taken
-        built.step.settle()
+            assert built.step.settled([micro_batch(length, step)], step, StepObserver()).taken
         with torch.no_grad():
             batch = micro_batch(11, 99)
             logits = built.logits(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])

@@ -149,3 +149,27 @@ def test_the_readme_lists_the_configs_as_they_are():
     shipped |= {f"models/{path.name}/" for path in (REPO / "configs/models").iterdir()}
     named = set(re.findall(r"`((?:models/[\w.-]+/)|[\w.-]+\.yaml)`", listing))
     assert named == shipped
+
+
+def test_results_names_files_and_commands_that_still_exist_or_the_commit_they_ran_at():
+    """benchmarks/RESULTS.md's figures are reproduced by the commands and read in the files it
+    names: each `python -m benchmarks.X` is a driver here, each of its flags one that driver
+    takes, and each trainer/ path a file here, unless the line names the commit it was at."""
+    results = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    stale = []
+    for number, line in enumerate(results.splitlines(), start=1):
+        at_a_commit = re.search(r"\b[0-9a-f]{7,40}\b", line) is not None
+        stale += [f"line {number}: {path}" for path in re.findall(r"\btrainer/[\w/]+\.py\b", line)
+                  if not (REPO / path).is_file() and not at_a_commit]
+        for module, args in re.findall(r"python -m benchmarks\.(\w+)((?: +--?[\w-]+(?: [^-`\s][^\s`]*)*)*)", line):
+            driver = REPO / "benchmarks" / f"{module}.py"
+            if not driver.is_file():
+                stale.append(f"line {number}: benchmarks.{module}")
+                continue
+            source = driver.read_text()
+            for helper in re.findall(r"^from benchmarks\.(\w+) import", source, flags=re.M):  # a shared main's flags
+                source += (REPO / "benchmarks" / f"{helper}.py").read_text()
+            stale += [f"line {number}: benchmarks.{module} {flag}" for flag in re.findall(r"--[\w-]+", args)
+                      if f'"{flag}"' not in source]
+    assert results.count("python -m benchmarks") > 20  # the commands are read
+    assert not stale, "RESULTS.md names what is no longer there:\n" + "\n".join(stale)

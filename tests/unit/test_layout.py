@@ -236,3 +236,28 @@ def test_test_files_have_unique_names_across_tiers():
     names = [p.name for p in tests.glob("*/test_*.py")]
     assert len(names) > 50
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def modules_listed() -> set[str]:
+    """docs/layout.md's "The modules, layer by layer": each module named under its folder's
+    heading (`**Data** (`trainer/data/`)`), as a path under trainer/."""
+    section = LAYOUT.read_text().split("\n## The modules, layer by layer\n", 1)[1].split("\n## ", 1)[0]
+    listed, folder = set(), None
+    for line in section.splitlines():
+        heading = re.match(r"\*\*[^*]+\*\* \(`trainer/([\w/]*)`", line)
+        if heading:
+            folder = heading.group(1)
+            listed |= set(re.findall(r"`trainer/(\w+\.py)`", line))  # a root module beside the folder
+        elif line.startswith("**"):
+            folder = None  # outside the package
+        elif folder is not None:
+            listed |= {f"{folder}{name}" for name in re.findall(r"`(\w+\.py)`", line)}
+    return listed
+
+
+def test_docs_layout_lists_every_module_under_its_folder():
+    on_disk = {str(file.relative_to(PACKAGE)) for file in PACKAGE.rglob("*.py") if file.name != "__init__.py"}
+    listed = modules_listed()
+    assert len(listed) > 50  # the section is read
+    assert not on_disk - listed, f"not listed in docs/layout.md: {sorted(on_disk - listed)}"
+    assert not listed - on_disk, f"docs/layout.md lists what is not there: {sorted(listed - on_disk)}"

@@ -55,14 +55,14 @@ def test_a_nan_try_changes_nothing_and_the_next_try_trains(built):
     inject.into_step(step)  # as the Trainer does
     before = {name: p.detach().clone() for name, p in built.model.named_parameters()}
     step_observer = _Observer()
-    skipped = step([batch()], 1, step_observer)
+    skipped = step.settled([batch()], 1, step_observer)
     assert not skipped.taken and skipped.bad == "non-finite loss" and step_observer.calls == ["skipped"]
     assert all(torch.equal(before[name], p) for name, p in built.model.named_parameters())
     # No AdamW step (the fused AdamW skipped it on the device: its state is a fresh one's), no LR step.
     assert all(state["step"] == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
                for state in step.optimizer.state.values()) and step.scheduler.last_epoch == 0
     assert all(p.grad is None for p in built.model.parameters())
-    taken = step([batch()], 1, step_observer)  # the fault fired on the first try only
+    taken = step.settled([batch()], 1, step_observer)  # the fault fired on the first try only
     assert taken.taken and taken.bad is None and step_observer.calls == ["skipped", "done"]
     assert step.scheduler.last_epoch == 1
     assert not all(torch.equal(before[name], p) for name, p in built.model.named_parameters())

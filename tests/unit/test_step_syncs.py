@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
+from support.perf_counts import StepCounts
 from support.runs import tiny_overrides
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -18,7 +19,6 @@ from trainer.data import labels
 from trainer.faults import inject
 from trainer.runtime.distributed import DistEnv
 from trainer.train import build
-from trainer.train.perf_counts import StepCounts
 from trainer.train.step import StepObserver
 
 
@@ -82,15 +82,15 @@ def test_a_try_after_a_bad_one_is_aborted_and_trains_as_a_host_that_waited_would
         inject.configure(DistEnv(), {"TRAINER_FAULT_NAN": "0:1"})
         inject.into_step(built.step)  # as the Trainer does
         try:
-            first = built.step(batches(True, 1), 1, StepObserver())
             if wait:
-                assert first.bad == "non-finite loss"
+                assert built.step.settled(batches(True, 1), 1, StepObserver()).bad == "non-finite loss"
             else:
+                assert built.step(batches(True, 1), 1, StepObserver()).outcome is None  # on its way
                 second = built.step(batches(True, 2), 1, StepObserver())
-                assert second.aborted and second.previous.bad == "non-finite loss"
+                assert second.aborted and second.previous is not None and second.previous.bad == "non-finite loss"
             retried = built.step(batches(True, 2), 1, StepObserver())
-            assert retried.taken and not retried.aborted
-            assert built.step(batches(False, 3), 2, StepObserver()).taken
+            assert not retried.aborted and built.step.settle().taken
+            assert built.step.settled(batches(False, 3), 2, StepObserver()).taken
         finally:
             inject.configure(DistEnv(), {})
         return {name: p.detach().clone() for name, p in built.model.named_parameters()}
@@ -149,7 +149,7 @@ def test_a_step_casts_each_trained_weight_once_whatever_its_micro_batches(run_co
             built.step._casts_kept = lambda micro_batches: contextlib.nullcontext()  # each micro-batch casts anew
         weights = {id(p): name for name, p in built.model.named_parameters() if p.requires_grad and p.dim() == 2}
         with _WeightCasts(weights) as mode:
-            assert built.step(micro_batches, 1, StepObserver()).taken
+            assert built.step.settled(micro_batches, 1, StepObserver()).taken
         return mode.casts, {name: p.detach().clone() for name, p in built.model.named_parameters()}
 
     kept, kept_weights = run(keep=True)

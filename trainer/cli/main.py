@@ -20,6 +20,7 @@ from pathlib import Path
 from trainer import errors
 from trainer.cli import config
 from trainer.config import loading
+from trainer.config.schema import Config
 from trainer.errors import ConfigError, TrainerError
 from trainer.exit_codes import MEANING, Exit
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     return COMMANDS[args.command](cfg, arguments)
 
 
-def launch_env(cfg, environ: Mapping[str, str] = os.environ):
+def launch_env(cfg: Config, environ: Mapping[str, str] = os.environ):
     """(dist_env, device, backend): this process's place in the job, from the launcher's
     environment, checked before any process group. torch is imported here."""
     from trainer.runtime import distributed
@@ -125,7 +126,7 @@ def launch_env(cfg, environ: Mapping[str, str] = os.environ):
     return dist_env, device, backend
 
 
-def train_preflight(cfg, environ: Mapping[str, str] = os.environ):
+def train_preflight(cfg: Config, environ: Mapping[str, str] = os.environ):
     """launch_env, and whether the world size can split the global batch: all that training
     checks before the rendezvous."""
     dist_env, device, backend = launch_env(cfg, environ)
@@ -135,7 +136,7 @@ def train_preflight(cfg, environ: Mapping[str, str] = os.environ):
     return dist_env, device, backend
 
 
-def run_check(cfg, arguments: dict) -> int:
+def run_check(cfg: Config, arguments: dict) -> int:
     """validate the config, then report the data, its labels and the memory plan per GPU."""
     from trainer.data import labels
     from trainer.model import pretrained
@@ -182,7 +183,7 @@ def run_check(cfg, arguments: dict) -> int:
     return 0  # the GPU is assumed here; doctor fails a plan that the job's real devices can't hold
 
 
-def check_world_size(cfg, arguments: dict, environ: Mapping[str, str] = os.environ) -> tuple[int, str]:
+def check_world_size(cfg: Config, arguments: dict, environ: Mapping[str, str] = os.environ) -> tuple[int, str]:
     """The world size `check` plans for, and where it comes from: check's world_size=N (the
     launchers pass theirs), dist.world_size, a launcher's WORLD_SIZE, else a node of 8 GPUs."""
     from trainer.preflight import memory
@@ -195,7 +196,7 @@ def check_world_size(cfg, arguments: dict, environ: Mapping[str, str] = os.envir
                                        "or check's world_size=N")
 
 
-def run_doctor(cfg, arguments: dict) -> int:
+def run_doctor(cfg: Config, arguments: dict) -> int:
     """preflight the cluster under the same launcher as training."""
     try:
         dist_env, device, backend = launch_env(cfg)
@@ -207,7 +208,7 @@ def run_doctor(cfg, arguments: dict) -> int:
     return doctor.run(cfg, dist_env, device, backend)
 
 
-def run_train(cfg, arguments: dict) -> int:
+def run_train(cfg: Config, arguments: dict) -> int:
     """run the job."""
     from trainer.runtime.startup import StartupClock
 
@@ -260,7 +261,7 @@ def run_train(cfg, arguments: dict) -> int:
     return exit_code
 
 
-def hold_lease(cfg):
+def hold_lease(cfg: Config):
     """Rank 0: output_dir created, its lease taken (trainer/runtime/lease.py) and renewed every
     heartbeat until the end; a lease taken over from a dead holder is logged as a warning."""
     import time
@@ -286,7 +287,7 @@ def hold_lease(cfg):
     return lease.Renewal(held, lease.renewal_period(cfg.fault.heartbeat_s, timeout_s), lost, created).start()
 
 
-def run_evaluate(cfg, arguments: dict) -> int:
+def run_evaluate(cfg: Config, arguments: dict) -> int:
     """exact metrics of a trained model on a split."""
     try:
         dist_env, device, backend = launch_env(cfg)
@@ -300,7 +301,7 @@ def run_evaluate(cfg, arguments: dict) -> int:
                              lambda: evaluation.run(cfg, dist_env, device, folder))
 
 
-def run_predict(cfg, arguments: dict) -> int:
+def run_predict(cfg: Config, arguments: dict) -> int:
     """a trained model's answer for each row of a file (a class and the probabilities, the
     labels, or a value)."""
     try:
@@ -376,7 +377,7 @@ def run_push(args: argparse.Namespace) -> int:
         return errors.report(e)
 
 
-def use_trained_model(cfg, dist_env, device, backend, one_pass: Callable[[], object]) -> int:
+def use_trained_model(cfg: Config, dist_env, device, backend, one_pass: Callable[[], object]) -> int:
     """evaluate or predict: `one_pass` over the data under any launcher, then exit."""
     from trainer.runtime import distributed
 
@@ -391,7 +392,7 @@ def use_trained_model(cfg, dist_env, device, backend, one_pass: Callable[[], obj
         distributed.close()
 
 
-def run_sweep(cfg, arguments: dict) -> int:
+def run_sweep(cfg: Config, arguments: dict) -> int:
     """search the sweep section's settings, seeds and folds, each trial a run (docs/sweeps.md)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from trainer.sweep import command, plan

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.config.schema import DataConfig, TrainConfig
 from trainer.data import arrow
 from trainer.errors import DataError
 from trainer.tasks.base import Task
@@ -20,7 +21,7 @@ from trainer.tasks.registry import task_class
 from trainer.tasks.space import IDS, MULTI_HOT, NAMES, NUMBERS, Labels, placeholder_names, shown
 
 
-def from_config(data_cfg) -> Labels | None:
+def from_config(data_cfg: DataConfig) -> Labels | None:
     """The label space the config alone gives (no data read): for `check --no-data`'s memory
     plan; None where only the data can tell."""
     if task_class(data_cfg.problem_type).predicts_a_number:
@@ -55,7 +56,7 @@ class _Read:
     """MULTI_HOT: the length of every row."""
 
 
-def _error(data_cfg, split_key: str, what: str) -> DataError:
+def _error(data_cfg: DataConfig, split_key: str, what: str) -> DataError:
     return DataError(f"data.label_field: column {data_cfg.label_field!r} in {split_key} {what}")
 
 
@@ -77,7 +78,7 @@ _LARGEST_ID = 2**53
 """Beyond this a float is not an id (nor exactly an integer)."""
 
 
-def _as_ids(values, data_cfg, split_key: str, row_of: Callable[[int], str], advice: str):
+def _as_ids(values, data_cfg: DataConfig, split_key: str, row_of: Callable[[int], str], advice: str):
     """`values` (numbers) as int64 class ids. Each must be a whole number a class id can be:
     1.0 is (as pandas writes ids beside a missing value); NaN, inf, 2.5 and 1e30 are not, and
     the first of them is named, in `row_of(its index)`, with `advice`."""
@@ -93,7 +94,7 @@ def _as_ids(values, data_cfg, split_key: str, row_of: Callable[[int], str], advi
     return as_float.cast(pa.int64())
 
 
-def _read(column, data_cfg, split_key: str, multi_hot: bool | None = None) -> _Read:
+def _read(column, data_cfg: DataConfig, split_key: str, multi_hot: bool | None = None) -> _Read:
     """The labels of `column`, checked for the task: no nulls, the type the task reads.
     `multi_hot`: whether multi_label lists are multi-hot rows; None: decided by the lists."""
     import pyarrow.compute as pc
@@ -127,7 +128,7 @@ def _read(column, data_cfg, split_key: str, multi_hot: bool | None = None) -> _R
     return _Read(column, None, kind)
 
 
-def _read_lists(column, data_cfg, split_key: str, multi_hot: bool | None) -> _Read:
+def _read_lists(column, data_cfg: DataConfig, split_key: str, multi_hot: bool | None) -> _Read:
     """multi_label's lists: of class names or ids, or multi-hot rows (a 0 or 1 per label, as
     many in every row). Lists of 0s and 1s are multi-hot where a row repeats a value or every
     row holds two or more: as ids, a row would list a class twice, or every row the same two."""
@@ -213,7 +214,7 @@ def name_warnings(labels: Labels) -> list[str]:
     return warnings
 
 
-def relabel(ds, data_cfg):
+def relabel(ds, data_cfg: DataConfig):
     """`ds` with its label names normalized (data.normalize_labels) and mapped
     (data.label_map): before the classes are found. A name mapped to null leaves the row with
     no label (a list's element: it leaves the list). Class ids and numbers are left as they are."""
@@ -254,7 +255,7 @@ def _class_label_names(feature) -> list[str] | None:
     return None
 
 
-def resolve(train_ds, data_cfg) -> Labels:
+def resolve(train_ds, data_cfg: DataConfig) -> Labels:
     """The run's classes from the whole train split (a `datasets` split); its counts and
     weights are `with_counts_and_weights`'s."""
     import pyarrow.compute as pc
@@ -304,7 +305,7 @@ def _same_order(names: list[str], feature_names: list[str] | None, field: str) -
                         "to use them")
 
 
-def _ids(ds, labels: Labels, data_cfg, split_key: str) -> tuple[np.ndarray, np.ndarray | None]:
+def _ids(ds, labels: Labels, data_cfg: DataConfig, split_key: str) -> tuple[np.ndarray, np.ndarray | None]:
     """The class id of every label of split `ds`, and the row of each (None: one per row),
     each checked to be one of `labels`: an unknown one is an error naming the value, the
     split and the row."""
@@ -345,7 +346,7 @@ def _ids(ds, labels: Labels, data_cfg, split_key: str) -> tuple[np.ndarray, np.n
     return ids.to_numpy(zero_copy_only=False), read.rows
 
 
-def check_split(ds, labels: Labels, data_cfg, split_key: str) -> None:
+def check_split(ds, labels: Labels, data_cfg: DataConfig, split_key: str) -> None:
     """Every label of another split (validation, test) is one the run knows."""
     if _task(labels).predicts_a_number:
         _read(arrow.column(ds, data_cfg.label_field), data_cfg, split_key)
@@ -353,14 +354,14 @@ def check_split(ds, labels: Labels, data_cfg, split_key: str) -> None:
         _ids(ds, labels, data_cfg, split_key)
 
 
-def single_label_ids(ds, labels: Labels, data_cfg) -> np.ndarray | None:
+def single_label_ids(ds, labels: Labels, data_cfg: DataConfig) -> np.ndarray | None:
     """Each row's class id, for stratifying a split; None where a row holds no one class."""
     if not _task(labels).one_class_per_row():
         return None
     return _ids(ds, labels, data_cfg, "data.train_split")[0]
 
 
-def with_counts_and_weights(labels: Labels, train_ds, data_cfg, train_cfg) -> Labels:
+def with_counts_and_weights(labels: Labels, train_ds, data_cfg: DataConfig, train_cfg: TrainConfig) -> Labels:
     """`labels` with the count of each class in the rows that train (after a held-out
     validation share and data.max_train_samples), and the class weights."""
     if _task(labels).predicts_a_number:

@@ -75,18 +75,17 @@ class LossGuard:
 
     def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, scaler_skips_overflow: bool) -> Outcome:
         """`check`, then `Verdict.read` at once: the host waits for the device."""
-        verdict = self.check(loss, grad_norm, scaler_skips_overflow)
-        return Outcome(True, None, None) if verdict is None else verdict.read()
+        return self.check(loss, grad_norm, scaler_skips_overflow).read()
 
-    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor | None,
-              scaler_skips_overflow: bool) -> Verdict | None:
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, scaler_skips_overflow: bool) -> Verdict:
         """Collective over the group: `loss` is this rank's share of the step's loss (a 0-dim
         tensor), `grad_norm` the norm of the synchronized gradients (the same on every rank).
-        None when the check is off. Nothing here waits for the device: `Verdict.skip` says on
-        the device whether the step is bad (the same on every rank: it is computed from the
-        all-reduced numbers), and the numbers travel to the host behind the device's work."""
+        With the check off, a verdict of a step taken. Nothing here waits for the device:
+        `Verdict.skip` says on the device whether the step is bad (the same on every rank: it
+        is computed from the all-reduced numbers), and the numbers travel to the host behind
+        the device's work."""
         if not self.enabled:
-            return None
+            return Verdict(self, loss, grad_norm, None)
         norm = _full(grad_norm) if grad_norm is not None else torch.zeros((), device=loss.device)
         values = torch.stack([loss.detach().float(), norm.detach().float().to(loss.device)])
         ranks = 1
@@ -99,7 +98,7 @@ class LossGuard:
             if grad_norm is not None and not scaler_skips_overflow:
                 bad = bad | ~torch.isfinite(values[1])
             skip = bad.float()
-        return Verdict(self, values, skip, ranks, grad_norm is not None, scaler_skips_overflow)
+        return Verdict(self, loss, grad_norm, (values, skip, ranks, scaler_skips_overflow))
 
     def _decide(self, loss_sum: float, norm_sum: float, ranks: int, has_norm: bool,
                 scaler_skips_overflow: bool) -> Outcome:
@@ -124,24 +123,31 @@ class LossGuard:
 
 
 class Verdict:
-    """A step's check, decided on the device and on its way to the host.
+    """A step's check, decided on the device and on its way to the host: the one account of
+    a try that the host reads (`read`), a step later where it may (trainer/train/step.py).
 
-    `skip` (a 0-dim float on the device, 1: bad) is what the fused AdamW takes as its
-    `found_inf`, as GradScaler hands it over: a bad step changes no weight and no moment, with
-    no host involved. The sums are copied to the host without blocking it, behind the step's
-    work: `read` (once; later calls return the same) waits for that copy alone, which a step
-    later has long arrived, so the host never waits for the device's queue to drain."""
+    `skip` (a 0-dim float on the device, 1: bad; None: the check is off) is what the fused
+    AdamW takes as its `found_inf`, as GradScaler hands it over: a bad step changes no weight
+    and no moment, with no host involved. The sums are copied to the host without blocking it,
+    behind the step's work: `read` (once; later calls return the same) waits for that copy
+    alone, which a step later has long arrived, so the host never waits for the device's queue
+    to drain. `loss` and `grad_norm` are this rank's, on the device, for the step's observer."""
 
-    def __init__(self, guard: LossGuard, values: torch.Tensor, skip: torch.Tensor, ranks: int, has_norm: bool,
-                 scaler_skips_overflow: bool):
-        self.guard, self.skip, self.ranks = guard, skip, ranks
-        self.has_norm, self.scaler_skips_overflow = has_norm, scaler_skips_overflow
-        self._host = torch.cat([values, skip.reshape(1)]).to("cpu", non_blocking=True)  # pinned, on CUDA
+    def __init__(self, guard: LossGuard, loss: torch.Tensor, grad_norm: torch.Tensor | None,
+                 checked: tuple[torch.Tensor, torch.Tensor, int, bool] | None):
+        self.guard, self.loss, self.grad_norm = guard, loss, grad_norm
+        self.skip: torch.Tensor | None = None
+        self._outcome: Outcome | None = None
+        if checked is None:  # the check is off: taken, nothing to read
+            self._outcome = Outcome(True, None, None)
+            return
+        values, self.skip, self.ranks, self.scaler_skips_overflow = checked
+        self.has_norm = grad_norm is not None
+        self._host = torch.cat([values, self.skip.reshape(1)]).to("cpu", non_blocking=True)  # pinned, on CUDA
         self._arrived = None
         if values.device.type == "cuda":
             self._arrived = torch.cuda.Event()
             self._arrived.record()
-        self._outcome: Outcome | None = None
 
     def read(self) -> Outcome:
         if self._outcome is None:

@@ -58,7 +58,8 @@ class Preemption:
 
         The flag's all-reduce runs on the CPU control group (gloo) in the background while
         the next step computes, and is read one boundary later. So the check costs no
-        device sync and no latency; a signal costs at most one more step before the save.
+        device sync and no latency; a signal costs at most one more step before the save (two
+        where it arrives while the ranks evaluate or save, after this boundary's check).
         """
         if not self.dist_env.is_distributed:
             return self.received

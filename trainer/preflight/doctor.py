@@ -258,7 +258,7 @@ def run(cfg: Config, dist_env: DistEnv, device: torch.device, backend: str) -> i
             distributed.close()
 
 
-def _collective_checks(cfg, dist_env, device, backend, host, env, own: Findings, nccl_log: Path | None) -> int:
+def _collective_checks(cfg: Config, dist_env, device, backend, host, env, own: Findings, nccl_log: Path | None) -> int:
     device_name, device_id = describe_device(device)
     facts = {"rank": dist_env.rank, "host": host, "local_rank": dist_env.local_rank, "device": device_name,
              "device_id": device_id, "env": env, "rtt": store_round_trip(dist_env),
@@ -314,7 +314,7 @@ def save_folder(output_dir: Path, dist_env: DistEnv) -> Path:
     return Path(os.path.realpath(output_dir)) / f".doctor-save-{token}"  # through a dangling runs/ link too
 
 
-def _grace(cfg, dist_env: DistEnv, computes: list,
+def _grace(cfg: Config, dist_env: DistEnv, computes: list,
            save_s: float | str | None) -> tuple[list[str], list[str], list[str]]:
     """(the preemption grace section's lines, warnings, problems): the slowest rank's step,
     then the save; `save_s` is why the save failed where it did."""
@@ -329,7 +329,7 @@ def _grace(cfg, dist_env: DistEnv, computes: list,
     return (*grace.check(step_s, save_s), [])
 
 
-def _unmeasured(cfg, dist_env: DistEnv, device: torch.device, plan) -> str | None:
+def _unmeasured(cfg: Config, dist_env: DistEnv, device: torch.device, plan) -> str | None:
     """Why this rank can't time training steps, or None. Not when the memory plan fails it:
     doctor reports that instead of running out of memory."""
     if isinstance(plan, str):
@@ -339,7 +339,7 @@ def _unmeasured(cfg, dist_env: DistEnv, device: torch.device, plan) -> str | Non
     return None
 
 
-def _measure(cfg, dist_env: DistEnv, device: torch.device) -> tuple | str:
+def _measure(cfg: Config, dist_env: DistEnv, device: torch.device) -> tuple | str:
     """This rank's timed training steps for the forecast (a collective), or why there are none.
     A strategy the forecast does not model (FSDP) is timed over every rank, its own collectives
     included: its steps and its save (each rank's shards) still give the grace check."""
@@ -354,7 +354,7 @@ def _measure(cfg, dist_env: DistEnv, device: torch.device) -> tuple | str:
             torch.cuda.empty_cache()  # the timed model is gone: give its memory back
 
 
-def _forecast(cfg, dist_env: DistEnv, backend, sizes, results, computes, own,
+def _forecast(cfg: Config, dist_env: DistEnv, backend, sizes, results, computes, own,
               hosts: int) -> tuple[list[str], list[str]]:
     """(the "Scaling forecast" section's lines, warnings)."""
     unsupported = registry.of(cfg).forecast_unsupported
@@ -390,7 +390,7 @@ def plan_or_reason(cfg: Config, dist_env: DistEnv, device: torch.device) -> memo
         return str(e)
 
 
-def _report(cfg, dist_env, gathered, findings, sizes, results, links, shared, backend, hosts, output_dir, plan,
+def _report(cfg: Config, dist_env, gathered, findings, sizes, results, links, shared, backend, hosts, output_dir, plan,
             outlook: tuple[list[str], list[str]], stopping: tuple[list[str], list[str], list[str]]) -> int:
     world = len(gathered)
     problems = [p for f in findings for p in f.problems]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import errors
+from trainer.config.schema import TrainConfig
 from trainer.errors import ConfigError, LaunchError, TrainerError
 
 T = TypeVar("T")
@@ -249,7 +250,7 @@ def cpu_threads(dist_env: DistEnv, threads: int | None) -> int:
     return threads or max(1, len(os.sched_getaffinity(0)) // dist_env.local_world_size)
 
 
-def configure_compute(train_cfg, dist_env: DistEnv, device: torch.device) -> torch.dtype:
+def configure_compute(train_cfg: TrainConfig, dist_env: DistEnv, device: torch.device) -> torch.dtype:
     """This process's compute as train.* sets it, before the model is built: deterministic
     kernels, the CPU threads, and the autocast dtype it returns (resolve_precision). Every
     command that runs the model calls it once (trainer/train/build.py)."""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from trainer.checkpoint import formats
+from trainer.config.schema import Config
 from trainer.errors import CheckpointError, ConfigError
 from trainer.model.pretrained import transformer_blocks
 from trainer.runtime import distributed
@@ -53,7 +54,7 @@ class FSDP(Strategy):
     checkpoint_format = formats.SHARDED
     forecast_unsupported = "the forecast models DDP, not train.strategy=fsdp (docs/forecast.md)"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         super().__init__(cfg)
         self._model: nn.Module | None = None
 

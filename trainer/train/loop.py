@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -31,12 +32,44 @@ from trainer.strategies import registry
 from trainer.train import build, evaluation, flops, metrics, tracking
 from trainer.train.policy import Policy, Selection
 from trainer.train.state import TrainState
+from trainer.train.step import Tried
 
 log = logging.getLogger(__name__)
 
 
-class _Unasked:
-    """The preemption check was not asked at this step boundary yet."""
+@dataclass
+class _Try:
+    """A try of a step, as the host times it."""
+
+    step: int
+    epoch: int
+    batches: list[dict]
+    started: float
+    ended: float
+
+
+class _Tries:
+    """The batches each try takes (those of an aborted try again), and the one try whose
+    verdict is still on its way to the host."""
+
+    def __init__(self, batches: Iterator[tuple[int, list[dict]]]):
+        self._batches = batches
+        self._again: _Try | None = None
+        self._unread: _Try | None = None
+
+    def next_batches(self) -> tuple[int, list[dict]]:
+        again, self._again = self._again, None
+        return (again.epoch, again.batches) if again is not None else next(self._batches)
+
+    def again(self, aborted: _Try) -> None:
+        self._again = aborted
+
+    def defer(self, attempt: _Try) -> None:
+        self._unread = attempt
+
+    def take_unread(self) -> _Try | None:
+        unread, self._unread = self._unread, None
+        return unread
 
 
 class Trainer:
@@ -107,72 +140,88 @@ class Trainer:
     def train(self) -> dict:
         start_step = self.restore()
         self.replicas.check_start()
-        steps = loaders.micro_batches(self.data, self.batch.grad_accum, self.state.batches_read)
         self.tracker.start(self.state.run_id, start_step)
         self._log_plan()
         self.meter.begin(start_step)
         self.watchdog.start()
+        tries = _Tries(loaders.micro_batches(self.data, self.batch.grad_accum, self.state.batches_read))
         step = start_step
-        again: tuple[int, list[dict]] | None = None
-        """The batches of a try the step aborted, because the try before it was bad."""
-        unsettled: tuple[int, int, float, float] | None = None
-        """(step, epoch, start, end) of the try whose verdict is still on its way to the host:
-        the next try reads it once its own forward and backward are queued (trainer/train/step.py)."""
         while step < self.policy.max_steps and not self.selection.stop:
-            step += 1
-            started = time.time()
-            self.watchdog.step_started(step)
-            inject.point("step", step)
-            self.meter.phase("data")
-            epoch, batches = again or next(steps)
-            again = None
-            tried = self.train_step(batches, step, self.meter)
-            self.watchdog.step_done()
-            if unsettled is not None:
+            attempt, tried = self._try(step + 1, tries)
+            unread = tries.take_unread()
+            if unread is not None:  # its verdict was read during this try (trainer/train/step.py)
                 assert tried.previous is not None, "the step read the verdict it held"
-                done = self._settled(*unsettled, tried.previous)
-                unsettled = None
+                step = self._account(unread, tried.previous)
                 if tried.aborted:  # the try before was bad: this one's batches go again
-                    step, again = done, (epoch, batches)
+                    tries.again(attempt)
                     continue
-            preempted_by: str | type[_Unasked] | None = _Unasked
-            if self._may_wait(step):
-                with self._phase("preemption", step):
-                    preempted_by = self.preemption.agreed()
-                if preempted_by is None:  # nothing between the steps needs the verdict
-                    unsettled = (step, epoch, started, time.time())
-                    continue
-            outcome = tried.outcome()
-            done = self._settled(step, epoch, started, time.time(), outcome)
-            if not outcome.taken:
-                step = done
+            preempted_by = self._preemption(attempt.step)
+            if preempted_by is None and self._may_defer(attempt.step):  # nothing between steps needs its verdict
+                step = attempt.step
+                tries.defer(attempt)
                 continue
-            self._between_steps(step, epoch, preempted_by)
+            outcome = tried.outcome if tried.outcome is not None else self.train_step.settle()
+            assert outcome is not None, "the step's verdict is read"
+            step = self._account(attempt, outcome)
+            if outcome.taken:
+                saved = self._between_steps(step, attempt.epoch)
+                if preempted_by is not None and self.policy.stop_for_preemption(step, preempted_by):
+                    self._stop(step, saved, preempted_by)
+        assert tries.take_unread() is None, "the last step's verdict is read"
         return self._end_of_run(start_step, step)
 
-    def _may_wait(self, step: int) -> bool:
-        """Whether the verdict of `step`'s try may wait for the next try: nothing between the
-        steps needs it (no log, eval, save, replica check, fault, first or last step). The
-        same answer on every rank, which must all run the same tries."""
-        policy = self.policy
-        return (self.train_step.pending is not None and self.first_step_end_unix is not None
-                and step < policy.max_steps and not (policy.log(step) or policy.evaluate(step) or policy.save(step))
-                and not self.replicas.due(step, saving=False) and not inject.between_steps())
+    def _try(self, step: int, tries: _Tries) -> tuple[_Try, Tried]:
+        """A try of `step`, on the next batches or those of an aborted try; its verdict is
+        read now, or with the next try's."""
+        started = time.time()
+        self.watchdog.step_started(step)
+        inject.point("step", step)
+        self.meter.phase("data")
+        epoch, batches = tries.next_batches()
+        tried = self.train_step(batches, step, self.meter)
+        self.watchdog.step_done()
+        return _Try(step, epoch, batches, started, time.time()), tried
 
-    def _settled(self, step: int, epoch: int, started: float, ended: float, outcome: numerics.Outcome) -> int:
-        """The host's account of a try of `step` once its verdict is read. Returns the step
-        the run has done (`_bad_step`'s for a bad try)."""
-        self.timeline.step(step, started, outcome.taken, ended)
+    def _may_defer(self, step: int) -> bool:
+        """Whether the verdict of `step`'s try may wait for the next try: the step defers it
+        (a fused AdamW decides on the device), and nothing between the steps needs it (no log,
+        eval, save, replica check, fault, first or last step). The same answer on every
+        rank, which must all run the same tries."""
+        policy = self.policy
+        between = policy.log(step) or policy.evaluate(step) or policy.save(step) or \
+            self.replicas.due(step, saving=False) or inject.between_steps()
+        return (self.train_step.pending is not None and self.first_step_end_unix is not None
+                and step < policy.max_steps and not between)
+
+    def _account(self, attempt: _Try, outcome: numerics.Outcome) -> int:
+        """The host's account of a try once its verdict is read. Returns the step the run has
+        done: the try's, or for a bad try the one before it or a rollback's checkpoint."""
+        self.timeline.step(attempt.step, attempt.started, outcome.taken, attempt.ended)
         if outcome.bad or outcome.spike:
-            done = self._bad_step(step, outcome)
+            done = self._bad_step(attempt.step, outcome)
             if not outcome.taken:
                 return done
-        inject.point("weights", step, model=self.model)
-        self.state.step, self.state.epoch = step, epoch
+        inject.point("weights", attempt.step, model=self.model)
+        self.state.step, self.state.epoch = attempt.step, attempt.epoch
         if self.first_step_end_unix is None:
-            with self._phase("first-step", step):
+            with self._phase("first-step", attempt.step):
                 self._first_step_done()
-        return step
+        return attempt.step
+
+    def _preemption(self, step: int) -> str | None:
+        """The one place the ranks agree on a preemption signal: at every step boundary, the
+        signal's name once any rank has one (trainer/faults/preemption.py)."""
+        with self._phase("preemption", step):
+            return self.preemption.agreed()
+
+    def _stop(self, step: int, saved: bool, preempted_by: str) -> None:
+        """Save `step` (unless it just was) and stop for a preemption: exit 75."""
+        with self._phase("save", step):
+            if not saved:
+                self._compare_replicas(step, saving=True)
+                self.save()
+            self.checkpointer.finish()  # on disk, or every rank fails with why
+        raise preemption.Preempted(step, preempted_by)
 
     def _bad_step(self, step: int, outcome: numerics.Outcome) -> int:
         """A try of `step` that was not finite (skipped on every rank alike) or a spike:
@@ -221,9 +270,9 @@ class Trainer:
         with self.watchdog.phase(name, step), self.timeline.phase(name, step):
             yield
 
-    def _between_steps(self, step: int, epoch: int, preempted_by: str | type[_Unasked] | None = _Unasked) -> None:
-        """Log, evaluate, save and stop as the policy says, each in a phase (`_phase`);
-        `preempted_by`: what the preemption check said at this boundary, if asked already."""
+    def _between_steps(self, step: int, epoch: int) -> bool:
+        """Log, evaluate and save as the policy says, each in a phase (`_phase`). Returns
+        whether it saved."""
         watch = self._phase
         if self.policy.log(step):
             with watch("log", step):
@@ -237,18 +286,7 @@ class Trainer:
             if saved:
                 with watch("save", step):
                     self.save()
-            if preempted_by is _Unasked:
-                with watch("preemption", step):
-                    preempted_by = self.preemption.agreed()
-            assert preempted_by is None or isinstance(preempted_by, str)
-            if preempted_by is not None and self.policy.stop_for_preemption(step, preempted_by):
-                if not saved:
-                    self._compare_replicas(step, saving=True)
-                with watch("save", step):
-                    if not saved:
-                        self.save()
-                    self.checkpointer.finish()  # on disk, or every rank fails with why
-                raise preemption.Preempted(step, preempted_by)
+        return saved
 
     def _compare_replicas(self, step: int, saving: bool) -> None:
         """Every fault.fingerprint_every steps, and before a checkpoint is written from them:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -95,13 +95,13 @@ class TrainStep:
         self.optimizer, self.scheduler, self.scaler, self.guard = optimizer, scheduler, scaler, guard
         self.max_grad_norm, self.device, self.non_blocking = max_grad_norm, device, non_blocking
         self.sdpa_backend, self.recomputes = sdpa_backend, recomputes
-        self.pending: _Pending | None = None
-        """The last try's check, while the host has not read it."""
+        self.pending: tuple[Verdict, StepObserver] | None = None
+        """The last try's verdict, while the host has not read it, and who hears of it."""
         # The host need not wait for the check where the device can apply it: the fused AdamW
         # takes a found_inf. fp16's scaler reads its own found_inf on the host, PowerSGD's
         # error feedback would carry a bad step's NaN into the next backward before its
         # verdict is read, and a spike's median is the host's.
-        self.lazy = (bool(optimizer.defaults.get("fused")) and not scaler.is_enabled()
+        self.lazy = (guard.enabled and bool(optimizer.defaults.get("fused")) and not scaler.is_enabled()
                      and not guard.rollback_on_spike and getattr(strategy, "powersgd", None) is None)
         self.masks = AttentionMasks(model)
 
@@ -115,18 +115,40 @@ class TrainStep:
         assert labels is not None
         return self.task.sample_losses(self.module(**inputs), labels).mean()
 
-    def __call__(self, batches: list[dict], step: int, observer: StepObserver) -> Try:
+    def __call__(self, batches: list[dict], step: int, observer: StepObserver) -> Tried:
         """Optimizer step number `step` over `batches`, this rank's micro-batches of it; taken
         or skipped on every rank alike.
 
         Where the optimizer is the fused AdamW (and neither fp16's scaler nor PowerSGD nor
         fault.rollback_on_spike needs the host to decide), the host never waits for the device:
-        the check is decided and applied there (numerics.Verdict), and its verdict is read here
-        a step later, once this try's forward and backward are queued (`settle`). A try after
+        the check is decided and applied there (numerics.Verdict), and the host reads its
+        verdict a step later, once the next try's forward and backward are queued. A try after
         a bad one is then aborted before its optimizer step, its random state given back, and
-        its batches go again (`Try.aborted`): what it trains is what a host that had waited
-        would have trained. Reading the returned Try's fields settles it at once."""
+        its batches go again (`Tried.aborted`): what it trains is what a host that had waited
+        would have trained. `settle` reads a verdict at once, where the caller needs it now."""
         rng = _rng_state(self.device) if self.pending is not None else None
+        step_loss = self._forward_backward(batches, observer)
+        # Before the optimizer's phase: the observer hears of the last try's end (which ends a
+        # phase) before this try's optimizer is timed.
+        previous = self.settle()
+        if previous is not None and not previous.taken:  # this try is not the one that comes next
+            self.optimizer.zero_grad(set_to_none=True)
+            _set_rng_state(self.device, rng)
+            observer.phase(None)
+            return Tried(previous, None)
+        observer.phase("optimizer")
+        verdict = self._optimizer_step(step, step_loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lazy:  # read with the next try's, or by `settle`
+            observer.phase(None)
+            self.pending = (verdict, observer)
+            return Tried(previous, None)
+        self._conclude(verdict, observer)
+        return Tried(previous, verdict.read())
+
+    def _forward_backward(self, batches: list[dict], observer: StepObserver) -> torch.Tensor:
+        """The micro-batches' forward and backward, the gradients synchronized after the last;
+        returns this rank's loss of the step (on the device)."""
         grad_accum = len(batches)
         clock = self.strategy.comm_clock
         step_loss = torch.zeros((), device=self.device)
@@ -145,15 +167,12 @@ class TrainStep:
                 if is_last and clock is not None:
                     observer.phase("comm", at=clock.take())  # from the last bucket on
                 step_loss += loss.detach()
-        # Before the optimizer's phase: the observer hears of the last try's end (which ends a
-        # phase) before this try's optimizer is timed.
-        previous = self.settle()
-        if previous is not None and not previous.taken:  # this try is not the one that comes next
-            self.optimizer.zero_grad(set_to_none=True)
-            _set_rng_state(self.device, rng)
-            observer.phase(None)
-            return Try(self, None, previous)
-        observer.phase("optimizer")
+        return step_loss
+
+    def _optimizer_step(self, step: int, step_loss: torch.Tensor) -> Verdict:
+        """The gradients unscaled, clipped and checked, and the optimizer's step taken unless
+        the check says the step is bad. Lazily (`lazy`), the fused AdamW skips on the device;
+        otherwise the host reads the verdict first."""
         self.gradients_ready(step, step_loss)
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         grad_norm = None
@@ -165,23 +184,14 @@ class TrainStep:
         # halved; every rank skips the same steps, because the all-reduced gradients are the
         # same everywhere. A loss that is not finite, in any precision, the guard skips.
         verdict = self.guard.check(step_loss, grad_norm, scaler_skips_overflow=self.scaler.is_enabled())
-        pending = _Pending(verdict, step_loss, grad_norm, observer)
-        if verdict is not None and self.lazy:
-            self.optimizer.found_inf = verdict.skip  # type: ignore[attr-defined]  # as GradScaler hands it over
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.found_inf  # type: ignore[attr-defined]
-            self.optimizer.zero_grad(set_to_none=True)
-            observer.phase(None)
-            self.pending = pending
-            return Try(self, pending, previous)
-        if pending.outcome().taken:
+        if self.lazy:
+            assert verdict.skip is not None, "a lazy step is checked"
+            _step_unless(self.optimizer, verdict.skip)
+            return verdict
+        if verdict.read().taken:
             self.scaler.step(self.optimizer)
         self.scaler.update()  # also after a skipped step: it ends the step's unscale_
-        self.optimizer.zero_grad(set_to_none=True)
-        self._conclude(pending)
-        return Try(self, pending, previous)
+        return verdict
 
     def gradients_ready(self, step: int, step_loss: torch.Tensor) -> None:
         """After the last backward, before the gradients are unscaled and clipped: the
@@ -203,52 +213,54 @@ class TrainStep:
     def settle(self) -> Outcome | None:
         """The verdict of the last try, if not read yet: read now, and what the host does
         after a step (the LR schedule's step, the observer told) done. None: none pending."""
-        pending, self.pending = self.pending, None
-        if pending is None:
+        if self.pending is None:
             return None
-        self._conclude(pending)
-        return pending.outcome()
+        (verdict, observer), self.pending = self.pending, None
+        self._conclude(verdict, observer)
+        return verdict.read()
 
-    def _conclude(self, pending: _Pending) -> None:
-        if pending.outcome().taken:
+    def settled(self, batches: list[dict], step: int, observer: StepObserver) -> Outcome:
+        """A try whose verdict the caller reads at once (the forecast's timing, tests): the
+        host waits for the device."""
+        tried = self(batches, step, observer)
+        assert not tried.aborted, "no verdict was pending before this try"
+        outcome = tried.outcome if tried.outcome is not None else self.settle()
+        assert outcome is not None, "a try that was not aborted has a verdict"
+        return outcome
+
+    def _conclude(self, verdict: Verdict, observer: StepObserver) -> None:
+        if verdict.read().taken:
             self.scheduler.step()
-            pending.observer.step_done(pending.loss, pending.grad_norm)
+            observer.step_done(verdict.loss, verdict.grad_norm)
         else:
             self.strategy.discard_gradients()
-            pending.observer.step_skipped()
+            observer.step_skipped()
 
 
-class _Pending:
-    """A try's check, as the host will read it."""
+class Tried(NamedTuple):
+    """What a call of TrainStep did."""
 
-    def __init__(self, verdict: Verdict | None, loss: torch.Tensor, grad_norm: torch.Tensor | None,
-                 observer: StepObserver):
-        self.verdict, self.loss, self.grad_norm, self.observer = verdict, loss, grad_norm, observer
+    previous: Outcome | None
+    """The verdict of the try before, read during this one; None: it had been read."""
+    outcome: Outcome | None
+    """This try's verdict; None where it was aborted, or is still on its way to the host
+    (TrainStep.settle reads it)."""
 
-    def outcome(self) -> Outcome:
-        return Outcome(True, None, None) if self.verdict is None else self.verdict.read()
+    @property
+    def aborted(self) -> bool:
+        """The try before was bad: this one took no step, and its batches go again."""
+        return self.previous is not None and not self.previous.taken
 
 
-class Try:
-    """What a call of TrainStep did: `previous`, the verdict of the try before it, settled
-    during this one (None: it was settled already); `aborted`: that try was bad, so this one
-    took no step and its batches go again. Its own verdict's fields (taken, loss, grad_norm,
-    bad, spike: numerics.Outcome's) settle it when read."""
-
-    def __init__(self, step: TrainStep, pending: _Pending | None, previous: Outcome | None):
-        self._step, self._pending, self.previous = step, pending, previous
-        self.aborted = pending is None
-
-    def outcome(self) -> Outcome:
-        assert self._pending is not None, "an aborted try has no verdict"
-        if self._step.pending is self._pending:
-            self._step.settle()
-        return self._pending.outcome()
-
-    def __getattr__(self, name: str):
-        if name in Outcome._fields:
-            return getattr(self.outcome(), name)
-        raise AttributeError(name)
+def _step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """`optimizer.step()`, which the fused AdamW skips on the device where `skip` is 1: it
+    reads `found_inf` from itself, where GradScaler puts it for the same purpose (torch.optim's
+    `_step_supports_amp_scaling` protocol)."""
+    optimizer.__dict__["found_inf"] = skip
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.__dict__["found_inf"]
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -7,7 +7,8 @@ the GPU then idles while the host launches the next kernels. Neither needs a GPU
 `StepCounts` counts them for whatever runs inside it, on any device, and the counts are
 deterministic (the same code and shapes dispatch the same ops), so tests may assert them.
 
-Nothing in training imports this module: benchmarks/launch_budget.py and the unit tests do.
+Nothing in training imports this module: it lives with the tests, and benchmarks/launch_budget.py
+loads it by path.
 It imports nothing of trainer/ either, so that the benchmark can count older commits' steps.
 
 A read of the host's own data (the loader's batch, before the step moves it to the device)
