@@ -70,7 +70,8 @@ def train_entry() -> dict[str, ast.AST]:
     """What `python -m trainer train` runs: trainer/cli/main.py's module level and the
     functions on the train command's way, with what they import lazily."""
     tree = ast.parse((PACKAGE / "cli" / "main.py").read_text())
-    on_the_way = {"main", "parse_args", "command_args", "setup_logging", "launch_env", "train_preflight", "run_train"}
+    on_the_way = {"main", "_parsers", "parse_args", "command_args", "setup_logging", "launch_env", "train_preflight",
+                  "run_train"}
     kept = [node for node in tree.body if not isinstance(node, ast.FunctionDef) or node.name in on_the_way]
     return {"trainer.__main__": ast.parse((PACKAGE / "__main__.py").read_text()),
             "trainer.cli.main": ast.Module(body=kept, type_ignores=[])}

@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import NoReturn
 
 from trainer import errors
 from trainer.cli import config
@@ -25,25 +26,55 @@ from trainer.errors import ConfigError, TrainerError
 from trainer.exit_codes import MEANING, Exit
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusals are the CLI's one line and exit code 2, as every
+    mistake's are (`main`), not a usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def _parsers() -> tuple[_Parser, dict[str, _Parser]]:
+    """The parser of `python -m trainer`, and each command's, which takes its own flags alone."""
+    top = _Parser(prog="python -m trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    subparsers = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, required=True)
+    parsers = {}
+    for name, run in {**COMMANDS, **RUN_DIR_COMMANDS}.items():
+        parser = parsers[name] = subparsers.add_parser(name, help=run.__doc__, description=run.__doc__)
+        if name in COMMANDS:
+            parser.add_argument("-c", "--config", help="YAML config file (see configs/)")
+            parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-4")
+        else:
+            parser.add_argument("overrides", nargs="*", metavar="RUN_DIR", help="a run's output_dir")
+    check = parsers["check"]
+    check.add_argument("--no-data", action="store_true",
+                       help="skip the data (for data that exists only where the job runs)")
+    check.add_argument("--resolved", action="store_true",
+                       help="print the resolved config as YAML, the report after it as comments")
+    push = parsers["push"]
+    push.add_argument("--repo-id", help="the Hub repository, ORG/NAME")
+    push.add_argument("--private", action="store_true", help="create the repository private (the default)")
+    push.add_argument("--public", action="store_true",
+                      help="create the repository public (one that exists keeps its visibility)")
+    push.add_argument("--revision", help="the branch to commit to (default main)")
+    push.add_argument("--adapter", action="store_true", help="final/adapter/ alone (export_adapter)")
+    return top, parsers
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
-    parser.add_argument("command", choices=[*COMMANDS, *RUN_DIR_COMMANDS],
-                        help=" ".join(f"{name}: {run.__doc__}" for name, run in
-                                      {**COMMANDS, **RUN_DIR_COMMANDS}.items()))
-    parser.add_argument("-c", "--config", help="YAML config file (see configs/)")
-    parser.add_argument("--no-data", action="store_true",
-                        help="check: skip the data (for data that exists only where the job runs)")
-    parser.add_argument("--resolved", action="store_true",
-                        help="check: print the resolved config as YAML, the report after it as comments")
-    parser.add_argument("--repo-id", help="push: the Hub repository, ORG/NAME")
-    parser.add_argument("--private", action="store_true",
-                        help="push: create the repository private (the default, as hub.private)")
-    parser.add_argument("--public", action="store_true",
-                        help="push: create the repository public (one that exists keeps its visibility)")
-    parser.add_argument("--revision", help="push: the branch to commit to (default main)")
-    parser.add_argument("--adapter", action="store_true", help="push: final/adapter/ alone (export_adapter)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. train.lr=1e-4")
-    return parser.parse_intermixed_args(argv)
+    """The command and its arguments, by the command's own parser: another command's flag is
+    refused in one line (a ConfigError). Intermixed, which argparse's subparsers can't be:
+    overrides may stand before and after the flags, as launchers pass them."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    top, parsers = _parsers()
+    if not argv or argv[0] not in parsers:
+        top.parse_args(argv)  # --help, or argparse's own line: no command, or an unknown one
+        raise ConfigError(f"python -m trainer: expected a command: {', '.join(parsers)}")
+    args = parsers[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    for flag in ("config", "no_data", "resolved"):  # the attributes every command's caller reads
+        setattr(args, flag, getattr(args, flag, None))
+    return args
 
 
 # The arguments of check, evaluate and predict: `name=value` like the overrides, which no config key
@@ -90,30 +121,27 @@ def setup_logging(dist_env) -> None:
         os.environ["TRANSFORMERS_VERBOSITY"] = "error"
 
 
+def log_to_stderr() -> None:
+    """The commands that run in one process (sweep, push): INFO and up, on stderr."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    pushing = {"--repo-id": args.repo_id, "--private": args.private, "--public": args.public,
-               "--revision": args.revision, "--adapter": args.adapter}
-    if args.command != "push" and any(pushing.values()):
-        flag = next(name for name, value in pushing.items() if value)
-        return errors.report(ConfigError(f"{flag}: a flag of push, not of {args.command}"))
-    if args.command in RUN_DIR_COMMANDS:
-        return RUN_DIR_COMMANDS[args.command](args)
-    # Everything a user can get wrong is checked before a process group or a file exists: the
-    # config here, before torch is imported (seconds); the rest in each command's preflight.
+    """Every command's mistakes, wherever found, are one `error:` line and their exit code:
+    the config's before torch is imported (seconds), the rest in each command's preflight."""
     try:
+        args = parse_args(argv)
+        if args.command in RUN_DIR_COMMANDS:
+            return RUN_DIR_COMMANDS[args.command](args)
         arguments, overrides = command_args(args.command, args.overrides)
-        for flag, given in (("--no-data", args.no_data), ("--resolved", args.resolved)):
-            if given and args.command != "check":
-                raise ConfigError(f"{flag}: a flag of check, not of {args.command}")
         arguments["no_data"], arguments["resolved"] = args.no_data, args.resolved
         if arguments.get("split"):
             overrides.append(f"data.eval_split={arguments['split']}")
         cfg = config.load(args.config, overrides)
         arguments["config"], arguments["overrides"] = args.config, args.overrides  # sweep's: no command arguments
+        return COMMANDS[args.command](cfg, arguments)
     except TrainerError as e:
         return errors.report(e)
-    return COMMANDS[args.command](cfg, arguments)
 
 
 def launch_env(cfg: Config, environ: Mapping[str, str] = os.environ):
@@ -144,13 +172,10 @@ def run_check(cfg: Config, arguments: dict) -> int:
     from trainer.strategies import registry
     from trainer.tasks import space
 
-    try:
-        gpu_bytes = memory.parse_gib(str(arguments["gpu_gib"]))
-        world_size, planned_by = check_world_size(cfg, arguments)
-        if arguments["world_size"]:  # the launch's own (the launchers pass it): what training would refuse
-            registry.of(cfg).check_world_size(world_size)
-    except ConfigError as e:
-        return errors.report(e)
+    gpu_bytes = memory.parse_gib(str(arguments["gpu_gib"]))
+    world_size, planned_by = planned_world_size(cfg, arguments)
+    if arguments["world_size"]:  # the launch's own (the launchers pass it): what training would refuse
+        registry.of(cfg).check_world_size(world_size)
     resolved = arguments.get("resolved")
     if resolved:  # `check --resolved > resolved.yaml` stays a config: the report follows as comments
         print(loading.to_yaml(cfg), end="", flush=True)
@@ -159,10 +184,7 @@ def run_check(cfg: Config, arguments: dict) -> int:
     if arguments.get("no_data"):
         lines.append("data: not checked (--no-data)")
     else:
-        try:  # the data as training loads it (seconds, no weights): a mistake is one line, exit 2
-            checked = data_check.check(cfg, world_size)
-        except TrainerError as e:
-            return errors.report(e)
+        checked = data_check.check(cfg, world_size)  # the data as training loads it (seconds, no weights)
         run_labels, warnings = checked.labels, checked.warnings
         lines += checked.lines
     if run_labels is None:  # --no-data without num_labels: a stand-in head, a few bytes off
@@ -174,7 +196,7 @@ def run_check(cfg: Config, arguments: dict) -> int:
     except ConfigError as e:
         # A hub model a login node can't reach can still train where its nodes reach the hub.
         if not pretrained.from_hub(cfg.model) or not str(e).startswith("model.name"):
-            return errors.report(e)
+            raise
         lines.append(f"memory plan: not made, model.name {cfg.model.name}'s config.json can't be read here: {e}")
     if not resolved:
         lines.append("the resolved config: check --resolved prints it as YAML")
@@ -183,7 +205,7 @@ def run_check(cfg: Config, arguments: dict) -> int:
     return 0  # the GPU is assumed here; doctor fails a plan that the job's real devices can't hold
 
 
-def check_world_size(cfg: Config, arguments: dict, environ: Mapping[str, str] = os.environ) -> tuple[int, str]:
+def planned_world_size(cfg: Config, arguments: dict, environ: Mapping[str, str] = os.environ) -> tuple[int, str]:
     """The world size `check` plans for, and where it comes from: check's world_size=N (the
     launchers pass theirs), dist.world_size, a launcher's WORLD_SIZE, else a node of 8 GPUs."""
     from trainer.preflight import memory
@@ -198,10 +220,7 @@ def check_world_size(cfg: Config, arguments: dict, environ: Mapping[str, str] = 
 
 def run_doctor(cfg: Config, arguments: dict) -> int:
     """preflight the cluster under the same launcher as training."""
-    try:
-        dist_env, device, backend = launch_env(cfg)
-    except TrainerError as e:
-        return errors.report(e)
+    dist_env, device, backend = launch_env(cfg)
     from trainer.preflight import doctor
 
     setup_logging(dist_env)
@@ -213,16 +232,13 @@ def run_train(cfg: Config, arguments: dict) -> int:
     from trainer.runtime.startup import StartupClock
 
     startup = StartupClock()  # from this process's start, not from now
-    try:
-        dist_env, device, backend = train_preflight(cfg)
-    except TrainerError as e:
-        return errors.report(e)
+    dist_env, device, backend = train_preflight(cfg)
 
     setup_logging(dist_env)
     from trainer.data import worker_server
     from trainer.faults import watchdog
     from trainer.faults.preemption import Preempted
-    from trainer.runtime import distributed
+    from trainer.runtime import distributed, lease
 
     worker_server.start_worker_server(cfg)  # now: its imports run beside the rank's, not before the first batch
     from trainer.train.loop import Trainer  # the heavy imports (transformers, datasets) start here
@@ -236,7 +252,8 @@ def run_train(cfg: Config, arguments: dict) -> int:
         startup.mark("rendezvous")
         # Before anything is written to output_dir or a checkpoint is picked to resume from:
         # a second job on the folder is refused on every rank, within seconds.
-        held = distributed.rank_zero_does(dist_env, f"output_dir {cfg.output_dir}: lease", lambda: hold_lease(cfg))
+        held = distributed.rank_zero_does(dist_env, f"output_dir {cfg.output_dir}: lease",
+                                          lambda: lease.hold(Path(cfg.output_dir), cfg.fault))
         trainer = Trainer(cfg, dist_env, device, startup)
         trainer.train()
         exit_code = 0
@@ -261,42 +278,13 @@ def run_train(cfg: Config, arguments: dict) -> int:
     return exit_code
 
 
-def hold_lease(cfg: Config):
-    """Rank 0: output_dir created, its lease taken (trainer/runtime/lease.py) and renewed every
-    heartbeat until the end; a lease taken over from a dead holder is logged as a warning."""
-    import time
-
-    from trainer import files
-    from trainer.runtime import lease
-
-    output_dir = Path(cfg.output_dir)
-    created = not output_dir.exists()
-    files.make_writable_dir(output_dir)
-    timeout_s = cfg.fault.lease_timeout_s
-    held = lease.Lease(output_dir, timeout_s, lease.this_process(time.time()))
-    if warning := held.acquire():
-        logging.getLogger("trainer").warning("%s", warning)
-
-    def lost(who: str) -> None:
-        # Another job writes output_dir now (this one was silent for the whole timeout: a
-        # frozen node): every further write of ours would clobber its files. Stop at once.
-        errors.report(f"output_dir {output_dir}: this job's lease was taken over by {who}: stopping; "
-                      "resume the run with one job at a time")
-        os._exit(Exit.USAGE)
-
-    return lease.Renewal(held, lease.renewal_period(cfg.fault.heartbeat_s, timeout_s), lost, created).start()
-
-
 def run_evaluate(cfg: Config, arguments: dict) -> int:
     """exact metrics of a trained model on a split."""
-    try:
-        dist_env, device, backend = launch_env(cfg)
-        from trainer.checkpoint import resume
-        from trainer.train import evaluation
+    dist_env, device, backend = launch_env(cfg)
+    from trainer.checkpoint import resume
+    from trainer.train import evaluation
 
-        folder = resume.trained_folder(cfg, arguments["checkpoint"])  # hashes every file of it
-    except TrainerError as e:
-        return errors.report(e)
+    folder = resume.trained_folder(cfg, arguments["checkpoint"])  # hashes every file of it
     return use_trained_model(cfg, dist_env, device, backend,
                              lambda: evaluation.run(cfg, dist_env, device, folder))
 
@@ -304,17 +292,14 @@ def run_evaluate(cfg: Config, arguments: dict) -> int:
 def run_predict(cfg: Config, arguments: dict) -> int:
     """a trained model's answer for each row of a file (a class and the probabilities, the
     labels, or a value)."""
-    try:
-        dist_env, device, backend = launch_env(cfg)
-        from trainer.checkpoint import resume
-        from trainer.cli import predict
+    dist_env, device, backend = launch_env(cfg)
+    from trainer.checkpoint import resume
+    from trainer.cli import predict
 
-        folder = resume.trained_folder(cfg, arguments["checkpoint"])  # hashes every file of it
-        output = Path(arguments["output"])
-        predict.file_format("output", output)
-        rows = predict.read_rows(Path(arguments["input"]), cfg.data)
-    except TrainerError as e:
-        return errors.report(e)
+    folder = resume.trained_folder(cfg, arguments["checkpoint"])  # hashes every file of it
+    output = Path(arguments["output"])
+    predict.file_format("output", output)
+    rows = predict.read_rows(Path(arguments["input"]), cfg.data)
     return use_trained_model(cfg, dist_env, device, backend,
                              lambda: predict.run(cfg, dist_env, device, folder, rows, output))
 
@@ -331,50 +316,41 @@ def run_report(args: argparse.Namespace) -> int:
     """where a run's time went, across its attempts and restarts: goodput (RUN_DIR: its
     output_dir), printed and written as RUN_DIR/goodput.json and goodput.png; of a sweep's
     output_dir, each of its runs'."""
-    try:
-        folder = run_dir("report", args)
-        from trainer.outputs import report
-        from trainer.sweep import runs
+    folder = run_dir("report", args)
+    from trainer.outputs import report
+    from trainer.sweep import runs
 
-        trials = folder / runs.TRIALS
-        if trials.is_dir():
-            report.run_sweep(folder, sorted(p for p in trials.iterdir() if p.is_dir()))
-        else:
-            report.run(folder)
-        return 0
-    except TrainerError as e:
-        return errors.report(e)
+    trials = folder / runs.TRIALS
+    if trials.is_dir():
+        report.run_sweep(folder, sorted(p for p in trials.iterdir() if p.is_dir()))
+    else:
+        report.run(folder)
+    return 0
 
 
 def run_plot(args: argparse.Namespace) -> int:
     """draw RUN_DIR/curves.png from its metrics.jsonl: loss, learning rate, throughput and
     validation by step, its restarts marked."""
-    try:
-        folder = run_dir("plot", args)
-        from trainer.outputs import curves
+    folder = run_dir("plot", args)
+    from trainer.outputs import curves
 
-        print(curves.draw(folder))
-        return 0
-    except TrainerError as e:
-        return errors.report(e)
+    print(curves.draw(folder))
+    return 0
 
 
 def run_push(args: argparse.Namespace) -> int:
     """upload RUN_DIR/final/ (or its adapter alone) to the Hub repository --repo-id, with HF_TOKEN."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        folder = run_dir("push", args)
-        if not args.repo_id or args.repo_id.count("/") != 1:
-            raise ConfigError(f"push: --repo-id: expected ORG/NAME, got {args.repo_id or 'none'}")
-        if args.private and args.public:
-            raise ConfigError("push: --private, --public: give one of them (private is the default)")
-        from trainer.outputs import push
+    log_to_stderr()
+    folder = run_dir("push", args)
+    if not args.repo_id or args.repo_id.count("/") != 1:
+        raise ConfigError(f"push: --repo-id: expected ORG/NAME, got {args.repo_id or 'none'}")
+    if args.private and args.public:
+        raise ConfigError("push: --private, --public: give one of them (private is the default)")
+    from trainer.outputs import push
 
-        # Private unless asked: a model fine-tuned on a lab's data is the lab's until it says so.
-        print(push.push(push.folder_of(folder, args.adapter), args.repo_id, not args.public, args.revision))
-        return 0
-    except TrainerError as e:
-        return errors.report(e)
+    # Private unless asked: a model fine-tuned on a lab's data is the lab's until it says so.
+    print(push.push(push.folder_of(folder, args.adapter), args.repo_id, not args.public, args.revision))
+    return 0
 
 
 def use_trained_model(cfg: Config, dist_env, device, backend, one_pass: Callable[[], object]) -> int:
@@ -386,27 +362,22 @@ def use_trained_model(cfg: Config, dist_env, device, backend, one_pass: Callable
         distributed.init(dist_env, device, backend, cfg.dist.init_timeout_s, Path(cfg.output_dir))
         one_pass()
         return 0
-    except TrainerError as e:
-        return errors.report(e)
     finally:
         distributed.close()
 
 
 def run_sweep(cfg: Config, arguments: dict) -> int:
     """search the sweep section's settings, seeds and folds, each trial a run (docs/sweeps.md)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_stderr()
+    from trainer.runtime import lease
     from trainer.sweep import command, plan
 
-    held = None
+    checked = plan.check(cfg, lambda more: config.load(arguments["config"], [*arguments["overrides"], *more]))
+    held = lease.hold(Path(cfg.output_dir), cfg.fault)  # one sweep per output_dir: its trials have no process
     try:
-        checked = plan.check(cfg, lambda more: config.load(arguments["config"], [*arguments["overrides"], *more]))
-        held = hold_lease(cfg)  # one sweep per output_dir: the trials it left running have no process
         return command.run(cfg, checked)
-    except TrainerError as e:
-        return errors.report(e)
     finally:
-        if held is not None:
-            held.end()
+        held.end()
 
 
 COMMANDS: dict[str, Callable[..., int]] = {

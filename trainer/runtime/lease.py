@@ -19,7 +19,7 @@ that judged a lease stale long ago finds its id gone and backs off. A holder who
 taken over (it stopped renewing for the whole timeout: a frozen node) learns it at its next
 renewal and stops (`Renewal`'s `on_lost`).
 
-The standard library alone, and nothing of torch: its tests run in a blink.
+The standard library and the trainer's leaves alone, nothing of torch: its tests run in a blink.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainer import errors, files
+from trainer.config.schema import FaultConfig
 from trainer.errors import LeaseHeld
+from trainer.exit_codes import Exit
 
 __all__ = ["FILE", "Holder", "Lease", "LeaseHeld", "Renewal"]
 
@@ -338,3 +341,22 @@ class Renewal:
 def renewal_period(heartbeat_s: float, timeout_s: float) -> float:
     """The heartbeat, or often enough that a lease is renewed several times per timeout."""
     return min(heartbeat_s, timeout_s / 4)
+
+
+def hold(output_dir: Path, fault_cfg: FaultConfig) -> Renewal:
+    """This job's lease on `output_dir` (created first), renewed every heartbeat until `end()`;
+    a lease taken over from a dead holder is logged as a warning. Where the lease is lost (this
+    job was silent for the whole timeout: a frozen node), another job writes output_dir now,
+    and every further write of ours would clobber its files: the process stops at once."""
+    created = not output_dir.exists()
+    files.make_writable_dir(output_dir)
+    held = Lease(output_dir, fault_cfg.lease_timeout_s, this_process(time.time()))
+    if warning := held.acquire():
+        logging.getLogger("trainer").warning("%s", warning)  # the job's own line, as the CLI's
+
+    def lost(who: str) -> None:
+        errors.report(f"output_dir {output_dir}: this job's lease was taken over by {who}: stopping; "
+                      "resume the run with one job at a time")
+        os._exit(Exit.USAGE)
+
+    return Renewal(held, renewal_period(fault_cfg.heartbeat_s, fault_cfg.lease_timeout_s), lost, created).start()
