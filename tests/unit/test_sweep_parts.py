@@ -16,12 +16,12 @@ from trainer.cli.main import main
 from trainer.config import schema
 from trainer.data import folds
 from trainer.errors import ConfigError
-from trainer.sweep import plan, space
+from trainer.sweep import plan, search_space
 from trainer.sweep.stats import t_interval
 
 
 def test_a_grid_is_every_combination_of_lists_and_counted_ranges():
-    searched = space.parse({"train.lr": {"low": 1e-5, "high": 1e-3, "log": True, "count": 3},
+    searched = search_space.parse({"train.lr": {"low": 1e-5, "high": 1e-3, "log": True, "count": 3},
                             "train": {"batch_size": [8, 16]},  # nested, as `key=value` overrides write it
                             "train.warmup_steps": {"low": 0, "high": 10, "count": 3}}, schema.KEYS)
     assert list(searched.choices) == ["train.lr", "train.batch_size", "train.warmup_steps"]
@@ -33,12 +33,13 @@ def test_a_grid_is_every_combination_of_lists_and_counted_ranges():
     assert len(settings) == 3 * 2 * 3
     assert len({json.dumps(s, sort_keys=True) for s in settings}) == len(settings)
     assert settings[0] == {"train.lr": pytest.approx(1e-5), "train.batch_size": 8, "train.warmup_steps": 0}
-    assert space.check_size(searched, "grid", None) == 18
-    assert space.parse({}, schema.KEYS).settings() == [{}]  # seeds or folds alone: one setting
+    assert [searched.place(s) for s in settings] == list(range(len(settings)))  # what names a grid's folders
+    assert search_space.check_size(searched, "grid", None) == 18
+    assert search_space.parse({}, schema.KEYS).settings() == [{}]  # seeds or folds alone: one setting
 
 
 def test_a_linear_range_is_evenly_spaced_and_sampled_between_its_ends():
-    searched = space.parse({"train.weight_decay": {"low": 0.0, "high": 0.3, "count": 4}}, schema.KEYS)
+    searched = search_space.parse({"train.weight_decay": {"low": 0.0, "high": 0.3, "count": 4}}, schema.KEYS)
     assert searched.grid()["train.weight_decay"] == pytest.approx([0.0, 0.1, 0.2, 0.3])
     import optuna
 
@@ -52,7 +53,7 @@ def test_overrides_read_back_as_the_same_values():
     from omegaconf import OmegaConf
 
     values = {"a": 1e-5, "b": "cosine", "c": True, "d": 16, "e": None, "f": 0.1}
-    parsed = OmegaConf.to_container(OmegaConf.from_dotlist([space.override(k, v) for k, v in values.items()]))
+    parsed = OmegaConf.to_container(OmegaConf.from_dotlist([search_space.override(k, v) for k, v in values.items()]))
     assert parsed == values
 
 
@@ -177,21 +178,53 @@ def test_a_setting_cut_short_is_asked_again_with_its_grid_point_and_number(tmp_p
 
     from trainer.sweep import study
 
-    searched = space.parse({"train.lr": [0.1, 0.2, 0.3]}, schema.KEYS)
+    searched = search_space.parse({"train.lr": [0.1, 0.2, 0.3]}, schema.KEYS)
     first = study.open_study(tmp_path, searched, "grid", "max", 0, "none")
     done, cut = first.ask(), first.ask()
     done_params, cut_params = searched.suggest(done), searched.suggest(cut)
     first.tell(done, 0.5)
     again = study.open_study(tmp_path, searched, "grid", "max", 0, "none")  # the restarted sweep
-    assert study.retry_unfinished(again) == [cut.number]
-    assert study.retry_unfinished(again) == []  # asked once only
+    assert study.retry_unfinished(tmp_path) == [cut.number]
+    assert study.retry_unfinished(tmp_path) == []  # asked once only
     retried = again.ask()
     assert searched.suggest(retried) == cut_params != done_params
-    assert study.setting_number(retried) == cut.number and retried.number != cut.number
+    assert study.first_trial_number(retried) == cut.number and retried.number != cut.number
     assert [t.state for t in again.trials][:2] == [TrialState.COMPLETE, TrialState.FAIL]
     assert len(study.settled(again)) == 1
     last = again.ask()  # the grid point never asked yet
     assert searched.suggest(last)["train.lr"] not in (done_params["train.lr"], cut_params["train.lr"])
+
+
+def test_the_last_grid_point_cut_short_is_asked_again(tmp_path):
+    """Failing it finishes the grid: told through the sweep's own study, GridSampler would stop
+    the study outside `optimize`, which raises."""
+    from trainer.sweep import study
+
+    searched = search_space.parse({"train.lr": [0.1, 0.2]}, schema.KEYS)
+    first = study.open_study(tmp_path, searched, "grid", "max", 0, "none")
+    done, cut = first.ask(), first.ask()
+    searched.suggest(done), searched.suggest(cut)
+    first.tell(done, 0.5)
+    again = study.open_study(tmp_path, searched, "grid", "max", 0, "none")
+    assert study.retry_unfinished(tmp_path) == [cut.number]
+    retried = again.ask()
+    assert searched.suggest(retried) == searched.suggest(cut) and study.first_trial_number(retried) == cut.number
+
+
+def test_optuna_is_quiet_only_while_the_sweep_runs():
+    import warnings
+
+    import optuna
+
+    from trainer.sweep import study
+
+    verbosity, filters = optuna.logging.get_verbosity(), list(warnings.filters)
+    with study.quiet():
+        assert optuna.logging.get_verbosity() == optuna.logging.ERROR
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.warn("experimental", optuna.exceptions.ExperimentalWarning, stacklevel=1)
+        assert caught == []
+    assert optuna.logging.get_verbosity() == verbosity and warnings.filters == filters
 
 
 def test_the_cli_prints_a_bad_sweep_as_one_line_and_exits_2(data_file, tmp_path, capsys):
@@ -207,15 +240,15 @@ def test_out_of_fold_rows_map_back_to_the_train_split_once_each(tmp_path):
     from trainer.sweep import results, runs
 
     fold_of = folds.assign(10, 3, np.array([0, 1] * 5))
-    each = runs.runs_of(0, {}, 42, 1, 3)
-    for run in each:
+    fold_runs = runs.runs_of(0, {}, 42, 1, 3)
+    for run in fold_runs:
         held = np.flatnonzero(fold_of == run.fold)
         final = tmp_path / runs.TRIALS / run.id / "final"
         final.mkdir(parents=True)
         # evaluate's rows: the fold's rows by their place in it; the answer names the train row
         lines = ["row,true,label"] + [f"{i},t{train_row},p{train_row}" for i, train_row in enumerate(held)]
         (final / "eval-test-rows.csv").write_text("\n".join(lines) + "\n")
-    setting = results.Setting(0, {}, "complete", [(r, {"final_eval": {"loss": 1.0}}) for r in each], "loss")
+    setting = results.Setting(0, {}, "complete", [(r, {"final_eval": {"loss": 1.0}}) for r in fold_runs], "loss")
     [written] = results.out_of_fold([setting], fold_of, tmp_path)
     assert written == tmp_path / "oof" / "000-seed42.csv"
     lines = written.read_text().splitlines()
@@ -227,8 +260,8 @@ def test_the_leaderboard_ranks_by_the_mean_in_the_metrics_direction():
     from trainer.sweep import results, runs
 
     def setting(number: int, lr: float, losses: list[float], state: str = "complete") -> results.Setting:
-        each = runs.runs_of(number, {"train.lr": lr}, 42, len(losses), None)
-        done = [(r, {"final_eval": {"loss": v}, "steps": 2}) for r, v in zip(each, losses, strict=True)]
+        setting_runs = runs.runs_of(number, {"train.lr": lr}, 42, len(losses), None)
+        done = [(r, {"final_eval": {"loss": v}, "steps": 2}) for r, v in zip(setting_runs, losses, strict=True)]
         return results.Setting(number, {"train.lr": lr}, state, done, "loss")
 
     settings = [setting(0, 0.1, [0.9, 0.7]), setting(1, 0.2, [0.5, 0.6])]
@@ -356,7 +389,7 @@ def test_halving_rungs_fall_on_the_evaluations(tmp_path):
 
     from trainer.sweep import pruning, study
 
-    searched = space.parse({"train.lr": [0.1, 0.2, 0.3]}, schema.KEYS)
+    searched = search_space.parse({"train.lr": [0.1, 0.2, 0.3]}, schema.KEYS)
     sweep_study = study.open_study(tmp_path, searched, "random", "min", 0, "halving", 3)
     verdicts = []
     for losses in ({3: 1.0, 6: 0.5, 9: 0.4, 12: 0.3}, {3: 0.9, 6: 0.9, 9: 0.9, 12: 0.9}, {3: 2.0, 6: 0.1}):

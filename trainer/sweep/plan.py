@@ -15,7 +15,7 @@ import yaml
 from trainer.config import loading, schema
 from trainer.config.schema import Config
 from trainer.errors import ConfigError
-from trainer.sweep import space
+from trainer.sweep import search_space
 from trainer.tasks.registry import METRICS
 
 
@@ -23,7 +23,7 @@ from trainer.tasks.registry import METRICS
 class Plan:
     """What the sweep will do, every part of it checked."""
 
-    space: space.Space
+    space: search_space.Space
     settings: int
     metric: str
     direction: str
@@ -34,9 +34,9 @@ class Plan:
 def check(cfg: Config, load: Callable[[list[str]], Config]) -> Plan:
     """The sweep checked before any trial starts; each problem a one-line ConfigError."""
     sweep = cfg.sweep
-    searched = space.parse(loading.to_dict(cfg)["sweep"]["parameters"], schema.KEYS)
-    space.check_values(searched, load)
-    settings = space.check_size(searched, sweep.method, sweep.trials)
+    searched = search_space.parse(loading.to_dict(cfg)["sweep"]["parameters"], schema.KEYS)
+    search_space.check_values(searched, load)
+    settings = search_space.check_size(searched, sweep.method, sweep.trials)
     metrics = METRICS[cfg.data.problem_type]
     metric = sweep.metric or cfg.checkpoint.best_metric or next(iter(metrics))
     if metric not in metrics:
@@ -55,7 +55,7 @@ def check(cfg: Config, load: Callable[[list[str]], Config]) -> Plan:
         raise ConfigError(f"sweep.folds: out-of-fold predictions need every row of each fold, and "
                           f"data.max_eval_samples={cfg.data.max_eval_samples} keeps some; set it to null")
     if sweep.folds is not None:
-        fold_of = _check_folds(load([space.override("data.folds", sweep.folds)]), sweep.folds)
+        fold_of = _check_folds(load([search_space.override("data.folds", sweep.folds)]), sweep.folds)
     return Plan(searched, settings, metric, metrics[metric], fold_of)
 
 

@@ -29,7 +29,9 @@ class Records:
     """A run's metrics.jsonl followed as it grows: each call of `new()` gives the records
     written since the last. A resumed run rewrites the file first (it drops the records after
     its checkpoint: trainer/train/tracking.py, replaced whole by a rename); it is then read again from
-    its start, and the steps it redoes are written again with the same values."""
+    its start, and the steps it redoes are written again with the same values. The file is the
+    trainer's own, not Optuna's journal (which the sweep reads only through its study): no
+    library reads it, and a file replaced by a rename is told apart by its inode."""
 
     def __init__(self, folder: Path):
         self.path = folder / METRICS_FILE

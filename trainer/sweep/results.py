@@ -20,7 +20,7 @@ import numpy as np
 from trainer import files
 from trainer.data import folds as folds_module
 from trainer.sweep import runs as runs_module
-from trainer.sweep.space import Scalar
+from trainer.sweep.search_space import Scalar
 from trainer.sweep.stats import CONFIDENCE, Interval, t_interval
 
 log = logging.getLogger(__name__)

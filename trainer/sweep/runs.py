@@ -38,7 +38,7 @@ from trainer.errors import ConfigError, TrainerError
 from trainer.exit_codes import Exit
 from trainer.runtime import launch
 from trainer.sweep import pruning
-from trainer.sweep.space import Scalar, override
+from trainer.sweep.search_space import Scalar, override
 
 log = logging.getLogger(__name__)
 

@@ -25,15 +25,18 @@ class Interval:
 
 
 def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
-    """The mean of `values` and its t-interval: mean +- t(1 - alpha/2, n - 1) * s / sqrt(n),
-    with s the sample standard deviation. One value (or values all equal) has no spread to
-    measure: the interval is the mean itself (nan for one value, where nothing is known)."""
+    """The mean of `values` and its t-interval, scipy's: t(n - 1) around the mean, scaled by
+    the standard error of the mean. One value (or values all equal) has no spread to measure:
+    the interval is the mean itself (nan for one value, where nothing is known); scipy's
+    t-distribution takes no zero scale."""
     n = len(values)
     if n == 0:
         raise ValueError("t_interval: no values")
     mean = math.fsum(values) / n
     if n == 1:
         return Interval(mean, math.nan, math.nan, 1)
-    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
-    half = float(stats.t.ppf((1 + confidence) / 2, n - 1)) * sd / math.sqrt(n)
-    return Interval(mean, mean - half, mean + half, n)
+    standard_error = float(stats.sem(values))
+    if standard_error == 0:
+        return Interval(mean, mean, mean, n)
+    low, high = stats.t.interval(confidence, n - 1, loc=mean, scale=standard_error)
+    return Interval(mean, float(low), float(high), n)

@@ -71,6 +71,19 @@ class Space:
         grid = self.grid()
         return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
 
+    def place(self, setting: Mapping[str, Scalar]) -> int:
+        """The setting's place in `settings()`, counted from each key's place among its values
+        (the first key's the most significant), without building the grid's product.
+
+        This place, not Optuna's, names a grid setting's runs' folders: a job array
+        (command.array_runs) runs the grid without Optuna, and a sweep started after it must
+        find those folders. GridSampler's `grid_id` is no such place: it indexes the
+        sampler's own product (keys sorted by name) shuffled by its seed."""
+        place = 0
+        for name, values in self.grid().items():
+            place = place * len(values) + values.index(setting[name])
+        return place
+
     def suggest(self, trial) -> dict[str, Scalar]:
         """A setting from an Optuna trial (whose sampler decides: grid, random or TPE)."""
         setting: dict[str, Scalar] = {}
