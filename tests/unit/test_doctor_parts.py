@@ -41,9 +41,9 @@ def test_a_failure_inside_doctor_is_one_line_and_exit_1(monkeypatch, capsys, tmp
 def test_a_failed_save_check_is_a_problem_of_the_report():
     """Raised alike on every rank by the Checkpointer: the report says it, as a run's
     checkpoints would fail the same way."""
-    lines, warnings, problems = doctor._grace(None, DistEnv(), [], "checkpoint step-0: save failed: rank 1: why")
-    assert (lines, warnings) == ([], [])
-    assert problems == ["the save check: checkpoint step-0: save failed: rank 1: why"]
+    section = doctor._grace(None, DistEnv(), [], "checkpoint step-0: save failed: rank 1: why")
+    assert (section.lines, section.warnings) == ([], [])
+    assert section.problems == ["the save check: checkpoint step-0: save failed: rank 1: why"]
 
 
 def test_the_forecast_times_the_step_with_no_loader_worker_server_starting_beside_it(tiny_model, reviews, tmp_path,

@@ -55,6 +55,34 @@ class Findings:
     warnings: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Section(Findings):
+    """A part of the report: its lines, and what it found. The report prints the lines of one
+    section after another, and every section's warnings and problems at its end."""
+
+    lines: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What the report judges: every rank's answers, gathered on rank 0, in rank order, and the
+    job's backend, output_dir and memory plan."""
+
+    ranks: list[dict]  # each rank's facts: host, local rank, device, settings, store round trip, memory, driver
+    findings: list[Findings]  # each rank's check_env
+    sizes: list[int]  # the all-reduce's element counts
+    all_reduce: list[list[tuple[float, bool]]]  # per size, each rank's (median seconds, sum correct)
+    links: list[tuple[str, str | None]]  # each rank's (network, warning or None)
+    shared: list[tuple[str, list[int]]]  # each rank's ('' or why output_dir is not writable, ranks it sees)
+    backend: str
+    output_dir: Path
+    plan: memory.MemoryPlan | str  # or why there is none
+
+    @property
+    def hosts(self) -> list[str]:
+        return sorted({f["host"] for f in self.ranks})
+
+
 # --- this rank's own checks -------------------------------------------------------------
 
 
@@ -264,8 +292,7 @@ def _collective_checks(cfg: Config, dist_env, device, backend, host, env, own: F
              "device_id": device_id, "env": env, "rtt": store_round_trip(dist_env),
              "memory": memory.device_bytes(device, dist_env.local_world_size),
              "driver": distributed.driver_check(distributed.nvidia_driver()) if device.type == "cuda" else None}
-    gathered: list[dict] = distributed.all_gather(dist_env, facts)
-    hosts = sorted({f["host"] for f in gathered})
+    ranks: list[dict] = distributed.all_gather(dist_env, facts)
     findings: list[Findings] = distributed.all_gather(dist_env, own)
 
     sizes, results = _sizes(device), []
@@ -299,10 +326,10 @@ def _collective_checks(cfg: Config, dist_env, device, backend, host, env, own: F
 
     code = 0
     if dist_env.is_rank_zero:  # the others wait in the broadcast below, for seconds
-        outlook = _forecast(cfg, dist_env, backend, sizes, results, computes, measured, len(hosts))
-        stopping = _grace(cfg, dist_env, computes, save_s)
-        code = _report(cfg, dist_env, gathered, findings, sizes, results, links, shared, backend, hosts, output_dir,
-                       plan, outlook, stopping)
+        gathered = Gathered(ranks=ranks, findings=findings, sizes=sizes, all_reduce=results, links=links,
+                            shared=shared, backend=backend, output_dir=output_dir, plan=plan)
+        code = _report(cfg, dist_env, gathered, _grace(cfg, dist_env, computes, save_s),
+                       _forecast(cfg, dist_env, gathered, computes, measured))
     return distributed.broadcast_from_rank_zero(dist_env, code)
 
 
@@ -314,19 +341,19 @@ def save_folder(output_dir: Path, dist_env: DistEnv) -> Path:
     return Path(os.path.realpath(output_dir)) / f".doctor-save-{token}"  # through a dangling runs/ link too
 
 
-def _grace(cfg: Config, dist_env: DistEnv, computes: list,
-           save_s: float | str | None) -> tuple[list[str], list[str], list[str]]:
-    """(the preemption grace section's lines, warnings, problems): the slowest rank's step,
-    then the save; `save_s` is why the save failed where it did."""
+def _grace(cfg: Config, dist_env: DistEnv, computes: list, save_s: float | str | None) -> Section:
+    """The preemption grace section: the slowest rank's step, then the save; `save_s` is why
+    the save failed where it did."""
     if isinstance(save_s, str):  # a run's checkpoints would fail alike
-        return [], [], [f"the save check: {save_s}"]
+        return Section(problems=[f"the save check: {save_s}"])
     if save_s is None:
         reason = next((m for m in computes if isinstance(m, str)), "output_dir is not writable")
-        return [], [f"preemption grace not checked: no save timed ({reason})"], []
+        return Section(warnings=[f"preemption grace not checked: no save timed ({reason})"])
     batch = BatchPlan.of(cfg.train, dist_env.world_size)
     steps = [c.at(batch.micro_batch) for c, _ in computes]
     step_s = max((c.forward_s + c.backward_s) * batch.grad_accum + c.optimizer_s for c in steps)
-    return (*grace.check(step_s, save_s), [])
+    lines, warnings = grace.check(step_s, save_s)
+    return Section(lines=lines, warnings=warnings)
 
 
 def _unmeasured(cfg: Config, dist_env: DistEnv, device: torch.device, plan) -> str | None:
@@ -354,29 +381,28 @@ def _measure(cfg: Config, dist_env: DistEnv, device: torch.device) -> tuple | st
             torch.cuda.empty_cache()  # the timed model is gone: give its memory back
 
 
-def _forecast(cfg: Config, dist_env: DistEnv, backend, sizes, results, computes, own,
-              hosts: int) -> tuple[list[str], list[str]]:
-    """(the "Scaling forecast" section's lines, warnings)."""
+def _forecast(cfg: Config, dist_env: DistEnv, gathered: Gathered, computes, own) -> Section:
+    """The "Scaling forecast" section."""
     unsupported = registry.of(cfg).forecast_unsupported
     if unsupported:
-        return [], [f"no scaling forecast: {unsupported}"]
+        return Section(warnings=[f"no scaling forecast: {unsupported}"])
     reasons = [m for m in computes if isinstance(m, str)]
     if reasons:
-        return [], [f"no scaling forecast: {reasons[0]}"]
+        return Section(warnings=[f"no scaling forecast: {reasons[0]}"])
     if dist_env.world_size == 1:
-        return [], ["no scaling forecast: one rank has no link to measure"]
+        return Section(warnings=["no scaling forecast: one rank has no link to measure"])
     timings = [(numel * 4, statistics.median(t for t, _ in per_rank))
-               for numel, per_rank in zip(sizes, results, strict=True)]
+               for numel, per_rank in zip(gathered.sizes, gathered.all_reduce, strict=True)]
     link = forecast.Link.fit(timings, dist_env.world_size)
     batches, params = own.batches, own.params
     slowest = max((c for c, _ in computes), key=lambda c: c.forward_s + c.backward_s + c.optimizer_s)
-    lines = forecast.section(cfg, backend, link, slowest, batches, params, dist_env.world_size,
-                             dist_env.local_world_size)
-    warnings = []
-    if hosts == 1:
-        warnings.append("the scaling forecast's link was measured within one host: its rows for more nodes assume "
-                        "the same link between nodes; run doctor across two nodes to measure the network")
-    return lines, warnings
+    section = Section(lines=forecast.section(cfg, gathered.backend, link, slowest, batches, params, dist_env.world_size,
+                                             dist_env.local_world_size))
+    if len(gathered.hosts) == 1:
+        section.warnings.append("the scaling forecast's link was measured within one host: its rows for more "
+                                "nodes assume the same link between nodes; run doctor across two nodes to measure "
+                                "the network")
+    return section
 
 
 def plan_or_reason(cfg: Config, dist_env: DistEnv, device: torch.device) -> memory.MemoryPlan | str:
@@ -390,126 +416,165 @@ def plan_or_reason(cfg: Config, dist_env: DistEnv, device: torch.device) -> memo
         return str(e)
 
 
-def _report(cfg: Config, dist_env, gathered, findings, sizes, results, links, shared, backend, hosts, output_dir, plan,
-            outlook: tuple[list[str], list[str]], stopping: tuple[list[str], list[str], list[str]]) -> int:
-    world = len(gathered)
-    problems = [p for f in findings for p in f.problems]
-    warnings = sorted({w for f in findings for w in f.warnings})
-    out = [(f"trainer doctor: {_count(world, 'rank')} on {_count(len(hosts), 'host')} ({', '.join(hosts)}), "
-            f"backend {backend}"), "",
-           "ranks", f"  {'rank':>4}  {'host':<24} {'local':>5}  device"]
-    out += [f"  {f['rank']:>4}  {f['host']:<24} {f['local_rank']:>5}  {f['device']}" for f in gathered]
-    for host in hosts:
-        on_host = [f for f in gathered if f["host"] == host]
+def _report(cfg: Config, dist_env: DistEnv, gathered: Gathered, stopping: Section, outlook: Section) -> int:
+    """Prints the report, one section after another, then every section's warnings (each once)
+    and problems. Returns the exit code: 1 when there is a problem."""
+    sections = [_title(gathered), _own_checks(gathered), _ranks(gathered), _settings(gathered),
+                _store(dist_env, gathered), _all_reduce(gathered), _network(gathered), _output_dir(cfg, gathered),
+                stopping, _wandb(cfg, gathered.output_dir), _memory(gathered), outlook]
+    warnings = list(dict.fromkeys(w for section in sections for w in section.warnings))
+    problems = [p for section in sections for p in section.problems]
+    blocks = [section.lines for section in sections if section.lines] + [_verdict(warnings, problems)]
+    print("\n\n".join("\n".join(lines) for lines in blocks), flush=True)
+    return 1 if problems else 0
+
+
+def _title(gathered: Gathered) -> Section:
+    hosts = gathered.hosts
+    title = (f"trainer doctor: {_count(len(gathered.ranks), 'rank')} on {_count(len(hosts), 'host')} "
+             f"({', '.join(hosts)}), backend {gathered.backend}")
+    return Section(lines=[title])
+
+
+def _own_checks(gathered: Gathered) -> Section:
+    """What each rank found of its own settings (check_env): no lines, the settings section
+    shows the values. The same warning from every rank is sorted beside its copies, to be said once."""
+    return Section(problems=[p for f in gathered.findings for p in f.problems],
+                   warnings=sorted(w for f in gathered.findings for w in f.warnings))
+
+
+def _ranks(gathered: Gathered) -> Section:
+    """Who is where: a host's local ranks are 0..n-1, each on its own GPU, under a driver new enough."""
+    section = Section(lines=["ranks", f"  {'rank':>4}  {'host':<24} {'local':>5}  device"])
+    section.lines += [f"  {f['rank']:>4}  {f['host']:<24} {f['local_rank']:>5}  {f['device']}" for f in gathered.ranks]
+    for host in gathered.hosts:
+        on_host = [f for f in gathered.ranks if f["host"] == host]
         local = sorted(f["local_rank"] for f in on_host)
         if local != list(range(len(on_host))):
-            problems.append(f"{host}: local ranks {local}, expected 0..{len(on_host) - 1}")
+            section.problems.append(f"{host}: local ranks {local}, expected 0..{len(on_host) - 1}")
         ids = [f["device_id"] for f in on_host if f["device_id"]]
         if len(ids) != len(set(ids)):
-            problems.append(f"{host}: two ranks share one GPU ({', '.join(f['device'] for f in on_host)}); "
-                            "--nproc-per-node must not exceed the GPUs per node")
+            section.problems.append(f"{host}: two ranks share one GPU ({', '.join(f['device'] for f in on_host)}); "
+                                    "--nproc-per-node must not exceed the GPUs per node")
         driver = on_host[0]["driver"]
         if driver is not None:
             line, too_old = driver
-            out.append(f"  {host}: {line}")
+            section.lines.append(f"  {host}: {line}")
             if too_old:
-                problems.append(f"{host}: {too_old}")
+                section.problems.append(f"{host}: {too_old}")
+    return section
 
-    out += ["", "settings (NCCL_*, GLOO_*, TORCH_*, OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES)"]
-    names = sorted({k for f in gathered for k in f["env"]})
+
+def _settings(gathered: Gathered) -> Section:
+    """Each setting once, with every value it has across ranks: only CUDA_VISIBLE_DEVICES may differ."""
+    section = Section(lines=["settings (NCCL_*, GLOO_*, TORCH_*, OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES)"])
+    names = sorted({k for f in gathered.ranks for k in f["env"]})
     for name in names:
-        values = {f["env"].get(name, "(unset)") for f in gathered}
+        values = {f["env"].get(name, "(unset)") for f in gathered.ranks}
         if len(values) == 1 or name == "CUDA_VISIBLE_DEVICES":
-            out.append(f"  {name}={' / '.join(sorted(values))}")
+            section.lines.append(f"  {name}={' / '.join(sorted(values))}")
         else:
-            out.append(f"  {name}: differs between ranks: {' / '.join(sorted(values))}")
-            warnings.append(f"{name} differs between ranks")
+            section.lines.append(f"  {name}: differs between ranks: {' / '.join(sorted(values))}")
+            section.warnings.append(f"{name} differs between ranks")
     if not names:
-        out.append("  (none set)")
+        section.lines.append("  (none set)")
+    return section
 
-    slowest_rtt = max(gathered, key=lambda f: f["rtt"])
-    out += ["", (f"rendezvous store {dist_env.master_addr}:{dist_env.master_port}: reached by all {world} ranks, "
-                 f"round trip up to {slowest_rtt['rtt'] * 1e3:.1f} ms "
-                 f"(rank {slowest_rtt['rank']} on {slowest_rtt['host']})")]
 
+def _store(dist_env: DistEnv, gathered: Gathered) -> Section:
+    slowest = max(gathered.ranks, key=lambda f: f["rtt"])
+    line = (f"rendezvous store {dist_env.master_addr}:{dist_env.master_port}: reached by all {len(gathered.ranks)} "
+            f"ranks, round trip up to {slowest['rtt'] * 1e3:.1f} ms (rank {slowest['rank']} on {slowest['host']})")
+    return Section(lines=[line])
+
+
+def _all_reduce(gathered: Gathered) -> Section:
+    """Each size's median time and bandwidth, and its slowest rank; a wrong sum is a problem."""
+    world, backend = len(gathered.ranks), gathered.backend
     algorithm = "ring, gloo's default" if backend == "gloo" else os.environ.get("NCCL_ALGO", "chosen by NCCL per size")
-    out += ["", f"all-reduce, fp32 ({backend}, algorithm: {algorithm})",
-            f"  {'size':>9}  {'time':>10}  {'algbw':>12}  {'busbw':>12}  slowest rank"]
-    for numel, per_rank in zip(sizes, results, strict=True):
+    section = Section(lines=[f"all-reduce, fp32 ({backend}, algorithm: {algorithm})",
+                             f"  {'size':>9}  {'time':>10}  {'algbw':>12}  {'busbw':>12}  slowest rank"])
+    for numel, per_rank in zip(gathered.sizes, gathered.all_reduce, strict=True):
         nbytes = numel * 4
         times = [t for t, _ in per_rank]
         slowest = max(range(world), key=lambda r: times[r])
         seconds = statistics.median(times)
         algbw = nbytes / seconds / 1e9
         busbw = algbw * 2 * (world - 1) / world  # what each link carries in a ring: nccl-tests' convention
-        out.append(f"  {_human_bytes(nbytes):>9}  {seconds * 1e3:>7.2f} ms  {algbw:>7.3f} GB/s  {busbw:>7.3f} GB/s  "
-                   f"rank {slowest} ({gathered[slowest]['host']}, {times[slowest] * 1e3:.2f} ms)")
+        section.lines.append(f"  {_human_bytes(nbytes):>9}  {seconds * 1e3:>7.2f} ms  {algbw:>7.3f} GB/s  "
+                             f"{busbw:>7.3f} GB/s  rank {slowest} ({gathered.ranks[slowest]['host']}, "
+                             f"{times[slowest] * 1e3:.2f} ms)")
         wrong = [r for r, (_, ok) in enumerate(per_rank) if not ok]
         if wrong:
-            problems.append(f"all-reduce of {_human_bytes(nbytes)} gave wrong sums on ranks {wrong}")
+            section.problems.append(f"all-reduce of {_human_bytes(nbytes)} gave wrong sums on ranks {wrong}")
+    return section
 
+
+def _network(gathered: Gathered) -> Section:
+    """The network each host's ranks use, one line per host and network."""
     by_host: dict[tuple[str, str], list[int]] = {}
-    for f, (line, warning) in zip(gathered, links, strict=True):
+    for f, (line, _) in zip(gathered.ranks, gathered.links, strict=True):
         by_host.setdefault((f["host"], line), []).append(f["rank"])
-        if warning and warning not in warnings:
-            warnings.append(warning)
-    out += ["", "network"] + [f"  {host} ({_count(len(ranks), 'rank')}): {line}"
-                              for (host, line), ranks in sorted(by_host.items())]
+    return Section(lines=["network"] + [f"  {host} ({_count(len(ranks), 'rank')}): {line}"
+                                        for (host, line), ranks in sorted(by_host.items())],
+                   warnings=[warning for _, warning in gathered.links if warning])
 
-    out += ["", f"output_dir {output_dir}"]
-    unwritable = [(r, e) for r, (e, _) in enumerate(shared) if e]
+
+def _output_dir(cfg: Config, gathered: Gathered) -> Section:
+    """Writable by every rank, and one filesystem across hosts: a problem when a resume would
+    read rank 0's checkpoints on every rank, a warning otherwise."""
+    world, output_dir = len(gathered.ranks), gathered.output_dir
+    section = Section(lines=[f"output_dir {output_dir}"])
+    unwritable = [(r, e) for r, (e, _) in enumerate(gathered.shared) if e]
     for rank, error in unwritable:
-        problems.append(f"output_dir {output_dir}: not writable by rank {rank} on {gathered[rank]['host']}: {error}")
-    blind = [r for r, (_, seen) in enumerate(shared) if seen != list(range(world))]
+        section.problems.append(f"output_dir {output_dir}: not writable by rank {rank} on "
+                                f"{gathered.ranks[rank]['host']}: {error}")
+    blind = [r for r, (_, visible) in enumerate(gathered.shared) if visible != list(range(world))]
     if unwritable:
-        out.append("  not writable by every rank")
+        section.lines.append("  not writable by every rank")
     elif blind:
-        hosts_blind = sorted({gathered[r]["host"] for r in blind})
+        hosts_blind = sorted({gathered.ranks[r]["host"] for r in blind})
         message = (f"output_dir {output_dir} is not one shared filesystem: ranks on {', '.join(hosts_blind)} "
                    "cannot see files written on other hosts")
         if cfg.checkpoint.resume != "never":
-            problems.append(message + "; resuming needs every rank to read rank 0's checkpoints")
+            section.problems.append(message + "; resuming needs every rank to read rank 0's checkpoints")
         else:
-            warnings.append(message)
-        out.append("  writable, NOT shared between hosts")
+            section.warnings.append(message)
+        section.lines.append("  writable, NOT shared between hosts")
     else:
-        out.append(f"  writable by all {_count(world, 'rank')}, "
-                   f"one shared filesystem across {_count(len(hosts), 'host')}")
+        section.lines.append(f"  writable by all {_count(world, 'rank')}, "
+                             f"one shared filesystem across {_count(len(gathered.hosts), 'host')}")
+    return section
 
-    grace_lines, grace_warnings, grace_problems = stopping
-    out += ["", *grace_lines] if grace_lines else []
-    warnings += grace_warnings
-    problems += grace_problems
 
-    wandb_line, wandb_found = check_wandb(cfg, output_dir)
-    problems += wandb_found.problems
-    warnings += wandb_found.warnings
-    out += ["", f"wandb: {wandb_line}"]
+def _wandb(cfg: Config, output_dir: Path) -> Section:
+    line, found = check_wandb(cfg, output_dir)
+    return Section(lines=[f"wandb: {line}"], warnings=found.warnings, problems=found.problems)
 
-    out.append("")
+
+def _memory(gathered: Gathered) -> Section:
+    """The memory plan against the smallest device: a problem for every rank it does not fit."""
+    plan = gathered.plan
     if isinstance(plan, str):
-        warnings.append(f"no memory plan: {plan}")
-    else:
-        # On CPU a rank's device is its share of the host's memory.
-        smallest = min(gathered, key=lambda f: f["memory"])
-        where = f"rank {smallest['rank']} on {smallest['host']}, {smallest['device']}"
-        out += [*plan.lines(smallest["device"]), f"  the smallest device ({where}): {plan.verdict(smallest['memory'])}",
-                ""]
-        short = [f for f in gathered if not plan.fits(f["memory"])]
-        if short:
-            least = memory.human(memory.usable(smallest["memory"]))
-            problems.append(f"memory: the run needs ~{memory.human(plan.total)} per rank, more than {len(short)} of "
-                            f"{world} ranks can hold ({where}: {least} usable); lower "
-                            "train.batch_size (train.global_batch stays), or set model.gradient_checkpointing=true "
-                            "or model.lora.r")
-    section, more = outlook
-    out += section + ([""] if section else [])
-    warnings += more
-    out += [f"warning: {w}" for w in warnings]
-    out += [f"problem: {p}" for p in problems]
+        return Section(warnings=[f"no memory plan: {plan}"])
+    # On CPU a rank's device is its share of the host's memory.
+    smallest = min(gathered.ranks, key=lambda f: f["memory"])
+    where = f"rank {smallest['rank']} on {smallest['host']}, {smallest['device']}"
+    section = Section(lines=[*plan.lines(smallest["device"]),
+                             f"  the smallest device ({where}): {plan.verdict(smallest['memory'])}"])
+    short = [f for f in gathered.ranks if not plan.fits(f["memory"])]
+    if short:
+        least = memory.human(memory.usable(smallest["memory"]))
+        section.problems.append(f"memory: the run needs ~{memory.human(plan.total)} per rank, more than {len(short)} "
+                                f"of {len(gathered.ranks)} ranks can hold ({where}: {least} usable); lower "
+                                "train.batch_size (train.global_batch stays), or set model.gradient_checkpointing=true "
+                                "or model.lora.r")
+    return section
+
+
+def _verdict(warnings: list[str], problems: list[str]) -> list[str]:
     if problems:
-        out.append(f"doctor: FAILED, {_count(len(problems), 'problem')}, {_count(len(warnings), 'warning')}")
+        summary = f"doctor: FAILED, {_count(len(problems), 'problem')}, {_count(len(warnings), 'warning')}"
     else:
-        out.append(f"doctor: OK, {_count(len(warnings), 'warning')}")
-    print("\n".join(out), flush=True)
-    return 1 if problems else 0
+        summary = f"doctor: OK, {_count(len(warnings), 'warning')}"
+    return [f"warning: {w}" for w in warnings] + [f"problem: {p}" for p in problems] + [summary]
