@@ -1,5 +1,5 @@
 """What a run writes is whole or absent: a file or folder is written under a temporary name,
-flushed to the disk and renamed into place (`publish`), so a crash, a kill or a full disk
+flushed to the disk and renamed into place (`rename_into_place`), so a crash, a kill or a full disk
 never leaves a torn one: a file is the previous version or the new one; a folder replaced is
 the new one, the previous one, or (killed between the two renames) neither. Checkpoints, final/, summary.json,
 metrics.jsonl's rewrite on resume, the pictures (curves.png, goodput.png) and predict's output
@@ -26,7 +26,7 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def publish(tmp: Path, final: Path) -> None:
+def rename_into_place(tmp: Path, final: Path) -> None:
     """Rename `tmp` (a file, or a folder whose files are all written) to `final`, durably:
     every file is flushed first, and the rename then flushed into the parent folder. Without
     the first flush, a crash soon after the rename can leave `final` naming empty files. A
@@ -45,20 +45,20 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """`path` holds `text`, whole, or keeps what it held (publish)."""
+    """`path` holds `text`, whole, or keeps what it held (rename_into_place)."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
-    publish(tmp, path)
+    rename_into_place(tmp, path)
 
 
 def write_figure(fig, path: Path, dpi: int) -> None:
     """`path` holds matplotlib figure `fig` as a picture (of the format its suffix names),
-    whole, or keeps what it held (publish): a kill or a full disk mid-write, or a failure of
+    whole, or keeps what it held (rename_into_place): a kill or a full disk mid-write, or a failure of
     matplotlib's, leaves no torn picture for the card, push or a reader to take."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         fig.savefig(tmp, dpi=dpi, format=path.suffix.removeprefix("."))
-        publish(tmp, path)
+        rename_into_place(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 

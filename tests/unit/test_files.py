@@ -22,7 +22,7 @@ def test_a_folder_is_published_whole_replacing_the_old_one_with_every_file_flush
     (tmp / "config.json").write_text("{}")
     (tmp / "sub" / "weights").write_text("new")
 
-    files.publish(tmp, final)
+    files.rename_into_place(tmp, final)
 
     assert sorted(p.relative_to(final).as_posix() for p in final.rglob("*")) == ["config.json", "sub", "sub/weights"]
     assert not tmp.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # nothing aside left

@@ -205,7 +205,7 @@ class Checkpointer:
 
         def write_and_prune() -> None:
             started = time.perf_counter()
-            path = self.store.publish(step, tmp, write_files)
+            path = self.store.complete(step, tmp, write_files)
             self.store.prune(step, self.keep, keep_also)
             log.info("saved %s in %.2fs%s", path, time.perf_counter() - started,
                      " (in the background)" if self.async_save else "")

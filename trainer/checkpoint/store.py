@@ -92,7 +92,7 @@ class Store:
             log.warning("skipping checkpoint %s: %s", path, problem)
         return None
 
-    def publish(self, step: int, tmp: Path, write_files: Callable[[Path], None]) -> Path:
+    def complete(self, step: int, tmp: Path, write_files: Callable[[Path], None]) -> Path:
         """`write_files(tmp)` (tmp exists and may hold files already: shards), then the marker
         with every file's checksum, then `tmp` renamed to step-N. A failure removes `tmp` and
         leaves every published checkpoint as it was."""
@@ -102,7 +102,8 @@ class Store:
             checksums = {file.relative_to(tmp).as_posix(): sha256(file)
                          for file in sorted(f for f in tmp.rglob("*") if f.is_file())}
             (tmp / MARKER).write_text(json.dumps({"step": step, "sha256": checksums}, indent=2))
-            files.publish(tmp, final)  # a leftover from an earlier attempt at this step (corrupt, say) is replaced
+            # A leftover from an earlier attempt at this step (corrupt, say) is replaced.
+            files.rename_into_place(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -131,4 +131,4 @@ def write(path: Path, answers: list[dict], task: Task) -> None:
             writer = csv.writer(f)
             writer.writerow(["row", *task.csv_header()])
             writer.writerows([row, *task.csv_row(answer)] for row, answer in enumerate(answers))
-    files.publish(tmp, path)
+    files.rename_into_place(tmp, path)

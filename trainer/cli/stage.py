@@ -3,7 +3,7 @@
 
 Each SOURCE is a file's https URL, or a file or folder on a mounted volume (a folder's files
 are copied, its subfolders with them). DEST becomes a folder holding them all, whole or absent
-(`files.publish`): a download cut short leaves no DEST, and the next try starts over. A DEST that
+(`files.rename_into_place`): a download cut short leaves no DEST, and the next try starts over. A DEST that
 exists is left as it is ("already staged", exit 0), so running the staging again changes
 nothing; delete DEST to stage anew. `data.path: DEST` then reads the folder as `datasets` reads
 a Hub dataset's files: each file a split named by its file name (train, validation, test; one
@@ -280,7 +280,7 @@ def _stage_anew(sources: list[str], dest: Path, limits: Limits) -> None:
         data = [f for f in tmp.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES]
         if not data:
             raise SourceError(f"{' '.join(sources)}: no data file ({', '.join(DATA_SUFFIXES)}) among what was staged")
-        files.publish(tmp, dest)
+        files.rename_into_place(tmp, dest)
     except OSError as e:
         if not _full(e):
             raise

@@ -45,7 +45,7 @@ class Ending:
     """A set of metrics in the task's words, for the done line."""
 
 
-def publish(cfg: Config, dist_env: DistEnv, ending: Ending, phase: Callable[[str], AbstractContextManager],
+def write_outputs(cfg: Config, dist_env: DistEnv, ending: Ending, phase: Callable[[str], AbstractContextManager],
             record: Callable[[dict], None]) -> dict:
     """Collective: final/, then summary.json (`record`ed) and the done line, then (rank 0,
     hub.push_at_end) the push. Returns the summary."""

@@ -39,7 +39,7 @@ def export_final(output_dir: Path, model: PreTrainedModel, tokenizer, strategy: 
                                    lambda: lora.save_adapter(model, tmp / "adapter", state))
     strategy.save_pretrained(lora.merged(model), tmp, dist_env)
 
-    def publish() -> None:
+    def move_into_place() -> None:
         tokenizer.save_pretrained(tmp)
         pictures = [name for name in (curves.FILE, report.PICTURE) if (output_dir / name).is_file()]
         for name in pictures:  # tracking.curves: the card shows them
@@ -47,7 +47,7 @@ def export_final(output_dir: Path, model: PreTrainedModel, tokenizer, strategy: 
         (tmp / "README.md").write_text(card.render(facts, pictures=pictures))
         if adapter:  # over peft's empty template
             (tmp / "adapter" / "README.md").write_text(card.render(facts, adapter=True))
-        files.publish(tmp, final)
+        files.rename_into_place(tmp, final)
 
-    distributed.rank_zero_does(dist_env, f"output_dir: {final}", publish)
+    distributed.rank_zero_does(dist_env, f"output_dir: {final}", move_into_place)
     return final

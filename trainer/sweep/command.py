@@ -165,6 +165,6 @@ def report(cfg: Config, plan: Plan, optuna_study: optuna.Study, config_file: Pat
             f"{summary['final_eval'][plan.metric]:.4f}), copied")
     how = results.how_chosen(best, settings, plan.metric, plan.direction, sweep.method, sweep.seeds,
                              sweep.folds, source)
-    results.publish_final(folder, out, how)
+    results.write_final(folder, out, how)
     log.info("sweep: final/ holds %s", source)
     return 0

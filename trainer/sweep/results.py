@@ -170,7 +170,7 @@ def out_of_fold(settings: list[Setting], fold_of: np.ndarray, out: Path) -> list
     return written
 
 
-def publish_final(model_folder: Path, out: Path, how: str) -> Path:
+def write_final(model_folder: Path, out: Path, how: str) -> Path:
     """output_dir/final: a copy of `model_folder` (a run's final/), its card told `how` it was
     chosen; published whole (written aside, then renamed)."""
     final, tmp = out / "final", out / ".final.tmp"
@@ -178,7 +178,7 @@ def publish_final(model_folder: Path, out: Path, how: str) -> Path:
     shutil.copytree(model_folder, tmp)
     card = tmp / "README.md"  # the run's card, its usage naming this folder rather than the run's
     card.write_text((card.read_text().replace(str(model_folder), str(final)) if card.is_file() else "") + "\n" + how)
-    files.publish(tmp, final)
+    files.rename_into_place(tmp, final)
     return final
 
 

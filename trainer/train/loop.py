@@ -24,7 +24,7 @@ from trainer.faults import inject, numerics, preemption, replicas, timeline, wat
 from trainer.faults.attempts import Attempt
 from trainer.model import lora, optim, pretrained
 from trainer.outputs import card, summary
-from trainer.outputs.ending import Ending, publish
+from trainer.outputs.ending import Ending, write_outputs
 from trainer.runtime import distributed
 from trainer.runtime.distributed import DistEnv
 from trainer.runtime.startup import Prefetch, StartupClock
@@ -323,7 +323,7 @@ class Trainer:
                            self.model_commit, self.dropped_rows)
         made = self._summary(start_step, last, (final_step, final_eval), last_eval, test_eval, totals)
         ending = Ending(facts, self.model, self.built.tokenizer, self.built.strategy, made, self.built.task.scores)
-        return publish(self.cfg, self.dist_env, ending, lambda name: watch(name, last), self.tracker.summary)
+        return write_outputs(self.cfg, self.dist_env, ending, lambda name: watch(name, last), self.tracker.summary)
 
     def evaluate(self, loader, num_samples: int) -> dict[str, float]:
         """Exact global metrics of the model as it is now, the same on every rank."""
@@ -447,7 +447,7 @@ class Trainer:
     def _summary(self, start_step: int, last: int, final: tuple[int, dict], last_eval: dict,
                  test_eval: dict | None, totals: dict) -> dict:
         """summary.json as the run knows it (trainer/outputs/summary.py); the files and the
-        hosts' names are `publish`'s to add."""
+        hosts' names are `write_outputs`' to add."""
         return summary.make(
             final=final, last_eval=last_eval, test_eval=test_eval, best=self.selection.summary(),
             start_step=start_step, last=last, max_steps=self.policy.max_steps,
