@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from trainer.cli import config
 from trainer.data import loaders, reading
 from trainer.data.batch_plan import BatchPlan
-from trainer.runtime import distributed
+from trainer.runtime import environment
 from trainer.train import build, evaluation
 
 RESULTS = Path(__file__).with_name("results") / "cpu-minilm-eval-loader.json"
@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = config.load("configs/demo.yaml", [f"data.path={args.data}", "output_dir=/tmp/eval-loader-bench"])
-    dist_env, device = distributed.read_env(), torch.device("cpu")
+    dist_env, device = environment.read_env(), torch.device("cpu")
     splits = reading.load(cfg, dist_env)
     built_run = build.build(cfg, dist_env, device, splits.labels, max_steps=1)  # the model as training evaluates it
     logits_of, tokenizer = built_run.logits, built_run.tokenizer

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from trainer.cli import config
 from trainer.data import labels
 from trainer.preflight import forecast
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.strategies.ddp import DDP
 from trainer.strategies.traffic import Param
 from trainer.train import build

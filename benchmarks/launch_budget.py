@@ -87,7 +87,7 @@ def count(shape: str, strategy: str, args, perf_counts) -> dict:
     from trainer.train.loop import Trainer
 
     try:
-        from trainer.runtime.distributed import DistEnv
+        from trainer.runtime.environment import DistEnv
         from trainer.runtime.startup import StartupClock
     except ImportError:  # 866d9e3
         from trainer.perf import StartupClock  # type: ignore[no-redef]

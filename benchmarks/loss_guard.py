@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from benchmarks.__main__ import random_init_model
 from benchmarks.replica_digest import timed, training_step
 from trainer.faults.numerics import LossGuard
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 
 def check_seconds(checks: int) -> float:

@@ -24,7 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.__main__ import ARCHS, bench_data, random_init_model
 from trainer.cli import config
 from trainer.data.loaders import micro_batches
-from trainer.runtime.distributed import DistEnv, pick_device
+from trainer.runtime.devices import pick_device
+from trainer.runtime.environment import DistEnv
 from trainer.runtime.startup import StartupClock
 from trainer.train.loop import Trainer
 

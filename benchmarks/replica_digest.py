@@ -45,7 +45,7 @@ def training_step(model_dir: str, work: Path, *overrides: str):
     LENGTH tokens, with `overrides` to the config."""
     from trainer.cli import config
     from trainer.data import labels
-    from trainer.runtime.distributed import DistEnv
+    from trainer.runtime.environment import DistEnv
     from trainer.train import build
     from trainer.train.step import StepObserver
 

@@ -69,7 +69,7 @@ def tokenize_in_process(data_dir: Path, cache: Path, reps: int) -> dict:
     from trainer.cli import config
     from trainer.data import encoding
     from trainer.model import pretrained
-    from trainer.runtime.distributed import DistEnv
+    from trainer.runtime.environment import DistEnv
 
     datasets.disable_progress_bars()
     cfg = config.load("configs/demo.yaml", [f"data.path={data_dir}"])

@@ -86,7 +86,7 @@ def hf_side(task: str, path: Path, out: Path, precision: str) -> None:
     from benchmarks.hf_trainer import StepClock
     from trainer.cli import config
     from trainer.data import reading
-    from trainer.runtime.distributed import DistEnv
+    from trainer.runtime.environment import DistEnv
     from trainer.tasks.registry import task_class
 
     cfg = config.load(None, overrides(task, path, out.parent / "unused", precision))

@@ -162,7 +162,7 @@ def one_rank_group():
     collectives are built as under torchrun. Yields that rank's DistEnv."""
     import torch.distributed as dist
 
-    from trainer.runtime.distributed import DistEnv
+    from trainer.runtime.environment import DistEnv
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield DistEnv(master_addr="localhost", master_port=1)

@@ -94,7 +94,7 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
     from trainer.cli import config
     from trainer.data import labels
     from trainer.preflight import memory
-    from trainer.runtime.distributed import DistEnv
+    from trainer.runtime.environment import DistEnv
     from trainer.train import build
 
     folder = tmp_path / "bert-768"

@@ -23,7 +23,7 @@ from support.weights import compare_weights
 
 from trainer.data.samplers import GlobalBatchSampler
 from trainer.exit_codes import Exit
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 GLOBAL_BATCH, SEED = 16, 42
 SETTINGS = {"train.batch_size": 8, "train.max_steps": 12, "checkpoint.every": 5, "fault.max_bad_steps": 2,

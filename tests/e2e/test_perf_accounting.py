@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from trainer.config.schema import Config
 from trainer.data.samplers import GlobalBatchSampler
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.runtime.startup import _process_start
 
 STEPS, LOG_EVERY, PER_RANK = 8, 4, 8
@@ -117,7 +117,7 @@ def test_the_cpu_peak_is_timed_on_the_units_the_model_runs_on(reviews, tmp_path,
     in the run's precision: never the emulation (timed, it gave an MFU of 363%). Against it MFU
     is a fraction, or unknown with the warning: whether a busy machine timed the peak low is
     not the run's to decide, so a value is not required here (the next test requires one)."""
-    from trainer.runtime.distributed import has_native_bf16
+    from trainer.runtime.devices import has_native_bf16
 
     mfus, output = mfu_run(reviews, tmp_path, precision, env)
     timed = "fp32 and bf16" if precision == "bf16" and not env and has_native_bf16(torch.device("cpu")) else "fp32"

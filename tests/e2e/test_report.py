@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
-from support.outputs import model_card, read_metrics, read_summary
+from support.outputs import assert_picture, goodput_bars, model_card, read_metrics, read_summary
 from support.runs import launch, run_preloaded, tiny_overrides, trainer_command
 
 from trainer.outputs import curves
@@ -47,7 +48,12 @@ def test_the_report_counts_the_work_each_kill_threw_away_and_the_curves_run_on_a
     assert min(seconds.values()) >= 0 and seconds["redone"] > 0 and seconds["checkpoints"] > 0
     assert report["goodput"] == pytest.approx(seconds["productive"] / report["wall_s"])
     assert "4 attempts (3 restarts)" in reported.output and "24 steps kept, 4 redone" in reported.output
-    assert (out / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The picture, drawn anew: a bar per attempt on one time axis, each as long as the attempt
+    # lasted; the lengths' shares of the whole, not their pixels, which the axis' scale sets.
+    *bars, _legend = goodput_bars(assert_picture(out / "goodput.png", min_size=(400, 150)))
+    lasted = [a["ended"] - a["launched"] for a in attempts]
+    assert len(bars) == len(attempts), bars
+    assert np.array(bars) / sum(bars) == pytest.approx(np.array(lasted) / sum(lasted), abs=0.03), (bars, lasted)
 
     # summary.json, written as the last attempt ended, has the same account.
     summary = read_summary(out)["goodput"]
@@ -62,8 +68,9 @@ def test_the_report_counts_the_work_each_kill_threw_away_and_the_curves_run_on_a
     assert drawn.validation["accuracy"][0] == [6, 12, 18, 24]
     plotted = run_preloaded("trainer", ["plot", str(out)])
     assert plotted.returncode == 0 and plotted.output.strip().endswith(str(out / "curves.png"))
-    for png in (out / "curves.png", out / "final" / "curves.png", out / "final" / "goodput.png"):
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for png in (out / "curves.png", out / "final" / "curves.png"):
+        assert_picture(png, min_size=(400, 300))
+    assert len(goodput_bars(assert_picture(out / "final" / "goodput.png", min_size=(400, 150)))) == len(attempts) + 1
     card = model_card(out / "final").text
     assert "](curves.png)" in card and "](goodput.png)" in card  # with the attempts' timeline
     # TensorBoard's own reader: every step once, after its purge of the steps redone.

@@ -6,17 +6,24 @@ out-of-fold prediction once."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
-import itertools
 import json
+import os
+import signal
 import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
-from support.outputs import complete_steps, read_metrics, read_summary
-from support.processes import kill_tree
-from support.runs import BASE_ENV, PYTHON, REPO, failure_output, launch, tiny_overrides, trainer_command
+from support.outputs import assert_picture, chromatic, complete_steps, goodput_bars, read_metrics, read_summary
+from support.processes import kill_tree, signals_in
+from support.runs import BASE_ENV, PYTHON, REPO, Run, failure_output, launch, tiny_overrides, trainer_command
 from support.weights import compare_weights
 
 from trainer.runtime.launch import trainer_program
@@ -41,17 +48,80 @@ def trials(out: Path) -> dict[str, Path]:
     return {p.name: p for p in sorted((out / "trials").iterdir())}
 
 
-def spans(out: Path) -> list[tuple[float, float]]:
-    """Each trial's (start, end): its config.yaml written at its start, its summary.json at its end."""
-    return [((p / "config.yaml").stat().st_mtime, (p / "summary.json").stat().st_mtime) for p in trials(out).values()]
+def frozen_ranks(trials_dir: Path) -> dict[int, str]:
+    """The trials' ranks stopped by TRAINER_FAULT_SIGSTOP, by pid, each with its trial's id: the
+    stopped processes whose stdout is a trial's trial.log (the sweep starts each run with it,
+    and torchrun's workers inherit it)."""
+    found = {}
+    for proc in psutil.process_iter(["status"]):
+        if proc.info["status"] != psutil.STATUS_STOPPED:
+            continue
+        with contextlib.suppress(OSError):
+            log = Path(os.readlink(f"/proc/{proc.pid}/fd/1"))
+            if log.name == "trial.log" and log.parent.parent == trials_dir:
+                found[proc.pid] = log.parent.name
+    return found
+
+
+HOLD_S = 300
+"""The longest a test holds a trial's rank frozen waiting for the sweep: only a hang reaches it."""
+
+
+def sweep_holding_ranks(command: list[str], out: Path, freeze: str,
+                        release: Callable[[dict[int, str]], list[int]]) -> Run:
+    """`launch(command)` with TRAINER_FAULT_SIGSTOP=0:`freeze` (PHASE:STEP): each trial's rank
+    stops itself (SIGSTOP) there, and is let go (SIGCONT) once `release(frozen)`, given the
+    ranks frozen now (pid: trial), names it. A test then sees the sweep reach a state with its
+    runs held still, however fast they train, instead of racing a poll against them. Fails if
+    a rank is held HOLD_S (the sweep never got where the test waits for it)."""
+    trials_dir = (out / "trials").resolve()
+    held_since: dict[int, float] = {}
+    with ThreadPoolExecutor(1) as pool:
+        sweep = pool.submit(launch, command, {"TRAINER_FAULT_SIGSTOP": f"0:{freeze}"}, 400)
+        try:
+            while not sweep.done():
+                frozen = frozen_ranks(trials_dir)
+                for pid in release(frozen):
+                    os.kill(pid, signal.SIGCONT)
+                    del frozen[pid]
+                now = time.monotonic()
+                held_since = {pid: held_since.get(pid, now) for pid in frozen}
+                stuck = sorted(frozen[pid] for pid, since in held_since.items() if now - since > HOLD_S)
+                assert not stuck, f"trials {stuck}: a rank held frozen {HOLD_S}s, the sweep never got on"
+                time.sleep(0.2)  # the poll of observable state, as support.processes.wait_for's
+        finally:
+            for pid in frozen_ranks(trials_dir):  # a failed test leaves no rank stopped for good
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    return sweep.result()
+
+
+@dataclass
+class Sweep:
+    out: Path
+    together: list[str]
+    """The trials whose ranks were frozen at once: two runs of the sweep alive, both mid-run."""
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_model, reviews, tmp_path_factory) -> Path:
+def uninterrupted(tiny_model, reviews, tmp_path_factory) -> Sweep:
+    """The grid swept, each trial's rank frozen as its step 2 begins (step 1 trained and
+    saved) and let go at once, but the first, held until a second trial's rank is frozen beside
+    it: a sweep that runs two at a time gets there, one that ran one at a time never would."""
     out = tmp_path_factory.mktemp("sweep") / "out"
-    result = launch(sweep_command(sweep_overrides(tiny_model, reviews, out, GRID)), timeout=400)
+    together: list[str] = []
+
+    def release(frozen: dict[int, str]) -> list[int]:
+        if not together:
+            if len(frozen) < 2:
+                return []  # the first trial's rank waits for a second beside it
+            together.extend(sorted(frozen.values()))
+        return list(frozen)
+
+    result = sweep_holding_ranks(sweep_command(sweep_overrides(tiny_model, reviews, out, GRID)), out, "step:2",
+                                 release)
     assert result.returncode == 0, failure_output(result.output)
-    return out
+    return Sweep(out, together)
 
 
 
@@ -61,7 +131,7 @@ def test_a_trial_run_alone_trains_what_it_trained_in_the_sweep(uninterrupted, tm
     (sweep.yaml), its setting and seed, and the sweep's train.threads. In one process (the
     trial had one rank), the same bits; on 2 ranks of the same global batch, within 1e-6, as
     any run at another world size."""
-    out = uninterrupted
+    out = uninterrupted.out
     with (out / "sweep.csv").open() as f:
         row = next(r for r in csv.DictReader(f) if r["trial"] == "001-seed43")
     alone = tmp_path / "alone"
@@ -75,13 +145,12 @@ def test_a_trial_run_alone_trains_what_it_trained_in_the_sweep(uninterrupted, tm
     assert diff.max_abs <= 1e-6 and (nproc == 2 or not diff.differing), diff
 
 def test_a_grid_of_settings_and_seeds_runs_two_trials_at_a_time(uninterrupted):
-    out = uninterrupted
+    out = uninterrupted.out
     assert sorted(trials(out)) == [f"{s:03d}-seed{seed}" for s in range(4) for seed in (42, 43)]
     for folder in trials(out).values():  # each an ordinary run: its summary, its final model, its config
         assert (folder / "summary.json").is_file() and (folder / "final" / "model.safetensors").is_file()
-    starts_ends = sorted(spans(out))
-    assert any(b_start < a_end for (_, a_end), (b_start, _) in itertools.pairwise(starts_ends)), \
-        "no two trials ran at once"
+    assert len(set(uninterrupted.together)) == 2 and set(uninterrupted.together) <= set(trials(out)), \
+        uninterrupted.together  # two trials mid-run at once
     with (out / "sweep.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 8 and {r["trial"] for r in rows} == set(trials(out))
@@ -99,7 +168,11 @@ def test_a_grid_of_settings_and_seeds_runs_two_trials_at_a_time(uninterrupted):
         interval = t_interval(by_setting[(lr, warmup)])
         row = f"train.lr={lr}, train.warmup_ratio={warmup} | {mean:.4f} | [{interval.low:.4f}, {interval.high:.4f}]"
         assert f"{row} | 2 | complete |" in line, board
-    assert (out / "sweep.png").stat().st_size > 0
+    # sweep.png: a panel per swept key (2, side by side), each with its settings' means plotted
+    # in colour, the axes and text in grey. Where the points fall is the axes' scale's to say.
+    pixels = assert_picture(out / "sweep.png", min_size=(600, 240))
+    panels = np.array_split(chromatic(pixels), 2, axis=1)
+    assert all(panel.sum() >= 20 for panel in panels), [int(panel.sum()) for panel in panels]
     # `report` of the sweep: each run's goodput, in its folder and a line each, and the sweep's.
     reported = subprocess.run([PYTHON, "-m", "trainer", "report", str(out)], cwd=REPO, env=BASE_ENV,
                               capture_output=True, text=True, timeout=120)
@@ -109,7 +182,9 @@ def test_a_grid_of_settings_and_seeds_runs_two_trials_at_a_time(uninterrupted):
     for name, folder in trials(out).items():
         own = json.loads((folder / "goodput.json").read_text())
         assert sweep_goodput["runs"][name]["goodput"] == own["goodput"] and own["steps_kept"] == 2
-        assert (folder / "goodput.png").is_file() and f"  {name} " in reported.stdout
+        assert f"  {name} " in reported.stdout
+        bars = goodput_bars(assert_picture(folder / "goodput.png", min_size=(400, 100)))
+        assert len(bars) == 2, bars  # its one attempt's, the legend's
     productive = sum(r["productive_s"] for r in sweep_goodput["runs"].values())
     assert sweep_goodput["goodput"] == pytest.approx(productive / sweep_goodput["run_wall_s"])
     assert reported.stdout.startswith("sweep of 8 runs (8 started)")
@@ -145,8 +220,8 @@ def test_a_killed_sweep_started_again_reruns_no_finished_trial(uninterrupted, ti
         assert f"trial {name}: finished before, not run again" in again.output
         assert f"trial {name}: training" not in again.output
         assert (out / "trials" / name / "summary.json").read_bytes() == summary
-    assert sorted(trials(out)) == sorted(trials(uninterrupted))
-    assert (out / "sweep.md").read_text() == (uninterrupted / "sweep.md").read_text()
+    assert sorted(trials(out)) == sorted(trials(uninterrupted.out))
+    assert (out / "sweep.md").read_text() == (uninterrupted.out / "sweep.md").read_text()
 
 
 def test_three_fold_cross_validation_predicts_every_train_row_once(tiny_model, reviews, tmp_path):
@@ -176,33 +251,49 @@ def test_three_fold_cross_validation_predicts_every_train_row_once(tiny_model, r
         assert accuracy == pytest.approx(summary["final_eval"]["accuracy"])
 
 
-PRUNED_STEPS = 120
-"""The bad setting's run is judged at its first evaluation (step 5), once it has logged step 6;
-the 114 steps after are the margin for the sweep's signal (its reads FOLLOW_S apart) to find it
-training: at a load of 10 on 2 cores it was stopped 5 steps after it was judged. A run with no
-end to race (a schedule of 100,000 steps) would learn less by step 5, and be the better one."""
+PRUNED_STEPS = 12
+FROZEN_AT = 7
+"""The bad setting's run is judged at its first evaluation (step 5) once it has logged step 6
+(train.log_every=2), and its rank stops itself (SIGSTOP) as step 7 begins: the sweep's signal
+finds it there, however fast it trained, and it saves at the next step boundary (or the one
+after: trainer/faults/preemption.py `agreed`), before its end."""
 
 
 def test_halving_stops_a_bad_setting_at_its_first_evaluation(tiny_model, reviews, tmp_path):
     """sweep.pruner=halving on the runs' own evaluations (every 5 steps): a learning rate of
-    0.3 throws the validation loss far above where it starts (2.7 at step 5, against 1.6),
-    and the grid (seeded) asks it after 0.001. Successive halving's first rung is the first
-    evaluation: the bad setting is stopped there, its run saving and exiting 75 (torchrun 143),
-    and the sweep ranks it after the good one, which runs to the end, and exits 0."""
+    0.3 throws the validation loss far above where it starts, and the grid (seeded) asks it
+    after 0.001. Successive halving's first rung is the first evaluation: the bad setting is
+    stopped there, its run saving and exiting 75 (torchrun 143), and the sweep ranks it after
+    the good one, which runs to the end, and exits 0. Each run's rank is frozen as step
+    FROZEN_AT begins; the good one's is let go at once, the bad one's once the sweep's stop
+    signal waits for it (SIGTERM pending)."""
     out = tmp_path / "out"
     overrides = [*tiny_overrides(tiny_model, reviews, out, **{
         "train.max_steps": PRUNED_STEPS, "train.batch_size": 8, "train.eval_every": 5,
         "checkpoint.every": 10 * PRUNED_STEPS, "data.max_eval_samples": 48, "data.max_length": 32}),
         "sweep.parameters={train.lr: [0.3, 0.001]}", "sweep.pruner=halving", "sweep.parallel=1",
         "sweep.metric=loss"]
-    result = launch(sweep_command(overrides), timeout=400)
-    assert result.returncode == 0, failure_output(result.output)
     bad, good = out / "trials" / "000-seed42", out / "trials" / "001-seed42"
+    signalled: list[str] = []
+
+    def release(frozen: dict[int, str]) -> list[int]:
+        let_go = []
+        for pid, trial in frozen.items():
+            if trial == bad.name:
+                if signal.SIGTERM not in signals_in(pid, "SigPnd", "ShdPnd"):
+                    continue  # judged (step 6 is logged), not yet stopped: the sweep's signal is still to come
+                signalled.append(trial)
+            let_go.append(pid)
+        return let_go
+
+    result = sweep_holding_ranks(sweep_command(overrides), out, f"step:{FROZEN_AT}", release)
+    assert result.returncode == 0, failure_output(result.output)
+    assert signalled == [bad.name]
     assert result.output.index("trial 001-seed42: training") < result.output.index("trial 000-seed42: training")
     assert read_summary(good)["steps"] == PRUNED_STEPS
     assert not (bad / "summary.json").exists()  # stopped, not finished
     saved = complete_steps(bad)
-    assert len(saved) == 1 and 5 < saved[0] < PRUNED_STEPS, saved  # the save at the signal, the only one
+    assert saved in ([FROZEN_AT], [FROZEN_AT + 1]), saved  # the save at the signal, the only one
     bad_loss, good_at_5 = (next(r["eval/loss"] for r in read_metrics(t) if r["step"] == 5 and "eval/loss" in r)
                            for t in (bad, good))
     assert bad_loss > good_at_5 + 0.5

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from trainer.cli import config
 from trainer.data import labels
 from trainer.preflight import memory
-from trainer.runtime import distributed
+from trainer.runtime import environment
 from trainer.train import build
 
-dist_env, cpu = distributed.read_env(), torch.device("cpu")
+dist_env, cpu = environment.read_env(), torch.device("cpu")
 dist.init_process_group("gloo")
 
 
@@ -42,7 +42,7 @@ def cases(args: list[str]) -> list[tuple[str, list[str]]]:
 def measure(case: str, overrides: list[str]) -> None:
     cfg = config.load("configs/demo.yaml", overrides)
     run_labels = labels.from_config(cfg.data)
-    whole_model = build.load(cfg, distributed.DistEnv(), cpu, torch.float32, run_labels).model  # unsharded, to count
+    whole_model = build.load(cfg, environment.DistEnv(), cpu, torch.float32, run_labels).model  # unsharded, to count
     whole = sum(t.numel() * t.element_size() for t in whole_model.parameters())
     whole_trained = sum(t.numel() * t.element_size() for t in whole_model.parameters() if t.requires_grad)
     built = build.build(cfg, dist_env, cpu, run_labels, max_steps=1)

@@ -18,7 +18,7 @@ from trainer.data.batch_plan import BatchPlan
 from trainer.data.loaders import Data, check_position, micro_batches, position
 from trainer.data.samplers import GlobalBatchSampler
 from trainer.errors import CheckpointError, ConfigError
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.space import IDS, Labels, placeholder_names
 
 SAMPLES, GLOBAL_BATCH, BATCH_SIZE = 50, 6, 3  # 8 steps per epoch; 2 samples dropped from each

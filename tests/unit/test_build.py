@@ -12,7 +12,7 @@ from trainer.cli import config
 from trainer.data import labels, loaders, reading
 from trainer.data.batch_plan import BatchPlan
 from trainer.preflight import forecast
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.train import build
 from trainer.train.step import StepObserver, TrainStep
 

@@ -14,7 +14,7 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.rng import ProcessRNG
 from trainer.checkpoint.store import MARKER, read_state, verify
 from trainer.errors import CheckpointError, ConfigError
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 
 class Position:

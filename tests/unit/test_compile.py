@@ -14,7 +14,7 @@ from support.runs import tiny_overrides
 from trainer.cli import config
 from trainer.data import labels
 from trainer.model import pretrained
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.train import build
 from trainer.train.step import StepObserver
 

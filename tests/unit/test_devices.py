@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 
 from trainer.checkpoint.writer import host_copy
 from trainer.errors import LaunchError
-from trainer.runtime.distributed import DistEnv, granted_gpus, has_native_bf16, pick_device, resolve_precision
+from trainer.runtime.devices import granted_gpus, has_native_bf16, pick_device, resolve_precision
+from trainer.runtime.environment import DistEnv
 from trainer.strategies.base import LogitsUnderAutocast
 from trainer.tasks import registry as tasks
 from trainer.tasks.space import Labels

@@ -5,7 +5,7 @@ import re
 
 from support.runs import REPO
 
-from trainer.runtime.distributed import CUDA_DRIVER_FLOOR
+from trainer.runtime.devices import CUDA_DRIVER_FLOOR
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 

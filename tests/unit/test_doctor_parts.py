@@ -13,7 +13,7 @@ from trainer.cli import config
 from trainer.errors import CheckpointError
 from trainer.preflight import doctor
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 
 @pytest.mark.parametrize("error, line", [

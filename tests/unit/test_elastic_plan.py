@@ -16,7 +16,7 @@ from trainer.config.schema import TrainConfig
 from trainer.data.batch_plan import BatchPlan
 from trainer.data.samplers import _MEGABATCH, GlobalBatchSampler
 from trainer.errors import ConfigError
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 
 def plan(world_size: int, resumed: int | None = None, **train) -> tuple[int, int, int]:

@@ -27,7 +27,7 @@ def test_every_rank_does_turns_a_failure_into_one_line_naming_the_rank():
 
     from trainer.errors import CheckpointError, LaunchError
     from trainer.runtime import distributed
-    from trainer.runtime.distributed import DistEnv
+    from trainer.runtime.environment import DistEnv
 
     def fail(error: Exception):
         def action():
@@ -45,7 +45,7 @@ def ranks_of_a_node(monkeypatch, gathered_from_rank_0):
     """Rank 0 and rank 1 of a node of 2 ranks, their barrier passed at once and their all_gather
     answering `gathered_from_rank_0` as rank 0's part. Returns the values each rank gave it."""
     from trainer.runtime import distributed
-    from trainer.runtime.distributed import DistEnv
+    from trainer.runtime.environment import DistEnv
 
     given = []
     monkeypatch.setattr(distributed.dist, "barrier", lambda async_op=False: None)

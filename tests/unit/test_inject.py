@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainer.faults import inject
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 RANK_1 = DistEnv(rank=1, world_size=2, master_addr="localhost", master_port=29500)
 POINTS = ["step", "gradients", "weights", "checkpoint-files-written", "phase:step", "phase:eval", "phase:save"]

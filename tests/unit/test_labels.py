@@ -18,7 +18,7 @@ from trainer.data import labels as labels_module
 from trainer.data import reading
 from trainer.data.batch_plan import BatchPlan
 from trainer.errors import ConfigError, DataError
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.registry import task_class
 
 ONE_BATCH = BatchPlan(16, 16, 1)

@@ -222,7 +222,7 @@ def test_ddp_leaves_the_frozen_base_in_the_shared_page_cache(tiny_model, tmp_pat
     import torch.distributed as dist
 
     from trainer.data import labels
-    from trainer.runtime.distributed import DistEnv
+    from trainer.runtime.environment import DistEnv
     from trainer.strategies import registry
     from trainer.train import build
 

@@ -23,7 +23,7 @@ from trainer.faults.numerics import (
     Outcome,
     check_weights,
 )
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.train import build
 from trainer.train.step import StepObserver
 

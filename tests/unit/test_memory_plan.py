@@ -14,8 +14,8 @@ from trainer.cli import config
 from trainer.data import labels
 from trainer.model import lora
 from trainer.preflight import memory
-from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime import devices
+from trainer.runtime.environment import DistEnv
 from trainer.train import build
 
 FAMILIES = ["bert", "roberta", "deberta-v2", "modernbert", "gpt2", "llama", "qwen2", "mistral"]
@@ -91,7 +91,7 @@ def test_weights_gradients_and_optimizer_state_are_exact_to_the_byte(tiny_models
     assert plan.gradients == nbytes(p.grad for p in trained.parameters() if p.grad is not None)
     assert plan.optimizer == nbytes(t for state in optimizer.state.values() for t in state.values())
     assert (plan.parameters, plan.trained_parameters) == tuple(lora.parameter_counts(trained).values())
-    assert plan.precision == lora.precisions(trained, distributed.resolve_precision(cfg.train.precision, cpu))
+    assert plan.precision == lora.precisions(trained, devices.resolve_precision(cfg.train.precision, cpu))
 
 
 def test_ddp_keeps_a_second_copy_of_the_gradients_without_bucket_views(tiny_models, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 from trainer.faults.preemption import Preemption, received_signals
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 
 def test_a_signal_sets_the_flag_and_close_restores_the_previous_handler():

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.runtime.startup import Prefetch
 
 

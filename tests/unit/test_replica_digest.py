@@ -12,7 +12,7 @@ from trainer.errors import LaunchError
 from trainer.exit_codes import Exit
 from trainer.faults import inject, replicas, watchdog
 from trainer.faults.replicas import Replicas, ReplicasDiverged, digest, odd_ranks, replicated_state
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 
 def trained(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -13,7 +13,7 @@ from trainer.errors import NoProgress
 from trainer.exit_codes import Exit
 from trainer.faults import attempts, watchdog
 from trainer.preflight import grace
-from trainer.runtime import distributed
+from trainer.runtime import devices
 
 
 @pytest.mark.parametrize("codes, verdict", [
@@ -176,14 +176,14 @@ def test_the_launchers_own_settings_draw_no_warning(launcher, environ):
 ])
 def test_the_driver_version_is_read_from_the_kernel_module(tmp_path, text):
     (tmp_path / "version").write_text(text + "GCC version:  gcc version 12.2.0\n")
-    assert distributed.nvidia_driver(tmp_path / "version") == "535.104.05"
-    assert distributed.nvidia_driver(tmp_path / "absent") is None
+    assert devices.nvidia_driver(tmp_path / "version") == "535.104.05"
+    assert devices.nvidia_driver(tmp_path / "absent") is None
 
 
 def test_a_driver_older_than_the_cuda_build_needs_is_named(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    line, problem = distributed.driver_check("535.104.05", {})
+    line, problem = devices.driver_check("535.104.05", {})
     assert line == "NVIDIA driver 535.104.05, torch built for CUDA 13.0 (needs 580.65.06 or newer)"
     assert problem is not None and problem.startswith("the NVIDIA driver 535.104.05 is older than 580.65.06")
-    assert distributed.driver_check("580.65.06", {})[1] is None
-    assert distributed.driver_check("575.1", {"TRAINER_MIN_CUDA_DRIVER": "570.0"})[1] is None  # the image's own
+    assert devices.driver_check("580.65.06", {})[1] is None
+    assert devices.driver_check("575.1", {"TRAINER_MIN_CUDA_DRIVER": "570.0"})[1] is None  # the image's own

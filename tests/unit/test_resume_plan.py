@@ -14,7 +14,7 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.cli import config
 from trainer.config import loading, schema
 from trainer.errors import CheckpointError, ConfigError
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.strategies import registry
 
 

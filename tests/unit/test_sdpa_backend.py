@@ -13,7 +13,7 @@ from trainer.cli import config
 from trainer.data import labels, loaders, reading
 from trainer.errors import ConfigError
 from trainer.model import pretrained
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.train import build, evaluation
 from trainer.train.step import StepObserver
 

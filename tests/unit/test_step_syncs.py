@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainer.cli import config
 from trainer.data import labels
 from trainer.faults import inject
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.train import build
 from trainer.train.step import StepObserver
 

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from scipy import stats
 from sklearn import metrics as sk
 
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks import registry as tasks
 from trainer.tasks.space import Labels
 

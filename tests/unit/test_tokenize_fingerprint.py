@@ -23,7 +23,7 @@ from trainer.data.demo import generate
 from trainer.errors import DataError
 from trainer.model import pretrained
 from trainer.preflight import data_check
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.train import build
 
 ROWS = {"text": ["The food was good.", "The staff was rude and careless.", "It was okay."] * 4,

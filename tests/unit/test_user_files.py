@@ -13,7 +13,7 @@ import pytest
 from trainer.cli import config
 from trainer.data import reading
 from trainer.errors import ConfigError, DataError
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 WORDS = ["the food was great", "rude staff", "it was fine", "slow but tasty", "never again", "lovely place"]
 

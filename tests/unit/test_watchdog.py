@@ -13,7 +13,7 @@ import trainer.outputs.ending
 import trainer.train.loop
 from trainer.exit_codes import Exit
 from trainer.faults.watchdog import PHASES, Watchdog, verdict
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 FACTOR, MIN_S, TIMEOUT_S = 10.0, 1.0, 100.0
 

@@ -16,7 +16,7 @@ from trainer.checkpoint.resume import config_changes
 from trainer.cli import config
 from trainer.config import loading
 from trainer.errors import ConfigError
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.train import tracking
 
 MARK = "lab-note-7f3a9c"

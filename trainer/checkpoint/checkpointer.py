@@ -42,7 +42,7 @@ from trainer.checkpoint.writer import Write, host_copy
 from trainer.errors import CheckpointError, describe
 from trainer.faults import inject
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs half a second to import
     from torch.distributed.checkpoint.staging import AsyncStager

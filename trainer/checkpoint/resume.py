@@ -26,7 +26,7 @@ from trainer.data.batch_plan import BatchPlan
 from trainer.errors import CheckpointError, ConfigError
 from trainer.model.pretrained import is_model_folder
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.space import SPACE, Labels
 
 log = logging.getLogger(__name__)

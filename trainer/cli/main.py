@@ -147,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
 def launch_env(cfg: Config, environ: Mapping[str, str] = os.environ):
     """(dist_env, device, backend): this process's place in the job, from the launcher's
     environment, checked before any process group. torch is imported here."""
-    from trainer.runtime import distributed
+    from trainer.runtime import devices, environment
 
-    dist_env = distributed.read_env(environ)
-    device, backend = distributed.pick_device(dist_env, cfg.dist.backend, cfg.train.device, environ=environ)
+    dist_env = environment.read_env(environ)
+    device, backend = devices.pick_device(dist_env, cfg.dist.backend, cfg.train.device, environ=environ)
     return dist_env, device, backend
 
 

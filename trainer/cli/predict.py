@@ -24,7 +24,7 @@ from trainer.config.schema import Config, DataConfig
 from trainer.data import loaders
 from trainer.errors import ConfigError, DataError
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.base import Task
 from trainer.train import build
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trainer.config.schema import DataConfig
 from trainer.data import datasets_errors
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.base import Task
 from trainer.tasks.registry import task_class
 from trainer.tasks.space import Labels

@@ -18,7 +18,8 @@ from trainer.data import arrow, encoding, reading, samplers, worker_server
 from trainer.data import labels as labels_module
 from trainer.data.batch_plan import BatchPlan
 from trainer.errors import CheckpointError
-from trainer.runtime.distributed import DistEnv, local_rank_zero_first
+from trainer.runtime.distributed import local_rank_zero_first
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.space import Labels
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 _MEGABATCH = 50  # length grouping sorts within windows of 50 global batches, as HF Trainer does
 

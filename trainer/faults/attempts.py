@@ -23,7 +23,7 @@ from trainer import files
 from trainer.errors import NoProgress
 from trainer.exit_codes import Exit
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 log = logging.getLogger(__name__)
 

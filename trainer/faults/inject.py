@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from trainer.faults import replicas
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 _armed: dict[tuple[str, int], list[Callable[..., None]]] = {}
 """(point, step): the faults to run there, in the order the table above lists them."""

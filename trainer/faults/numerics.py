@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from trainer.config.schema import FaultConfig
 from trainer.errors import NoProgress
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 _received: set[str] = set()
 

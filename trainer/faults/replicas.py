@@ -29,7 +29,7 @@ from torch import nn
 
 from trainer.errors import LaunchError
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """The integer type a tensor's bits are read as, by element size."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from trainer import files
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 FILE = "timeline.jsonl"
 

@@ -36,7 +36,7 @@ from trainer.exit_codes import Exit
 from trainer.faults import inject
 from trainer.faults.replicas import ReplicasDiverged
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 log = logging.getLogger(__name__)
 

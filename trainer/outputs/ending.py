@@ -19,7 +19,7 @@ from trainer.exit_codes import Exit
 from trainer.outputs import card, curves, push, report, summary
 from trainer.outputs.export import export_final
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

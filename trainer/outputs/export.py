@@ -16,7 +16,7 @@ from trainer import files
 from trainer.model import lora
 from trainer.outputs import card, curves, report
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

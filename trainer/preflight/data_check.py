@@ -18,7 +18,7 @@ from trainer.data.batch_plan import BatchPlan
 from trainer.data.reading import Splits
 from trainer.errors import ConfigError
 from trainer.model import pretrained
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.registry import task_class
 from trainer.tasks.space import Labels
 

@@ -41,8 +41,8 @@ from trainer.data import reading
 from trainer.data.batch_plan import BatchPlan
 from trainer.errors import TrainerError, describe
 from trainer.preflight import forecast, grace, memory, network
-from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime import devices, distributed
+from trainer.runtime.environment import DistEnv
 from trainer.strategies import registry
 
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
@@ -291,7 +291,7 @@ def _collective_checks(cfg: Config, dist_env, device, backend, host, env, own: F
     facts = {"rank": dist_env.rank, "host": host, "local_rank": dist_env.local_rank, "device": device_name,
              "device_id": device_id, "env": env, "rtt": store_round_trip(dist_env),
              "memory": memory.device_bytes(device, dist_env.local_world_size),
-             "driver": distributed.driver_check(distributed.nvidia_driver()) if device.type == "cuda" else None}
+             "driver": devices.driver_check(devices.nvidia_driver()) if device.type == "cuda" else None}
     ranks: list[dict] = distributed.all_gather(dist_env, facts)
     findings: list[Findings] = distributed.all_gather(dist_env, own)
 

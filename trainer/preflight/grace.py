@@ -23,7 +23,7 @@ from trainer.config import loading
 from trainer.config.schema import Config
 from trainer.data.batch_plan import BatchPlan
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 if TYPE_CHECKING:
     from trainer.data.loaders import Data

@@ -25,8 +25,8 @@ import torch
 from trainer.config.schema import Config
 from trainer.errors import ConfigError
 from trainer.model import lora
-from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime import devices
+from trainer.runtime.environment import DistEnv
 from trainer.strategies import registry
 from trainer.tasks.space import Labels
 from trainer.train import build
@@ -138,7 +138,7 @@ def make(cfg: Config, labels: Labels, device: torch.device | None = None, world_
     if device is None:
         device, amp_dtype = torch.device("cuda"), PLANNED_PRECISION[cfg.train.precision]
     else:
-        amp_dtype = distributed.resolve_precision(cfg.train.precision, device)
+        amp_dtype = devices.resolve_precision(cfg.train.precision, device)
     on_meta = build.load(cfg, DistEnv(), device, amp_dtype, labels, on_meta=True)
     strategy = registry.of(cfg)
     shards = strategy.memory_shards(world_size)

@@ -22,7 +22,7 @@ from trainer.checkpoint import formats
 from trainer.config.schema import Config
 from trainer.data.batch_plan import BatchPlan
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

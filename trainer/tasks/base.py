@@ -19,7 +19,7 @@ import torch
 
 from trainer import files
 from trainer.config.schema import DataConfig, TrainConfig
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.space import Labels
 
 

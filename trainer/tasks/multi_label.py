@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from trainer.errors import DataError
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.base import NAMED_IN_PLOTS, Tally, Task, figure, save
 from trainer.tasks.single_label import per_label_table, precision_recall_f1
 from trainer.tasks.space import MULTI_HOT, NAMES, Labels, shown

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.base import Tally, Task, figure, save
 
 

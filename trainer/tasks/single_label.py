@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.base import NAMED_IN_PLOTS, Tally, Task, figure, save
 from trainer.tasks.space import NAMES, Labels
 

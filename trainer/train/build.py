@@ -26,8 +26,8 @@ from trainer.data import loaders
 from trainer.errors import ConfigError
 from trainer.faults.numerics import LossGuard
 from trainer.model import lora, optim, pretrained
-from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime import devices, distributed
+from trainer.runtime.environment import DistEnv
 from trainer.strategies import registry
 from trainer.strategies.base import LogitsUnderAutocast
 from trainer.tasks import registry as tasks
@@ -125,7 +125,7 @@ def build(cfg: Config, dist_env: DistEnv, device: torch.device, labels: Labels, 
           group: ProcessGroup | None = None, strategy: Strategy | None = None) -> Built:
     """The model for `labels`, parallelized by the run's strategy over `group` (None: every
     rank), and the step that trains it for `max_steps` steps (the LR schedule's length)."""
-    amp_dtype = distributed.configure_compute(cfg.train, dist_env, device)
+    amp_dtype = devices.configure_compute(cfg.train, dist_env, device)
     loaded = load(cfg, dist_env, device, amp_dtype, labels)
     strategy = strategy or registry.of(cfg)
     if pretrained.compiles(cfg.train.compile, device, max_steps):  # before FSDP2 wraps the blocks, as torchtitan
@@ -167,7 +167,7 @@ def trained(cfg: Config, dist_env: DistEnv, device: torch.device, folder: Path) 
         if found is None:
             raise ConfigError(f"checkpoint: {folder} does not say its labels (an older run's): set data.num_labels")
         labels = found
-    loaded = load(cfg, dist_env, device, distributed.configure_compute(cfg.train, dist_env, device), labels,
+    loaded = load(cfg, dist_env, device, devices.configure_compute(cfg.train, dist_env, device), labels,
                   trained=folder)
     return Trained(**vars(loaded), logits=LogitsUnderAutocast(loaded.model, device.type, loaded.amp_dtype),
                    task=tasks.of(labels, cfg.data, cfg.train))

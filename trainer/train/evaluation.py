@@ -25,7 +25,7 @@ from trainer.config.schema import Config
 from trainer.data import loaders, reading
 from trainer.model import pretrained
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.base import Task
 from trainer.train import build
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from trainer.runtime.distributed import has_native_bf16
+from trainer.runtime.devices import has_native_bf16
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

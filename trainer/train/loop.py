@@ -26,7 +26,7 @@ from trainer.model import lora, optim, pretrained
 from trainer.outputs import card, summary
 from trainer.outputs.ending import Ending, write_outputs
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.runtime.startup import Prefetch, StartupClock
 from trainer.strategies import registry
 from trainer.train import build, evaluation, flops, metrics, tracking

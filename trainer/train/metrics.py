@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.train.flops import FlopModel
 from trainer.train.step import StepObserver
 

@@ -14,7 +14,7 @@ from trainer.data import loaders
 from trainer.data.batch_plan import BatchPlan
 from trainer.data.loaders import Data
 from trainer.faults.numerics import BadSteps
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 from trainer.tasks.space import Labels
 from trainer.train.policy import Selection
 

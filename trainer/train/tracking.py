@@ -24,7 +24,7 @@ from trainer.config import loading
 from trainer.config.schema import Config
 from trainer.errors import describe
 from trainer.runtime import distributed
-from trainer.runtime.distributed import DistEnv
+from trainer.runtime.environment import DistEnv
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
