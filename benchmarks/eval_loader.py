@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.data import loaders, reading
 from trainer.data.batch_plan import BatchPlan
 from trainer.runtime import environment
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--data", default="data/reviews")
     args = parser.parse_args()
 
-    cfg = config.load("configs/demo.yaml", [f"data.path={args.data}", "output_dir=/tmp/eval-loader-bench"])
+    cfg = run_config.load("configs/demo.yaml", [f"data.path={args.data}", "output_dir=/tmp/eval-loader-bench"])
     dist_env, device = environment.read_env(), torch.device("cpu")
     splits = reading.load(cfg, dist_env)
     built_run = build.build(cfg, dist_env, device, splits.labels, max_steps=1)  # the model as training evaluates it

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.data import labels
 from trainer.preflight import forecast
 from trainer.runtime.environment import DistEnv
@@ -47,7 +47,7 @@ H100_BF16_FLOPS = 989e12
 def meta_model(folder: Path, *overrides: str):
     """The classifier of `folder`'s config.json on the meta device, as the trainer builds it
     (trainer/train/build.py) for a bf16 GPU run with `overrides` (LoRA's, say)."""
-    cfg = config.load(None, [f"model.name={folder}", "data.path=unused", "data.num_labels=5", "data.max_length=512",
+    cfg = run_config.load(None, [f"model.name={folder}", "data.path=unused", "data.num_labels=5", "data.max_length=512",
                              "train.max_steps=1", "output_dir=unused", *overrides])
     return build.load(cfg, DistEnv(), torch.device("cuda"), torch.bfloat16, labels.from_config(cfg.data),
                       on_meta=True).model

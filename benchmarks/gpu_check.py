@@ -92,7 +92,7 @@ def check_sides(out: Path) -> list[str]:
     on a GPU (the dry run cannot run them on CPU): a renamed key or a new rule fails here.
     The problems found, as the one-line errors the trainer would print."""
     from benchmarks.__main__ import STRATEGIES
-    from trainer.cli import config
+    from trainer.cli import run_config
     from trainer.errors import ConfigError
     from trainer.model import pretrained
 
@@ -105,7 +105,7 @@ def check_sides(out: Path) -> list[str]:
         at = next(i for i in range(1, len(command)) if command[i - 1:i + 2] == ["-m", "trainer", "train"])
         overrides = command[at + 2:]
         try:
-            cfg = config.load(None, overrides)
+            cfg = run_config.load(None, overrides)
             pretrained.attention_for(cfg.model, "cuda")
         except ConfigError as e:
             problems.append(f"{name}: {e}")

@@ -82,7 +82,7 @@ def count(shape: str, strategy: str, args, perf_counts) -> dict:
     """One model and strategy: the counts of each of args.steps steps after args.warmup."""
     import torch.distributed as dist
 
-    from trainer.cli import config
+    from trainer.cli import run_config
     from trainer.data.loaders import micro_batches
     from trainer.train.loop import Trainer
 
@@ -102,7 +102,7 @@ def count(shape: str, strategy: str, args, perf_counts) -> dict:
             "data.num_workers=0", "model.attn_implementation=sdpa", f"output_dir={work / 'run'}",
             *STRATEGIES[strategy], *args.overrides]
         try:
-            cfg = config.load(None, overrides)
+            cfg = run_config.load(None, overrides)
         except Exception as e:  # noqa: BLE001 (an older commit without the strategy)
             return {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
         group = strategy == "fsdp"

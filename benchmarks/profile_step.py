@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.__main__ import ARCHS, bench_data, random_init_model
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.data.loaders import micro_batches
 from trainer.runtime.devices import pick_device
 from trainer.runtime.environment import DistEnv
@@ -63,7 +63,7 @@ def main() -> None:
         model = random_init_model(work / "model", args.random_init, tokenizer_from=str(get_model_path()))
         samples = (args.warmup + args.steps + 1) * args.batch_size
         bench_data(work / "data", samples)
-        cfg = config.load(None, [
+        cfg = run_config.load(None, [
             f"model.name={model}", f"data.path={work / 'data'}", "data.num_labels=5",
             f"data.max_length={args.max_length}", f"train.batch_size={args.batch_size}", "train.max_steps=100",
             "train.precision=bf16", "wandb.mode=disabled", "checkpoint.every=0", f"output_dir={work / 'run'}",

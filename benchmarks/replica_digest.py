@@ -43,13 +43,13 @@ def training_step(model_dir: str, work: Path, *overrides: str):
     strategy, AdamW, clipping at train.max_grad_norm, the loss check, train.precision's
     default: bf16 where native), and one training step of it on a fixed batch of BATCH x
     LENGTH tokens, with `overrides` to the config."""
-    from trainer.cli import config
+    from trainer.cli import run_config
     from trainer.data import labels
     from trainer.runtime.environment import DistEnv
     from trainer.train import build
     from trainer.train.step import StepObserver
 
-    cfg = config.load(None, [f"model.name={model_dir}", f"data.path={work}", "data.num_labels=5", "train.threads=1",
+    cfg = run_config.load(None, [f"model.name={model_dir}", f"data.path={work}", "data.num_labels=5", "train.threads=1",
                              "train.max_steps=1000000", "wandb.mode=disabled", f"output_dir={work / 'run'}",
                              *overrides])
     built = build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=1000000)

@@ -66,13 +66,13 @@ def tokenize_in_process(data_dir: Path, cache: Path, reps: int) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the trainer sets it
     import datasets
 
-    from trainer.cli import config
+    from trainer.cli import run_config
     from trainer.data import encoding
     from trainer.model import pretrained
     from trainer.runtime.environment import DistEnv
 
     datasets.disable_progress_bars()
-    cfg = config.load("configs/demo.yaml", [f"data.path={data_dir}"])
+    cfg = run_config.load("configs/demo.yaml", [f"data.path={data_dir}"])
     tokenizer = pretrained.load_tokenizer(cfg.model)
     ds = datasets.load_dataset(str(data_dir), split="train", cache_dir=str(cache))
     max_length = int(cfg.data.max_length)

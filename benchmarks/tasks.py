@@ -84,12 +84,12 @@ def hf_side(task: str, path: Path, out: Path, precision: str) -> None:
     )
 
     from benchmarks.hf_trainer import StepClock
-    from trainer.cli import config
+    from trainer.cli import run_config
     from trainer.data import reading
     from trainer.runtime.environment import DistEnv
     from trainer.tasks.registry import task_class
 
-    cfg = config.load(None, overrides(task, path, out.parent / "unused", precision))
+    cfg = run_config.load(None, overrides(task, path, out.parent / "unused", precision))
     splits = reading.load(cfg, DistEnv())
     labels = splits.labels
     model_name = str(cfg.model.name)

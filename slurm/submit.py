@@ -218,11 +218,11 @@ def sweep_tasks(args: argparse.Namespace) -> list[list[str]]:
     """Each array task's `python -m trainer train` arguments: the sweep's config file (written
     into output_dir) and the trial run's overrides, every run of the grid, checked first as
     `python -m trainer sweep` checks them."""
-    from trainer.cli import config
+    from trainer.cli import run_config
     from trainer.sweep import command, plan, runs
 
     def load(more: list[str]):
-        return config.load(args.config, [PREEMPT_SIGNALS, *args.overrides, *more])
+        return run_config.load(args.config, [PREEMPT_SIGNALS, *args.overrides, *more])
 
     cfg = load([])
     config_file, each = command.array_runs(cfg, plan.check(cfg, load))

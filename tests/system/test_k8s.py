@@ -54,7 +54,7 @@ from support.processes import wait_for
 from support.runs import REPO
 from support.users import UID
 
-from trainer.cli import config, stage
+from trainer.cli import run_config, stage
 from trainer.exit_codes import Exit, for_launcher
 
 SCHEMAS = REPO / "tests/schemas"
@@ -1068,7 +1068,7 @@ def test_katib_trial_commands_pass_the_trainers_config_check(katib, reviews, tmp
         (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
         argv = [str(file) if arg == "/etc/trainer/config.yaml" else arg for arg in container["command"]]
         args = parse_args(["check", *training_args(argv)])
-        return config.load(args.config, command_args(args.command, args.overrides)[1])
+        return run_config.load(args.config, command_args(args.command, args.overrides)[1])
 
     dirs = set()
     for i, (lr, seed) in enumerate((lr, seed) for lr in points["lr"] for seed in points["seed"]):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from support.runs import tiny_overrides
 
-from trainer.cli import config
+from trainer.cli.run_config import load as load_config
 from trainer.data import labels, loaders, reading
 from trainer.data.batch_plan import BatchPlan
 from trainer.preflight import forecast
@@ -20,7 +20,7 @@ from trainer.train.step import StepObserver, TrainStep
 @pytest.fixture
 def run_config(tiny_model, reviews, tmp_path):
     def make(**extra):
-        return config.load(None, tiny_overrides(tiny_model, reviews, tmp_path / "run", **{
+        return load_config(None, tiny_overrides(tiny_model, reviews, tmp_path / "run", **{
             "train.batch_size": 4, "data.num_workers": 0, **extra}))
 
     return make

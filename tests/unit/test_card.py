@@ -7,7 +7,7 @@ from huggingface_hub import ModelCard
 from support.models import LABEL_NAMES
 from support.runs import tiny_overrides
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.data import labels
 from trainer.outputs import card
 
@@ -16,7 +16,7 @@ TEST = {"accuracy": 0.75, "f1_macro": 0.65, "loss": 0.7}
 
 
 def facts(tmp_path, **overrides) -> card.Facts:
-    cfg = config.load(None, tiny_overrides("acme/tiny-bert", tmp_path, tmp_path / "sentiment-run", **{
+    cfg = run_config.load(None, tiny_overrides("acme/tiny-bert", tmp_path, tmp_path / "sentiment-run", **{
         "data.label_names": f"[{','.join(LABEL_NAMES)}]", "data.test_split": "holdout", **overrides}))
     return card.Facts(cfg, labels.from_config(cfg.data), 40, FINAL, TEST, {"train": 600, "validation": 203, "test": 0},
                       2, "CPU (x86_64)", 95.0, "0123456789abcdef0123456789abcdef01234567")

@@ -11,7 +11,7 @@ import torch
 from support.perf_counts import CompileCounts
 from support.runs import tiny_overrides
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.data import labels
 from trainer.model import pretrained
 from trainer.runtime.environment import DistEnv
@@ -69,7 +69,7 @@ def test_compiled_blocks_take_three_graphs_for_any_lengths_and_train_the_same_bi
     3 graphs for 5 lengths, none broken, the blocks sharing them; the same weights and logits
     as the uncompiled step's."""
     def cfg(compile_: bool):
-        return config.load(None, tiny_overrides(tiny_model, reviews, tmp_path / "run", **{
+        return run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path / "run", **{
             "train.batch_size": 4, "train.precision": "fp32", "train.strategy": strategy,
             "train.compile": compile_}))
 

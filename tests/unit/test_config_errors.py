@@ -2,7 +2,7 @@
 
 Table-driven: overrides, config files and launcher environments, each wrong in one way,
 checked in process by what `python -m trainer train` runs before its rendezvous:
-trainer.cli.config.load, then trainer.cli.main.train_preflight on the launch environment (a
+trainer.cli.run_config.load, then trainer.cli.main.train_preflight on the launch environment (a
 mapping here, os.environ in a run). That the CLI prints such an error as one `error:` line,
 exits 2 with no traceback and writes nothing, on every rank, is tests/e2e/test_usage_errors.py's,
 with the mistakes only real data or a model show.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from support.runs import tiny_overrides
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.cli.main import train_preflight
 from trainer.errors import TrainerError
 
@@ -22,7 +22,7 @@ def refusal(overrides: list[str], config_file: str | None = None, environ: dict[
     """The message `python -m trainer train` would refuse to start with (its `error:` line),
     from the checks it runs before the rendezvous; fails if they all pass."""
     with pytest.raises(TrainerError) as refused:
-        train_preflight(config.load(config_file, overrides), environ or {})
+        train_preflight(run_config.load(config_file, overrides), environ or {})
     message = str(refused.value)
     assert "\n" not in message, message  # the CLI prints it as one line
     return message

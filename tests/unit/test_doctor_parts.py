@@ -9,7 +9,7 @@ import socket
 import pytest
 import torch
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.errors import CheckpointError
 from trainer.preflight import doctor
 from trainer.runtime import distributed
@@ -30,7 +30,7 @@ def test_a_failure_inside_doctor_is_one_line_and_exit_1(monkeypatch, capsys, tmp
     monkeypatch.setattr(distributed, "close", lambda: closed.append(True))
     monkeypatch.setattr(doctor, "_collective_checks", fail)
     monkeypatch.setattr(doctor, "check_env", lambda *args, **kwargs: doctor.Findings())  # this host's own settings
-    cfg = config.load(None, ["model.name=bert-base-uncased", "data.path=data", "train.max_steps=1",
+    cfg = run_config.load(None, ["model.name=bert-base-uncased", "data.path=data", "train.max_steps=1",
                              f"output_dir={tmp_path}"])
     env = DistEnv(rank=1, world_size=2, master_addr="localhost", master_port=1)
     assert doctor.run(cfg, env, torch.device("cpu"), "gloo") == 1
@@ -59,7 +59,7 @@ def test_the_forecast_times_the_step_with_no_loader_worker_server_starting_besid
 
     started = []
     monkeypatch.setattr(worker_server, "start_worker_server", lambda cfg: started.append(cfg.data.num_workers))
-    cfg = config.load(None, tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"data.num_workers": 1}))
+    cfg = run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"data.num_workers": 1}))
     measured = forecast.measure(cfg, one_rank_group, torch.device("cpu"))
     assert measured.compute.forward_s > 0
     assert started in ([], [0])  # asked for none, or for a server of no workers: a no-op

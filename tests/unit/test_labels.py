@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from support.models import LABEL_NAMES
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.data import labels as labels_module
 from trainer.data import reading
 from trainer.data.batch_plan import BatchPlan
@@ -39,7 +39,7 @@ def write_jsonl(path, rows: list[dict]):
 
 
 def load(tmp_path, path, *overrides: str):
-    cfg = config.load(None, ["model.name=org/model", f"data.path={path}", "train.max_steps=1",
+    cfg = run_config.load(None, ["model.name=org/model", f"data.path={path}", "train.max_steps=1",
                              f"output_dir={tmp_path / 'run'}", *overrides])
     return reading.load(cfg, DistEnv())
 

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from trainer.checkpoint import formats
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.errors import CheckpointError, ConfigError
 from trainer.model import lora, optim
 from trainer.train.flops import FlopModel
@@ -226,7 +226,7 @@ def test_ddp_leaves_the_frozen_base_in_the_shared_page_cache(tiny_model, tmp_pat
     from trainer.strategies import registry
     from trainer.train import build
 
-    cfg = config.load("configs/demo.yaml", [f"model.name={tiny_model}", f"data.path={tmp_path}", "model.lora.r=4",
+    cfg = run_config.load("configs/demo.yaml", [f"model.name={tiny_model}", f"data.path={tmp_path}", "model.lora.r=4",
                                             f"output_dir={tmp_path / 'run'}", "train.precision=fp32"])
     cpu = torch.device("cpu")
     adapted = build.load(cfg, DistEnv(), cpu, torch.float32, labels.from_config(cfg.data)).model

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from support.runs import tiny_overrides
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.data import labels
 from trainer.exit_codes import Exit
 from trainer.faults import inject
@@ -39,7 +39,7 @@ def judge(g: LossGuard, loss: float, norm: float | None = 1.0, fp16: bool = Fals
 
 @pytest.fixture
 def built(tiny_model, reviews, tmp_path):
-    cfg = config.load(None, tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"train.batch_size": 4}))
+    cfg = run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path / "run", **{"train.batch_size": 4}))
     yield build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=4)
     inject.configure(DistEnv(), {})
 

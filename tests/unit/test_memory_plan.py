@@ -10,7 +10,7 @@ import pytest
 import torch
 from support.models import make_tiny_model
 
-from trainer.cli import config
+from trainer.cli.run_config import load as load_config
 from trainer.data import labels
 from trainer.model import lora
 from trainer.preflight import memory
@@ -57,7 +57,7 @@ def with_vocabulary(model_dir, rows: int, out):
 def run_config(model_dir, tmp_path, **overrides):
     settings = {"model.name": model_dir, "data.path": tmp_path, "data.num_labels": 5, "data.max_length": 64,
                 "train.batch_size": 4, "train.max_steps": 1, "output_dir": tmp_path / "run", **overrides}
-    return config.load("configs/demo.yaml", [f"{key}={value}" for key, value in settings.items()])
+    return load_config("configs/demo.yaml", [f"{key}={value}" for key, value in settings.items()])
 
 
 def trained_for_one_step(cfg):

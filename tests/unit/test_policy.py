@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.train.policy import Policy, Selection
 
 
@@ -52,7 +52,7 @@ def test_a_preemption_stops_the_run_before_its_last_step_only():
 
 def cfg(*overrides: str):
     required = ["model.name=x", "data.path=x", "data.num_labels=2", "output_dir=unused", "train.max_steps=20"]
-    return config.load(None, [*required, *overrides])
+    return run_config.load(None, [*required, *overrides])
 
 
 def test_from_config():

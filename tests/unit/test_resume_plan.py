@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from trainer.checkpoint import resume
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.config import loading, schema
 from trainer.errors import CheckpointError, ConfigError
 from trainer.runtime.environment import DistEnv
@@ -19,7 +19,7 @@ from trainer.strategies import registry
 
 
 def load(tmp_path, *overrides: str):
-    return config.load(None, ["model.name=org/model", "data.path=org/data", "data.num_labels=2",
+    return run_config.load(None, ["model.name=org/model", "data.path=org/data", "data.num_labels=2",
                               f"output_dir={tmp_path}", "train.max_steps=10", *overrides])
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from support.runs import tiny_overrides
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.data import labels, loaders, reading
 from trainer.errors import ConfigError
 from trainer.model import pretrained
@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 
 
 def built_with(dropout_model, reviews, tmp_path, backend: str):
-    cfg = config.load(None, tiny_overrides(dropout_model, reviews, tmp_path / backend, **{
+    cfg = run_config.load(None, tiny_overrides(dropout_model, reviews, tmp_path / backend, **{
         "model.attn_implementation": "sdpa", "model.sdpa_backend": backend, "train.batch_size": 4}))
     return cfg, build.build(cfg, DistEnv(), CPU, labels.from_config(cfg.data), max_steps=2)
 
@@ -90,7 +90,7 @@ def test_evaluation_runs_the_configured_kernel(dropout_model, reviews, tmp_path)
 ])
 def test_a_backend_that_cannot_run_is_refused_before_the_weights_load(tiny_model, reviews, tmp_path, settings,
                                                                       device, says):
-    cfg = config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **settings))
+    cfg = run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **settings))
     if says is None:
         assert pretrained.attention_for(cfg.model, device) == "sdpa"
         return
@@ -102,10 +102,10 @@ def test_a_backend_that_cannot_run_is_refused_before_the_weights_load(tiny_model
 def test_the_config_refuses_a_backend_with_eager_attention(tiny_model, reviews, tmp_path):
     with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: math picks an SDPA kernel, but "
                                           r"model\.attn_implementation is eager; set it to sdpa$"):
-        config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{
+        run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{
             "model.sdpa_backend": "math", "model.attn_implementation": "eager"}))
     with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: "):
-        config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{"model.sdpa_backend": "fastest"}))
+        run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{"model.sdpa_backend": "fastest"}))
 
 
 def test_flash_is_refused_on_every_device_for_it_takes_no_mask(tiny_model, reviews, tmp_path):
@@ -113,5 +113,5 @@ def test_flash_is_refused_on_every_device_for_it_takes_no_mask(tiny_model, revie
     on an H200 the first step failed with "No available kernel"."""
     with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: flash takes no attention mask, and every "
                                           r"padded batch carries one; use efficient or cudnn"):
-        config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{
+        run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{
             "model.sdpa_backend": "flash", "model.attn_implementation": "sdpa"}))

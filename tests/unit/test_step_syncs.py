@@ -14,7 +14,7 @@ from support.perf_counts import StepCounts
 from support.runs import tiny_overrides
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.cli import config
+from trainer.cli.run_config import load as load_config
 from trainer.data import labels
 from trainer.faults import inject
 from trainer.runtime.environment import DistEnv
@@ -34,7 +34,7 @@ def batches(padded: bool, seed: int) -> list[dict[str, torch.Tensor]]:
 @pytest.fixture
 def run_config(tiny_model, reviews, tmp_path):
     def make(model=tiny_model, **extra):
-        return config.load(None, tiny_overrides(model, reviews, tmp_path / "run", **{
+        return load_config(None, tiny_overrides(model, reviews, tmp_path / "run", **{
             "train.batch_size": 4, "train.precision": "bf16", "model.attn_implementation": "sdpa", **extra}))
 
     return make

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.cli.main import main
 from trainer.config import schema
 from trainer.data import folds
@@ -102,7 +102,7 @@ def data_file(tmp_path):
 
 def sweep_plan(data_file, tmp_path, *overrides: str) -> plan.Plan:
     base = [f"data.path={data_file}", "model.name=org/model", "train.max_steps=2", f"output_dir={tmp_path / 'out'}"]
-    load = lambda more: config.load(None, [*base, *overrides, *more])  # noqa: E731
+    load = lambda more: run_config.load(None, [*base, *overrides, *more])  # noqa: E731
     return plan.check(load([]), load)
 
 
@@ -158,7 +158,7 @@ def test_an_empty_mapping_on_the_command_line_empties_the_files_grid(data_file, 
     config_file = tmp_path / "sweep.yaml"
     config_file.write_text(f"data: {{path: {data_file}}}\nmodel: {{name: org/model}}\ntrain: {{max_steps: 2}}\n"
                            f"output_dir: {tmp_path / 'out'}\nsweep: {{parameters: {{train.lr: [1e-4, 1e-3]}}}}\n")
-    load = lambda more: config.load(str(config_file), ["sweep.folds=3", *more])  # noqa: E731
+    load = lambda more: run_config.load(str(config_file), ["sweep.folds=3", *more])  # noqa: E731
     assert plan.check(load([]), load).settings == 2
     folds_only = plan.check(load(["sweep.parameters={}"]), lambda more: load(["sweep.parameters={}", *more]))
     assert folds_only.settings == 1 and folds_only.fold_of is not None
@@ -167,7 +167,7 @@ def test_an_empty_mapping_on_the_command_line_empties_the_files_grid(data_file, 
 
 def test_data_fold_is_checked_against_data_folds(data_file, tmp_path):
     with pytest.raises(ConfigError, match=r"data.fold: must be below data.folds \(3\), got 3"):
-        config.load(None, [f"data.path={data_file}", "model.name=org/model", "train.max_steps=2",
+        run_config.load(None, [f"data.path={data_file}", "model.name=org/model", "train.max_steps=2",
                            f"output_dir={tmp_path}", "data.folds=3", "data.fold=3"])
 
 
@@ -411,11 +411,11 @@ def test_a_sweep_started_again_with_other_runs_is_refused(data_file, tmp_path):
 
     base = [f"data.path={data_file}", "model.name=org/model", "train.max_steps=2", f"output_dir={tmp_path / 'out'}",
             "sweep.parameters={train.lr: [0.001, 0.01]}", "sweep.seeds=2"]
-    previous = write_config(config.load(None, base)).parent / "sweep.yaml"
+    previous = write_config(run_config.load(None, base)).parent / "sweep.yaml"
     same = [*base, "sweep.parallel=2", "sweep.trials=5", "train.log_every=3", "checkpoint.keep=1"]
-    plan.check_same_sweep(previous, config.load(None, same))  # how it runs, not what: accepted
+    plan.check_same_sweep(previous, run_config.load(None, same))  # how it runs, not what: accepted
     for changed, named in ((["sweep.parameters={train.lr: [0.001, 0.02]}"], "sweep.parameters.train.lr"),
                            (["sweep.seeds=3"], "sweep.seeds"), (["train.max_steps=3"], "train.max_steps"),
                            (["seed=1"], "seed"), (["sweep.metric=loss"], "sweep.metric")):
         with pytest.raises(ConfigError, match=re.escape(f"holds a sweep of another config ({named} changed)")):
-            plan.check_same_sweep(previous, config.load(None, [*base, *changed]))
+            plan.check_same_sweep(previous, run_config.load(None, [*base, *changed]))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.data import encoding, labels, loaders, reading, sources
 from trainer.data.demo import generate
 from trainer.errors import DataError
@@ -33,7 +33,7 @@ ROWS = {"text": ["The food was good.", "The staff was rude and careless.", "It w
 def settings(tiny_model, reviews, tmp_path, **changes) -> DictConfig:
     overrides = {"model.name": tiny_model, "data.path": reviews, "data.max_length": 64, "train.max_steps": 4,
                  "wandb.mode": "disabled", "output_dir": tmp_path / "run", **changes}
-    return config.load("configs/demo.yaml", [f"{key}={value}" for key, value in overrides.items()])
+    return run_config.load("configs/demo.yaml", [f"{key}={value}" for key, value in overrides.items()])
 
 
 def as_the_trainer_leaves_it(cfg):

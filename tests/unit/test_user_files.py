@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.data import reading
 from trainer.errors import ConfigError, DataError
 from trainer.runtime.environment import DistEnv
@@ -19,7 +19,7 @@ WORDS = ["the food was great", "rude staff", "it was fine", "slow but tasty", "n
 
 
 def load(tmp_path, path, *overrides: str):
-    cfg = config.load(None, ["model.name=org/model", f"data.path={path}", "train.max_steps=1",
+    cfg = run_config.load(None, ["model.name=org/model", f"data.path={path}", "train.max_steps=1",
                              f"output_dir={tmp_path / 'run'}", *overrides])
     return reading.load(cfg, DistEnv())
 

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from support.runs import tiny_overrides
 
 from trainer.checkpoint.resume import config_changes
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.config import loading
 from trainer.errors import ConfigError
 from trainer.runtime.environment import DistEnv
@@ -32,7 +32,7 @@ def test_a_secret_from_the_environment_is_refused_in_one_line_naming_the_key(tin
                                                                             monkeypatch, variable, override, key):
     monkeypatch.setenv(variable, MARK)
     with pytest.raises(ConfigError) as refused:
-        config.load(None, [*tiny_overrides(tiny_model, reviews, tmp_path / "run"), override])
+        run_config.load(None, [*tiny_overrides(tiny_model, reviews, tmp_path / "run"), override])
     message = str(refused.value)
     assert message.startswith(f"{key}: ${{oc.env:{variable}}} would write a secret") and "\n" not in message
     assert MARK not in message
@@ -43,7 +43,7 @@ def test_a_value_from_the_environment_is_read_as_set_and_written_as_written(tiny
     monkeypatch.setenv("LAB_NOTE", MARK)
     monkeypatch.setenv("MAX_LENGTH", "64")
     overrides = [*tiny_overrides(tiny_model, reviews, tmp_path / "run"), "train.eval_batch_size=4"]
-    cfg = config.load(None, [*overrides, "wandb.name=${oc.env:LAB_NOTE}", "wandb.project=p-${wandb.name}",
+    cfg = run_config.load(None, [*overrides, "wandb.name=${oc.env:LAB_NOTE}", "wandb.project=p-${wandb.name}",
                              "wandb.tags=[run, '${oc.env:LAB_NOTE}']", "data.max_length=${oc.env:MAX_LENGTH}",
                              "train.batch_size=${train.eval_batch_size}"])
     assert (cfg.wandb.name, cfg.wandb.project, list(cfg.wandb.tags)) == (MARK, f"p-{MARK}", ["run", MARK])
@@ -55,11 +55,11 @@ def test_a_value_from_the_environment_is_read_as_set_and_written_as_written(tiny
     assert "max_length: ${oc.env:MAX_LENGTH}" in written and "  batch_size: 4" in written  # the rest resolved
     # What was written is a config again, read in this environment; a resume from it changes nothing.
     (tmp_path / "written.yaml").write_text(written)
-    assert loading.to_dict(config.load(str(tmp_path / "written.yaml"))) == loading.to_dict(cfg)
+    assert loading.to_dict(run_config.load(str(tmp_path / "written.yaml"))) == loading.to_dict(cfg)
     assert config_changes(OmegaConf.create(written), cfg) == ([], [])
     # The variable gone, and the value given instead: the saved key is compared as written.
     monkeypatch.delenv("MAX_LENGTH")
-    refused, _ = config_changes(OmegaConf.create(written), config.load(None, [*overrides, "data.max_length=64"]))
+    refused, _ = config_changes(OmegaConf.create(written), run_config.load(None, [*overrides, "data.max_length=64"]))
     assert [tuple(change) for change in refused] == [("data.max_length", "${oc.env:MAX_LENGTH}", 64)]
 
 
@@ -70,7 +70,7 @@ def test_wandb_gets_the_config_as_written(tiny_model, reviews, tmp_path, monkeyp
     wandb.init = lambda **kwargs: started.update(kwargs)  # type: ignore[attr-defined]
     wandb.Settings = dict  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "wandb", wandb)
-    cfg = config.load(None, [*tiny_overrides(tiny_model, reviews, tmp_path / "run"), "wandb.mode=offline",
+    cfg = run_config.load(None, [*tiny_overrides(tiny_model, reviews, tmp_path / "run"), "wandb.mode=offline",
                              "data.name=${oc.env:LAB_NOTE}"])
     tracking.Tracker(cfg, DistEnv()).start("run1", 0)
     assert started["config"]["data"]["name"] == "${oc.env:LAB_NOTE}" and MARK not in repr(started)

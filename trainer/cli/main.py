@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trainer import errors
-from trainer.cli import config
+from trainer.cli import run_config
 from trainer.config import loading
 from trainer.config.schema import Config
 from trainer.errors import ConfigError, TrainerError
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         arguments["no_data"], arguments["resolved"] = args.no_data, args.resolved
         if arguments.get("split"):
             overrides.append(f"data.eval_split={arguments['split']}")
-        cfg = config.load(args.config, overrides)
+        cfg = run_config.load(args.config, overrides)
         arguments["config"], arguments["overrides"] = args.config, args.overrides  # sweep's: no command arguments
         return COMMANDS[args.command](cfg, arguments)
     except TrainerError as e:
@@ -372,7 +372,7 @@ def run_sweep(cfg: Config, arguments: dict) -> int:
     from trainer.runtime import lease
     from trainer.sweep import command, plan
 
-    checked = plan.check(cfg, lambda more: config.load(arguments["config"], [*arguments["overrides"], *more]))
+    checked = plan.check(cfg, lambda more: run_config.load(arguments["config"], [*arguments["overrides"], *more]))
     held = lease.hold(Path(cfg.output_dir), cfg.fault)  # one sweep per output_dir: its trials have no process
     try:
         return command.run(cfg, checked)

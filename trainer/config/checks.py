@@ -1,6 +1,6 @@
 """What the keys ask of each other, checked as the config loads: each mistake one line that
 names the key (`ConfigError`, exit code 2). What a key asks of the chosen task or strategy
-is theirs to check (trainer/cli/config.py asks them).
+is theirs to check (trainer/cli/run_config.py asks them).
 """
 
 from __future__ import annotations

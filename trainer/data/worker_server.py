@@ -10,8 +10,8 @@ import threading
 
 from trainer.config.schema import Config
 
-WORKER_SERVER_PRELOAD = ["trainer.data.loader_server", "trainer.data.loaders", "datasets"]
-"""The server's set-up (trainer/data/loader_server.py), then what a worker unpickles its loader
+WORKER_SERVER_PRELOAD = ["trainer.data.worker_server_setup", "trainer.data.loaders", "datasets"]
+"""The server's set-up (trainer/data/worker_server_setup.py), then what a worker unpickles its loader
 with: imported once by the server, each worker, its fork, starts with it imported."""
 
 

@@ -3,7 +3,7 @@ parallel) is a module of its own in trainer/strategies/ and one line here: nothi
 the trainer asks which strategy runs.
 
 Torch-free, so that a command checks what the strategy asks of the config (`check`, called by
-trainer/cli/config.py) before torch is imported; each class is imported when it is chosen.
+trainer/cli/run_config.py) before torch is imported; each class is imported when it is chosen.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ its best_mode by default). A new task is a module in trainer/tasks/ and a line h
 labels stored in a new shape, their reading in trainer/data/labels.py).
 
 Torch-free, so that a command checks what the task asks of the config (`check`, called by
-trainer/cli/config.py) before torch is imported.
+trainer/cli/run_config.py) before torch is imported.
 """
 
 from __future__ import annotations
