@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from support.models import LABEL_NAMES
-from support.outputs import read_metrics, read_summary
+from support.outputs import assert_confusion_shown, assert_picture, read_metrics, read_summary
 from support.runs import kill_then_resume, launch, tiny_overrides, train, trainer_command
 from support.weights import compare_weights, weights
 
@@ -131,8 +131,7 @@ def forward_one_process(model_dir: Path, texts: list[str]):
 
 
 def test_evaluate_under_torchrun_equals_scikit_learn_on_one_process(selected, tiny_model, labeled_reviews, reviews):
-    from PIL import Image
-    from sklearn.metrics import accuracy_score, classification_report, f1_score
+    from sklearn.metrics import accuracy_score, classification_report, confusion_matrix, f1_score
 
     rows = [json.loads(line) for line in (reviews / "test.jsonl").read_text().splitlines()]
     assert len(rows) % 2 == 1  # 2 ranks get unequal shards
@@ -156,9 +155,10 @@ def test_evaluate_under_torchrun_equals_scikit_learn_on_one_process(selected, ti
             assert row[key] == pytest.approx(expected[row["name"]][key if key != "f1" else "f1-score"], abs=1e-12)
         assert row["support"] == expected[row["name"]]["support"]
     assert "confusion matrix" in result.output and "5 stars" in result.output  # the table on stdout
-    with Image.open(selected / "final" / "eval-test.png") as image:
-        image.verify()
-        assert image.format == "PNG" and min(image.size) > 100
+    # eval-test.png: the confusion matrix of one process's predictions, each count in its cells' colour
+    assert report["confusion_matrix"] == confusion_matrix(labels, predicted, labels=range(5)).tolist()
+    assert_confusion_shown(assert_picture(selected / "final" / "eval-test.png", min_size=(400, 300)),
+                           report["confusion_matrix"])
 
 
 @pytest.mark.parametrize("count", [51, 1], ids=["batches-per-rank", "fewer-rows-than-ranks"])

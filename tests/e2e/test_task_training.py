@@ -21,7 +21,7 @@ import pytest
 from scipy import stats
 from sklearn import metrics
 from sklearn.preprocessing import MultiLabelBinarizer
-from support.outputs import read_summary
+from support.outputs import assert_confusion_shown, assert_picture, bar_heights, frame, read_summary, scatter_box
 from support.runs import tiny_overrides, together, trainer_command
 from support.weights import compare_weights
 
@@ -125,7 +125,7 @@ def test_each_task_trains_exactly_resumes_bitwise_and_answers_in_its_own_terms(t
     assert recomputed(task, gathered) == pytest.approx({name: report[name] for name in METRICS[task] - {"loss"}},
                                                        abs=1e-9)
     assert report["split"] == "test (held out of the train split)"
-    assert (tmp_path / "ddp" / "final" / "eval-test.png").stat().st_size > 0
+    assert_shown(task, assert_picture(tmp_path / "ddp" / "final" / "eval-test.png", min_size=(400, 300)), report)
     header, *answered = list(csv.reader(answers.open()))
     assert len(answered) == 2 and header[0] == "row"
     assert header[1:3] == {"single_label": ["label", "label_name"], "multi_label": ["labels", "label_names"],
@@ -134,6 +134,41 @@ def test_each_task_trains_exactly_resumes_bitwise_and_answers_in_its_own_terms(t
         assert {answer[2] for answer in answered} <= {"negative", "neutral", "positive"}
     if task == "multi_label":
         assert all(set(filter(None, answer[2].split("|"))) <= set(demo.COMPLAINED) for answer in answered)
+
+
+def assert_shown(task: str, pixels: np.ndarray, report: dict) -> None:
+    """evaluate's picture (eval-test.png, its pixels) shows what its report (eval-test.json) says:
+    single_label, each count of the confusion matrix as its cells' colour; multi_label, each
+    metric's tallest bar as tall as its largest value on the axis from 0 to 1.05 (within 3
+    pixels); regression, the points from the smallest true value to the largest across and
+    from the smallest prediction to the largest up, on the axes both spanning the line
+    predicted = true from the least of them to the most, with matplotlib's margins (within 4
+    pixels: a point's radius and a blended edge)."""
+    if task == "single_label":
+        assert_confusion_shown(pixels, report["confusion_matrix"])
+    elif task == "multi_label":
+        left, top, right, bottom = frame(pixels)
+        for colour, metric in zip(("C0", "C1", "C2"), ("precision", "recall", "f1"), strict=True):
+            tallest = max(row[metric] for row in report["per_label"]) / 1.05 * (bottom - top)
+            bars = bar_heights(pixels, colour)
+            assert len(bars) <= len(report["per_label"]) and max(bars, default=0) == pytest.approx(tallest, abs=3), \
+                (metric, bars, tallest)
+    else:
+        import matplotlib
+
+        truth, predicted = report["truth"], report["predicted"]
+        low, high = min(truth["min"], predicted["min"]), max(truth["max"], predicted["max"])
+        (left, top, right, bottom), (xmargin, ymargin) = frame(pixels), (matplotlib.rcParams["axes.xmargin"],
+                                                                         matplotlib.rcParams["axes.ymargin"])
+
+        def across(value: float) -> float:
+            return left + (value - low + xmargin * (high - low)) / ((1 + 2 * xmargin) * (high - low)) * (right - left)
+
+        def up(value: float) -> float:
+            return bottom - (value - low + ymargin * (high - low)) / ((1 + 2 * ymargin) * (high - low)) * (bottom - top)
+
+        expected = (across(truth["min"]), up(predicted["max"]), across(truth["max"]), up(predicted["min"]))
+        assert scatter_box(pixels) == pytest.approx(expected, abs=4), (scatter_box(pixels), expected)
 
 
 def recomputed(task: str, rows: list[dict]) -> dict[str, float]:

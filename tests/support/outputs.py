@@ -73,3 +73,83 @@ def goodput_bars(pixels: np.ndarray) -> list[int]:
     rows = np.flatnonzero(coloured.sum(axis=1) >= 10)  # not text, whose antialiasing hits a colour in a pixel or two
     bands = np.split(rows, np.flatnonzero(np.diff(rows) > 1) + 1) if len(rows) else []
     return [int(coloured[band].sum()) // len(band) for band in bands]
+
+
+def frame(pixels: np.ndarray) -> tuple[int, int, int, int]:
+    """Where a one-axes chart's frame is in `pixels` (assert_picture's): the columns of its left
+    and right spines and the rows of its top and bottom ones (left, top, right, bottom), the
+    dark lines across most of the picture: axis text and ticks are shorter."""
+    dark = pixels.max(axis=-1) < 128
+    rows, columns = np.flatnonzero(dark.mean(axis=1) >= 0.5), np.flatnonzero(dark.mean(axis=0) >= 0.5)
+    assert len(rows) >= 2 and len(columns) >= 2, f"no chart frame: dark rows {rows}, columns {columns}"
+    return int(columns[0]), int(rows[0]), int(columns[-1]), int(rows[-1])
+
+
+def rgb(colour: str) -> np.ndarray:
+    """A matplotlib colour (a name, "#rrggbb", "C0") as the RGB bytes a picture shows it in."""
+    from matplotlib.colors import to_rgb
+
+    return np.round(np.array(to_rgb(colour)) * 255).astype(int)
+
+
+def bar_heights(pixels: np.ndarray, colour: str) -> list[int]:
+    """The bars of one solid `colour` that rise from the frame's bottom (a bar chart whose y axis
+    starts at 0, its frame `frame`'s), left to right: each its height in pixels, the rows of
+    exactly that colour (its top row, blended, and the spine under it not counted). A legend's
+    patch of the colour does not touch the frame's bottom: not a bar."""
+    left, top, right, bottom = frame(pixels)
+    inside = (pixels[top + 1:bottom, left + 1:right].astype(int) == rgb(colour)).all(axis=-1)[::-1]  # bottom up
+    heights = []
+    for column in inside.T:
+        start = np.flatnonzero(column[:3])  # a row or two over the spine may be blended with it
+        height = 0
+        if len(start):
+            rest = column[start[0]:]
+            height = int(np.argmin(rest)) if not rest.all() else len(rest)
+        heights.append(height)
+    bars, current = [], 0
+    for height in [*heights, 0]:  # a bar: adjacent columns of the colour, as tall as its tallest
+        if height:
+            current = max(current, height)
+        elif current:
+            bars.append(current)
+            current = 0
+    return bars
+
+
+def confusion_shown(pixels: np.ndarray, confusion: list[list[int]], cmap: str = "Blues") -> dict[int, int]:
+    """What a confusion matrix drawn with imshow (trainer/tasks/single_label.py `plot`) shows of
+    `confusion` (the counts its report gives, eval-SPLIT.json): for each count in it, how many
+    pixels have the colour `cmap` gives that count between the smallest and the largest. A
+    cell of the matrix is a block of tens of pixels square in its count's colour (less its
+    text); the colour bar beside it has a row or two of each colour."""
+    import matplotlib
+    from matplotlib.colors import Normalize
+
+    counts = np.array(confusion)
+    norm, colours = Normalize(counts.min(), counts.max()), matplotlib.colormaps[cmap]
+    shown = {}
+    for count in np.unique(counts).tolist():
+        colour = np.array(colours(norm(count), bytes=True)[:3], dtype=int)
+        shown[count] = int((np.abs(pixels.astype(int) - colour).max(axis=-1) <= 2).sum())
+    return shown
+
+
+def scatter_box(pixels: np.ndarray) -> tuple[int, int, int, int]:
+    """Where a one-axes chart's coloured marks lie inside its frame (`frame`), as (left, top,
+    right, bottom) pixels: a scatter's points, in colour, the axes, text and a grey line not."""
+    left, top, right, bottom = frame(pixels)
+    rows, columns = np.nonzero(chromatic(pixels[top + 1:bottom, left + 1:right]))
+    assert len(rows), "nothing plotted in colour inside the frame"
+    return (left + 1 + int(columns.min()), top + 1 + int(rows.min()), left + 1 + int(columns.max()),
+            top + 1 + int(rows.max()))
+
+
+def assert_confusion_shown(pixels: np.ndarray, confusion: list[list[int]]) -> None:
+    """The confusion matrix drawn in `pixels` shows `confusion`: each count as its cells' colour
+    (`confusion_shown`), over at least 1,000 pixels a cell (a cell is 60 or more square)."""
+    from collections import Counter
+
+    cells = Counter(count for row in confusion for count in row)
+    shown = confusion_shown(pixels, confusion)
+    assert all(shown[count] >= 1000 * n for count, n in cells.items()), (shown, cells)
