@@ -11,7 +11,6 @@ import platform
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
@@ -19,8 +18,8 @@ from trainer.config.schema import TrainConfig
 from trainer.errors import ConfigError, LaunchError
 from trainer.runtime.environment import DistEnv
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
+
 
 def granted_gpus(environ: Mapping[str, str] = os.environ) -> str | None:
     """The variable that shows the scheduler or container runtime granted this job GPUs,

@@ -5,16 +5,12 @@ RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. Everything else rece
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
 
 from trainer.errors import LaunchError
 
-T = TypeVar("T")
-log = logging.getLogger(__name__)
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
