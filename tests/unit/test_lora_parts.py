@@ -3,6 +3,7 @@ optimizer holds, and LoRA's FLOPs. tests/e2e/test_lora.py runs it end to end."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -232,7 +233,12 @@ def test_ddp_leaves_the_frozen_base_in_the_shared_page_cache(tiny_model, tmp_pat
     adapted = build.load(cfg, DistEnv(), cpu, torch.float32, labels.from_config(cfg.data)).model
     maps = Path("/proc/self/maps").read_text().splitlines()
     assert any(line.endswith("model.safetensors") for line in maps)  # memory-mapped, as on a node
-    loaded = _written_pages_of("model.safetensors")  # what loading itself wrote (a few pages)
+    # The session's fixture wrote the file moments ago: until the kernel writes its pages back,
+    # they count as dirty in this process's mapping too, and a write-back during the test would
+    # look like pages given back (the test failed so on a loaded machine). Flushed first.
+    with (tiny_model / "model.safetensors").open("rb") as written:
+        os.fsync(written.fileno())
+    loaded = _written_pages_of("model.safetensors")  # what loading itself wrote (none, or a few pages)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         strategy = registry.of(cfg)
