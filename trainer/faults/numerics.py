@@ -85,7 +85,7 @@ class LossGuard:
         is computed from the all-reduced numbers), and the numbers travel to the host behind
         the device's work."""
         if not self.enabled:
-            return Verdict(self, loss, grad_norm, None)
+            return Verdict(self, loss, grad_norm)
         norm = _full(grad_norm) if grad_norm is not None else torch.zeros((), device=loss.device)
         values = torch.stack([loss.detach().float(), norm.detach().float().to(loss.device)])
         ranks = 1
@@ -98,7 +98,7 @@ class LossGuard:
             if grad_norm is not None and not scaler_skips_overflow:
                 bad = bad | ~torch.isfinite(values[1])
             skip = bad.float()
-        return Verdict(self, loss, grad_norm, (values, skip, ranks, scaler_skips_overflow))
+        return Verdict(self, loss, grad_norm, values, skip, ranks, scaler_skips_overflow)
 
     def _decide(self, loss_sum: float, norm_sum: float, ranks: int, has_norm: bool,
                 scaler_skips_overflow: bool) -> Outcome:
@@ -134,16 +134,15 @@ class Verdict:
     to drain. `loss` and `grad_norm` are this rank's, on the device, for the step's observer."""
 
     def __init__(self, guard: LossGuard, loss: torch.Tensor, grad_norm: torch.Tensor | None,
-                 checked: tuple[torch.Tensor, torch.Tensor, int, bool] | None):
-        self.guard, self.loss, self.grad_norm = guard, loss, grad_norm
-        self.skip: torch.Tensor | None = None
+                 values: torch.Tensor | None = None, skip: torch.Tensor | None = None, ranks: int = 1,
+                 scaler_skips_overflow: bool = False):
+        self.guard, self.loss, self.grad_norm, self.skip = guard, loss, grad_norm, skip
+        self.ranks, self.scaler_skips_overflow, self.has_norm = ranks, scaler_skips_overflow, grad_norm is not None
         self._outcome: Outcome | None = None
-        if checked is None:  # the check is off: taken, nothing to read
+        if values is None or skip is None:  # the check is off: taken, nothing to read
             self._outcome = Outcome(True, None, None)
             return
-        values, self.skip, self.ranks, self.scaler_skips_overflow = checked
-        self.has_norm = grad_norm is not None
-        self._host = torch.cat([values, self.skip.reshape(1)]).to("cpu", non_blocking=True)  # pinned, on CUDA
+        self._host = torch.cat([values, skip.reshape(1)]).to("cpu", non_blocking=True)  # pinned, on CUDA
         self._arrived = None
         if values.device.type == "cuda":
             self._arrived = torch.cuda.Event()
