@@ -313,6 +313,10 @@ def test_a_sweep_job_array_task_preempted_is_requeued_resumes_and_the_sweep_repo
         # --wait ended with every task's result: the preempted task's second attempt's, not the
         # first attempt's return at the preemption.
         assert (preempted / "summary.json").is_file(), submit_out.read_text()[-3000:]
+        # submitit reports a task done once its result is written, while its processes may
+        # still be exiting: wait for Slurm's own end before the scancel below, which would
+        # otherwise cancel a task that was about to complete.
+        records = {task: cluster.wait_job(f"{array_id}_{task}", timeout=30) for task in (0, 1)}
     finally:
         submitter.kill()
         if array_id is not None:  # a task left running (or held still) would hold its node for the next tests
@@ -320,8 +324,7 @@ def test_a_sweep_job_array_task_preempted_is_requeued_resumes_and_the_sweep_repo
     assert {f"job {array_id}_{task} completed" for task in (0, 1)} <= set(submit_out.read_text().splitlines())
     logs = {task: "\n".join(p.read_text() for p in sorted((folder / f"{array_id}_{task}").glob("*_log.*")))
             for task in (0, 1)}
-    for task in (0, 1):  # its processes may still be exiting
-        record = cluster.wait_job(f"{array_id}_{task}", timeout=30)
+    for task, record in records.items():
         assert (record["JobState"], record["Restarts"]) == ("COMPLETED", str(1 - task)), logs[task][-5000:]
     saved = re.search(r"preempted by SIGTERM: saved the checkpoint of step (\d+)", logs[0])
     assert saved, logs[0][-5000:]
