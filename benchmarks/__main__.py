@@ -5,6 +5,7 @@ side. Runs are interleaved (the order rotates each repetition) because this kind
 machine drifts by 10-15% between runs; the report gives medians and ratios of medians.
 
 Writes benchmarks/results/<name>.json and a PNG chart of median samples/s per strategy.
+`python -m benchmarks smoke` runs every driver's smoke mode instead (benchmarks/smoke.py).
 """
 
 from __future__ import annotations
@@ -492,4 +493,8 @@ def write_results(results: dict, out_dir: Path, name: str, chart_too: bool) -> N
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["smoke"]:  # every driver's smoke mode, this comparison's included
+        from benchmarks import smoke
+
+        sys.exit(smoke.main(sys.argv[2:]))
     main()

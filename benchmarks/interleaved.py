@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks import smoke
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -47,9 +49,14 @@ def demo_main(results: Path, sides: dict[str, list[str]], one_run: Callable[[str
     parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--data", default=str(REPO / "data/reviews"))
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    tiny: list[str] = []
+    if args.smoke:  # the tiny model's overrides come after the data's, so they win
+        args.reps, args.steps, results = 1, 4, smoke.results_path(results.name, smoke=True)
+        tiny = smoke.demo_overrides(smoke.folder())
 
-    runs = run_interleaved(sides, args.reps, lambda extra: one_run(args.data, args.steps, extra),
+    runs = run_interleaved(sides, args.reps, lambda extra: one_run(args.data, args.steps, [*tiny, *extra]),
                            shown=lambda run: {k: v for k, v in run.items() if k != "checkpoint_files"})
     summary = {side: medians(side_runs) for side, side_runs in runs.items()}
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "python": platform.python_version(),
