@@ -2,7 +2,7 @@
 flushed to the disk and renamed into place (`rename_into_place`), so a crash, a kill or a full disk
 never leaves a torn one: a file is the previous version or the new one; a folder replaced is
 the new one, the previous one, or (killed between the two renames) neither. Checkpoints, final/, summary.json,
-metrics.jsonl's rewrite on resume, the pictures (curves.png, goodput.png) and predict's output
+metrics.jsonl's rewrite on resume, the pictures (curves.png, goodput.png) and score's chunks and shards
 all go through it. And output_dir
 itself: created through links, or refused in one line that says whose folder refused it.
 """

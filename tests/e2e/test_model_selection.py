@@ -1,6 +1,6 @@
 """The HF Trainer's workflow, natively: epochs, per-epoch eval and save, the best checkpoint
 by a metric (kept, exported, surviving a kill), early stopping, label names, and the
-`evaluate` and `predict` commands on the trained model, all on 2 ranks.
+`evaluate` and `score` commands on the trained model, all on 2 ranks.
 
 The data: the test reviews as parquet whose label column is a ClassLabel with names, the
 validation split carved out of train as configs/yelp_bert.yaml does, and test held out.
@@ -114,7 +114,7 @@ def test_a_kill_after_the_best_checkpoint_keeps_the_choice_and_the_exact_result(
     assert not compare_weights(selected / "final", out / "final").differing
 
 
-# --- evaluate and predict -----------------------------------------------------------------
+# --- evaluate and score -------------------------------------------------------------------
 
 
 def forward_one_process(model_dir: Path, texts: list[str]):
@@ -161,45 +161,51 @@ def test_evaluate_under_torchrun_equals_scikit_learn_on_one_process(selected, ti
                            report["confusion_matrix"])
 
 
-@pytest.mark.parametrize("count", [51, 1], ids=["batches-per-rank", "fewer-rows-than-ranks"])
-def test_predict_under_torchrun_gives_each_row_once_in_input_order(selected, tiny_model, labeled_reviews, reviews,
-                                                                   tmp_path, count):
-    """51 rows: each rank's shard in 4 batches of 8, the last partial, sorted longest first and
-    written back in input order. 1 row: rank 1's shard is empty, and gathers nothing."""
+@pytest.mark.parametrize("count", [51, 1], ids=["chunks-for-both-ranks", "fewer-rows-than-ranks"])
+def test_score_under_torchrun_gives_each_row_once_in_input_order(selected, tiny_model, labeled_reviews, reviews,
+                                                                 tmp_path, count):
+    """51 rows in chunks of 16: 4 chunks, the last partial, claimed by either rank, each sorted
+    longest first and written back in input order. 1 row: one chunk, rank 1 scores nothing.
+    The answers are plain transformers' one row at a time."""
     rows = [json.loads(line) for line in (reviews / "test.jsonl").read_text().splitlines()][:count]
     source = tmp_path / "in.csv"
     with source.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["text"])
+        writer = csv.DictWriter(f, fieldnames=["id", "text"])
         writer.writeheader()
-        writer.writerows({"text": row["text"]} for row in rows)
-    output = tmp_path / "out" / "predictions.jsonl"
-    settings = [*selection_overrides(tiny_model, labeled_reviews, selected, **{"train.eval_batch_size": 8}),
-                "checkpoint=final", f"input={source}", f"output={output}"]
-    result = launch(trainer_command(settings, nproc=2, command="predict"))
+        writer.writerows({"id": f"row-{i}", "text": row["text"]} for i, row in enumerate(rows))
+    output = tmp_path / "out"
+    settings = [*selection_overrides(tiny_model, labeled_reviews, selected), f"score.input={source}",
+                f"score.output={output}", "score.format=jsonl", "score.chunk_rows=16", "score.carry=[id]"]
+    result = launch(trainer_command(settings, nproc=2, command="score"))
     assert result.returncode == 0, result.output[-3000:]
 
-    predictions = [json.loads(line) for line in output.read_text().splitlines()]
-    assert [p["row"] for p in predictions] == list(range(len(rows)))
+    answers = [json.loads(line) for line in (output / "in.jsonl").read_text().splitlines()]
+    assert [a["id"] for a in answers] == [f"row-{i}" for i in range(len(rows))]
     probs, labels = forward_one_process(selected / "final", [row["text"] for row in rows])
-    for prediction, expected, label in zip(predictions, probs.tolist(), labels, strict=True):
-        assert max(abs(a - b) for a, b in zip(prediction["probs"], expected, strict=True)) < 1e-5
-        assert prediction["label"] == label and prediction["label_name"] == LABEL_NAMES[label]
+    for answer, expected, label in zip(answers, probs.tolist(), labels, strict=True):
+        assert max(abs(a - b) for a, b in zip(answer["probs"], expected, strict=True)) < 1e-5
+        assert answer["label"] == label and answer["label_name"] == LABEL_NAMES[label]
 
 
 @pytest.mark.parametrize("command, args, expected", [
-    ("predict", ["checkpoint=final", "input={bad}", "output={out}"],
-     "input: {bad}: row 3: invalid JSON: Unterminated string starting at (column 10)"),
-    ("predict", ["checkpoint=final", "output={out}"], "predict: missing input=..."),
+    ("score", ["score.input={bad}", "score.output={out}"],
+     ("score.input: {bad} line 3: not JSON: Unterminated string starting at (column 10) (score.bad_rows=skip leaves "
+      "such rows out)")),
+    ("score", ["score.output={out}"],
+     "score.input: missing: the corpus to score (a file, a folder or a glob of shards)"),
+    ("score", ["score.input={bad}", "score.output={out}", "score.model={tmp}/no-such-step"],
+     "score.model: {tmp}/no-such-step: no such folder"),
     ("evaluate", ["checkpoint={tmp}/no-such-step"], "checkpoint: {tmp}/no-such-step: no such folder"),
-], ids=["malformed-row", "no-input", "no-checkpoint"])
-def test_evaluate_and_predict_refuse_bad_arguments_in_one_line(usage_run, selected, tiny_model, labeled_reviews,
+], ids=["malformed-row", "no-input", "no-model", "no-checkpoint"])
+def test_evaluate_and_score_refuse_bad_arguments_in_one_line(usage_run, selected, tiny_model, labeled_reviews,
                                                                tmp_path, command, args, expected):
     bad = tmp_path / "in.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": "broken\n')
-    paths = {"bad": bad, "out": tmp_path / "out.csv", "tmp": tmp_path}
+    paths = {"bad": bad, "out": tmp_path / "out", "tmp": tmp_path}
     result = usage_run(selection_overrides(tiny_model, labeled_reviews, selected) +
                        [arg.format(**paths) for arg in args], command=command)
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and "Traceback" not in result.output, result.output[-3000:]
     assert errors == ["error: " + expected.format(**paths)]
-    assert not paths["out"].exists()
+    # Nothing scored: score's ledger (out/.score) may have been started, no output shard.
+    assert not paths["out"].exists() or [p.name for p in paths["out"].iterdir()] in ([], [".score"])

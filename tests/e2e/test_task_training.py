@@ -7,7 +7,7 @@ For each: 2 DDP ranks end with the weights of 1 process, and 2 FSDP ranks of LoR
 unequal shards), each metric the one computed from the gathered rows by scipy or by hand, and
 the continuous ones within 1e-4 of 1 process's (a rank or a threshold jumps when two predictions
 1e-6 apart swap, on one CPU and not another); a rank SIGKILLed mid-run resumes bitwise;
-evaluate and predict answer in the task's terms.
+evaluate and score answer in the task's terms.
 Independent launches run at once, to overlap their start-ups: one test per task.
 """
 
@@ -84,13 +84,13 @@ def test_each_task_trains_exactly_resumes_bitwise_and_answers_in_its_own_terms(t
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"text": t, "review": t}) + "\n" for t in ("The food was terrible.", "Lovely!")))
-    answers = tmp_path / "answers.csv"
-    resumed, evaluated, predicted = together(
+    answers = tmp_path / "answers"
+    resumed, evaluated, scored = together(
         (trainer_command(overrides("resumed", **ddp), 2), {}),
         (trainer_command(overrides("ddp", **ddp), 2, command="evaluate"), {}),
-        (trainer_command([*overrides("ddp", **ddp), "checkpoint=final", f"input={rows}", f"output={answers}"], None,
-                         command="predict"), {}))
-    for result in (resumed, evaluated, predicted):
+        (trainer_command([*overrides("ddp", **ddp), f"score.input={rows}", f"score.output={answers}",
+                          "score.format=jsonl", "score.carry=[review]"], None, command="score"), {}))
+    for result in (resumed, evaluated, scored):
         succeeded(result)
 
     # 2 ranks = 1 process, with DDP and with LoRA under FSDP.
@@ -126,14 +126,15 @@ def test_each_task_trains_exactly_resumes_bitwise_and_answers_in_its_own_terms(t
                                                        abs=1e-9)
     assert report["split"] == "test (held out of the train split)"
     assert_shown(task, assert_picture(tmp_path / "ddp" / "final" / "eval-test.png", min_size=(400, 300)), report)
-    header, *answered = list(csv.reader(answers.open()))
-    assert len(answered) == 2 and header[0] == "row"
-    assert header[1:3] == {"single_label": ["label", "label_name"], "multi_label": ["labels", "label_names"],
-                           "regression": ["value"]}[task][:2]
+    answered = [json.loads(line) for line in (answers / "rows.jsonl").read_text().splitlines()]
+    assert [answer["review"] for answer in answered] == ["The food was terrible.", "Lovely!"]
+    assert set(answered[0]) == {"review", *{"single_label": ["label", "label_name", "probs"],
+                                            "multi_label": ["labels", "label_names", "probs"],
+                                            "regression": ["value"]}[task]}
     if task == "single_label":
-        assert {answer[2] for answer in answered} <= {"negative", "neutral", "positive"}
+        assert {answer["label_name"] for answer in answered} <= {"negative", "neutral", "positive"}
     if task == "multi_label":
-        assert all(set(filter(None, answer[2].split("|"))) <= set(demo.COMPLAINED) for answer in answered)
+        assert all(set(answer["label_names"]) <= set(demo.COMPLAINED) for answer in answered)
 
 
 def assert_shown(task: str, pixels: np.ndarray, report: dict) -> None:

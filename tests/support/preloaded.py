@@ -53,7 +53,7 @@ import psutil
 PRELOAD = ["torch", "datasets", "transformers", "transformers.modeling_utils", "transformers.models.bert.modeling_bert",
            "transformers.optimization", "transformers.tokenization_utils_tokenizers", "torch.profiler",
            "trainer.cli.main", "trainer.cli.run_config", "trainer.runtime.distributed", "trainer.train.build",
-           "trainer.train.loop", "trainer.cli.predict", "trainer.train.evaluation", "trainer.exit_codes",
+           "trainer.train.loop", "trainer.train.evaluation", "trainer.exit_codes",
            "trainer.strategies.registry", "trainer.tasks", "trainer.strategies.compression",
            "trainer.runtime.lease", "trainer.preflight.data_check", "trainer.preflight.memory",
            "trainer.faults.watchdog", "torch.distributed.run"]

@@ -227,8 +227,8 @@ def test_the_cycle_check_catches_a_cycle():
 def test_subpackages_init_files_are_empty():
     inits = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE)
     assert inits == [f"{package}/__init__.py" for package in ("checkpoint", "cli", "config", "data", "faults", "model",
-                                                              "outputs", "preflight", "runtime", "strategies", "sweep",
-                                                              "tasks", "train")]
+                                                              "outputs", "preflight", "runtime", "scoring",
+                                                              "strategies", "sweep", "tasks", "train")]
     assert all(not (PACKAGE / init).read_text().strip() for init in inits)
 
 

@@ -202,17 +202,17 @@ def _named(key: str, entries) -> bool:
     return any(key == entry or key.startswith(entry + ".") for entry in entries)
 
 
-def trained_folder(cfg: Config, source: str) -> Path:
-    """The folder that `checkpoint=SOURCE` of evaluate and predict names: `final`
+def trained_folder(cfg: Config, source: str, key: str = "checkpoint") -> Path:
+    """The folder that evaluate's `checkpoint=SOURCE` (score's `score.model`) names: `final`
     (output_dir/final), a model folder written by save_pretrained, or a checkpoint (step-N).
     Checked before any process group exists."""
     path = Path(cfg.output_dir) / "final" if source == "final" else Path(source)
     if not path.is_dir():
-        raise ConfigError(f"checkpoint: {path}: no such folder")
+        raise ConfigError(f"{key}: {path}: no such folder")
     if is_model_folder(path):
         return path
     problem = verify(path)
     if problem:
-        raise ConfigError(f"checkpoint: {path}: neither a model folder (final/, with config.json) nor a "
+        raise ConfigError(f"{key}: {path}: neither a model folder (final/, with config.json) nor a "
                           f"complete checkpoint (step-N): {problem}")
     return path

@@ -1,11 +1,12 @@
-"""`python -m trainer {train,check,doctor,evaluate,predict} -c CONFIG [key=value ...]`, plain or
+"""`python -m trainer {train,check,doctor,evaluate,score} -c CONFIG [key=value ...]`, plain or
 under torchrun; `python -m trainer sweep -c CONFIG [key=value ...]`, which launches its trials
 under torchrun; `python -m trainer {report,plot} RUN_DIR`; `python -m trainer push RUN_DIR
 --repo-id ORG/NAME [--public] [--revision BRANCH] [--adapter]`.
 
     check [gpu_gib=80] [world_size=N] [--no-data] [--resolved]   the data, the memory plan per GPU
     evaluate [checkpoint=PATH|final] [split=NAME]   exact metrics of a trained model on a split
-    predict checkpoint=PATH|final input=FILE output=FILE   each row's answer, in the task's terms
+    score score.input=SHARDS score.output=FOLDER [score.model=final|PATH]   each row's answer, in
+        the task's terms, across any number of workers, exactly once (docs/scoring.md)
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     overrides may stand before and after the flags, as launchers pass them."""
     argv = sys.argv[1:] if argv is None else list(argv)
     top, parsers = _parsers()
+    if argv[:1] == ["predict"]:
+        raise ConfigError("predict: now `score`, for a file or a corpus: python -m trainer score -c CONFIG "
+                          "score.input=FILE|FOLDER|GLOB score.output=FOLDER (docs/scoring.md)")
     if not argv or argv[0] not in parsers:
         top.parse_args(argv)  # --help, or argparse's own line: no command, or an unknown one
         raise ConfigError(f"python -m trainer: expected a command: {', '.join(parsers)}")
@@ -77,11 +81,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-# The arguments of check, evaluate and predict: `name=value` like the overrides, which no config key
+# The arguments of check and evaluate: `name=value` like the overrides, which no config key
 # can be taken for (checkpoint is a group of keys, the others are not keys).
 COMMAND_ARGS: dict[str, dict[str, str | None]] = {"check": {"gpu_gib": "80", "world_size": ""},
-                "evaluate": {"checkpoint": "final", "split": None},
-                "predict": {"checkpoint": None, "input": None, "output": None}}
+                "evaluate": {"checkpoint": "final", "split": None}}
 
 
 def command_args(command: str, overrides: list[str]) -> tuple[dict[str, str | None], list[str]]:
@@ -180,6 +183,12 @@ def run_check(cfg: Config, arguments: dict) -> int:
     if resolved:  # `check --resolved > resolved.yaml` stays a config: the report follows as comments
         print(loading.to_yaml(cfg), end="", flush=True)
     lines, warnings = [f"world size {world_size} ({planned_by})"], []
+    if cfg.score.input is not None:  # a scoring config: its corpus, as `score` checks it
+        from trainer.scoring import command as scoring
+
+        shards = scoring.check(cfg)
+        lines.append(f"score: {len(shards)} shard(s) under {cfg.score.input}, the first with the text and carried "
+                     f"columns; output to {cfg.score.output}")
     run_labels = labels.from_config(cfg.data)
     if arguments.get("no_data"):
         lines.append("data: not checked (--no-data)")
@@ -289,19 +298,16 @@ def run_evaluate(cfg: Config, arguments: dict) -> int:
                              lambda: evaluation.run(cfg, dist_env, device, folder))
 
 
-def run_predict(cfg: Config, arguments: dict) -> int:
-    """a trained model's answer for each row of a file (a class and the probabilities, the
-    labels, or a value)."""
+def run_score(cfg: Config, arguments: dict) -> int:
+    """a trained model's answer for each row of a corpus (a class and the probabilities, the
+    labels, or a value), written beside the columns score.carry names, each row exactly once."""
     dist_env, device, backend = launch_env(cfg)
     from trainer.checkpoint import resume
-    from trainer.cli import predict
+    from trainer.scoring import command
 
-    folder = resume.trained_folder(cfg, arguments["checkpoint"])  # hashes every file of it
-    output = Path(arguments["output"])
-    predict.file_format("output", output)
-    rows = predict.read_rows(Path(arguments["input"]), cfg.data)
-    return use_trained_model(cfg, dist_env, device, backend,
-                             lambda: predict.run(cfg, dist_env, device, folder, rows, output))
+    command.check(cfg)  # the shards and their columns, before any process group or weights
+    folder = resume.trained_folder(cfg, cfg.score.model, key="score.model")  # hashes every file of it
+    return use_trained_model(cfg, dist_env, device, backend, lambda: command.run(cfg, dist_env, device, folder))
 
 
 def run_dir(command: str, args: argparse.Namespace) -> Path:
@@ -354,7 +360,7 @@ def run_push(args: argparse.Namespace) -> int:
 
 
 def use_trained_model(cfg: Config, dist_env, device, backend, one_pass: Callable[[], object]) -> int:
-    """evaluate or predict: `one_pass` over the data under any launcher, then exit."""
+    """evaluate or score: `one_pass` over the data under any launcher, then exit."""
     from trainer.runtime import distributed
 
     setup_logging(dist_env)
@@ -381,7 +387,7 @@ def run_sweep(cfg: Config, arguments: dict) -> int:
 
 
 COMMANDS: dict[str, Callable[..., int]] = {
-    "train": run_train, "check": run_check, "doctor": run_doctor, "evaluate": run_evaluate, "predict": run_predict,
+    "train": run_train, "check": run_check, "doctor": run_doctor, "evaluate": run_evaluate, "score": run_score,
     "sweep": run_sweep,
 }
 """Each command: (the resolved config, its arguments) -> exit code. Its function imports what

@@ -192,7 +192,7 @@ class DataConfig:
     apart from the validation split (summary.json `test_eval`, wandb `test/`). null: none."""
     label_names: list[str] | None = key(None, FIXED)
     """The class names, in id order: they go into the exported model's id2label/label2id, so
-    a `transformers` pipeline and `predict` answer with names. A label column of names must
+    a `transformers` pipeline and `score` answer with names. A label column of names must
     hold only these, which fixes each one's id. null: the label column's ClassLabel names if
     the dataset has them, else its distinct names in the train split, sorted, else (class
     ids) LABEL_0, LABEL_1, ..."""
@@ -536,6 +536,40 @@ class SweepConfig:
 
 
 @dataclass
+class ScoreConfig:
+    input: str | None = key(None, FREE)
+    """`python -m trainer score`: the corpus, a file, a folder (every shard under it) or a glob
+    of shards: Parquet, JSON lines (.jsonl, .json, .ndjson) or CSV/TSV (.csv, .tsv), each
+    also .gz or .zst. Read in chunks: memory stays flat whatever the corpus's size. Its text
+    columns are data.text_field (and data.text_pair_field), as in training (docs/scoring.md)."""
+    output: str | None = key(None, FREE)
+    """The folder of scored shards: one per input shard, at the same relative path, each
+    published whole once its every chunk is done. Jobs pointed at the same folder with the
+    same model and settings share the work; with others, they are refused."""
+    model: str = key("final", FREE, NOT_EMPTY)
+    """The trained model: `final` (output_dir/final), a model folder (save_pretrained's) or a
+    checkpoint (step-N)."""
+    carry: list[str] = key(resume=FREE, factory=list)
+    """Input columns copied into the output beside the answer, e.g. `[id, url]`."""
+    format: Literal["parquet", "jsonl"] = key("parquet", FREE)
+    """The scored shards' format."""
+    chunk_rows: int = key(4096, FREE, at_least(1))
+    """Rows per chunk, the unit of work that a worker claims, scores and commits whole: a
+    worker stopped at any instant loses at most its current chunk. Rows are sorted by
+    length within a chunk."""
+    max_tokens: int = key(16384, FREE, at_least(1))
+    """Each batch's token budget: rows x its longest row's tokens (a row longer than the
+    budget is a batch of its own)."""
+    bad_rows: Literal["stop", "skip"] = key("stop", FREE)
+    """A row that cannot be scored (not valid JSON or CSV, its text missing or not text):
+    stop, the job stops naming its file and row, every worker at its next chunk; skip, it is
+    left out of the output and counted by file and row in the workers' summaries."""
+    lease_s: float = key(60.0, FREE, (lambda v: v >= 2, "must be >= 2 seconds"))
+    """A worker on another node whose heartbeat has not changed for this long is taken for
+    dead, and its claimed chunks are done by others (on its own node, at once)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     """What is fine-tuned."""
@@ -561,6 +595,9 @@ class Config:
     """Uploading final/ to the Hugging Face Hub."""
     sweep: SweepConfig = field(default_factory=SweepConfig)
     """`python -m trainer sweep`: the search over settings, seeds and folds (docs/sweeps.md);
+    training ignores it."""
+    score: ScoreConfig = field(default_factory=ScoreConfig)
+    """`python -m trainer score`: a trained model applied to a corpus (docs/scoring.md);
     training ignores it."""
     seed: int = key(42, FIXED)
     """Seeds the new classification head, the data order and dropout: same seed, same run."""

@@ -20,6 +20,10 @@ variable set, a point is a dict lookup.
     TRAINER_FAULT_SIGKILL_IN_SAVE=STEP      "checkpoint-files-written": rank 0's files     SIGKILL
                                             are written, the completion marker is not
 
+    TRAINER_FAULT_SCORE_SIGKILL=SHARD:N:AT  `score`'s chunk N of SHARD, AT `scored` (its    SIGKILL
+                                            answers in memory, not committed) or
+                                            `committed` (before the next chunk)
+
 RANK is a global rank or `*` (every rank). A RANK fault fires only in a launch's first
 attempt, so that the workers torchrun restarts get past it, unless RANK says `RANK@N`: in the
 workers of torchrun's restart N. TRAINER_FAULT_SIGKILL_IN_SAVE has no RANK: only rank 0
@@ -174,3 +178,9 @@ def _for_this_rank(environ: Mapping[str, str], variable: str, dist_env: DistEnv)
     if int(attempt or 0) != dist_env.restart_count:
         return None
     return args if rank in ("*", str(dist_env.rank)) else None
+
+
+def scoring(at: str, shard: str, index: int, environ: Mapping[str, str] = os.environ) -> None:
+    """The `score` worker's points: a chunk `scored` (not yet committed) or `committed`."""
+    if environ.get("TRAINER_FAULT_SCORE_SIGKILL") == f"{shard}:{index}:{at}":
+        os.kill(os.getpid(), signal.SIGKILL)

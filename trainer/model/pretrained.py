@@ -95,7 +95,7 @@ def load_config(model_cfg: ModelConfig, labels: Labels, device_type: str,
     load and the memory plan need, with the run's labels: the head's size, the class names
     (id2label, label2id: a `transformers` pipeline on final/ answers with them), the task
     (problem_type: the pipeline's softmax, sigmoid or none), and the label space itself
-    (`trainer_labels`, for evaluate and predict on final/). `pad_token_id` is the tokenizer's
+    (`trainer_labels`, for evaluate and score on final/). `pad_token_id` is the tokenizer's
     (None: config.json's): a decoder-only classifier (GPT-2, Llama) reads each row's logits at
     its last token that is not a pad, and without the id it refuses every batch of more than
     one row."""

@@ -120,10 +120,11 @@ class Lease:
     `alive` (is a pid of this host running) are the tests' to replace."""
 
     def __init__(self, output_dir: Path, timeout_s: float, me: Holder, clock: Callable[[], float] = time.time,
-                 alive: Callable[[int], bool] = pid_alive, environ: Mapping[str, str] = os.environ):
+                 alive: Callable[[int], bool] = pid_alive, environ: Mapping[str, str] = os.environ,
+                 timeout_key: str = "fault.lease_timeout_s"):
         self.folder = Path(output_dir)
         self.path = self.folder / FILE
-        self.timeout_s = timeout_s
+        self.timeout_s, self.timeout_key = timeout_s, timeout_key
         self.me = me
         self.clock = clock
         self.alive = alive
@@ -147,11 +148,16 @@ class Lease:
 
     def stale_because(self, holder: Holder) -> str | None:
         """Why `holder`'s lease may be taken over now, or None: it holds the folder."""
-        now = self.clock()
-        if now - holder.renewed > self.timeout_s:
-            return f"not renewed for {now - holder.renewed:.0f}s (fault.lease_timeout_s={self.timeout_s:g})"
         if holder.job is not None and holder.job == self.me.job:
             return f"held by this same {holder.job}, restarted"
+        return self.gone_because(holder)
+
+    def gone_because(self, holder: Holder) -> str | None:
+        """Why `holder` is surely gone, or None: not renewed for the timeout, or its process
+        on this host has exited."""
+        now = self.clock()
+        if now - holder.renewed > self.timeout_s:
+            return f"not renewed for {now - holder.renewed:.0f}s ({self.timeout_key}={self.timeout_s:g})"
         if holder.host == self.me.host:
             if holder.pid_ns == self.me.pid_ns and holder.pid_ns is not None:
                 if holder.pid == self.me.pid or not self.alive(holder.pid):

@@ -1,7 +1,7 @@
 """A task (data.problem_type): the loss the model trains on, the validation metrics, what
-`evaluate` reports and draws and what `predict` writes. Chosen once from the run's label space
+`evaluate` reports and draws and what `score` writes. Chosen once from the run's label space
 (trainer/tasks/space.py) by trainer/tasks/registry.py, then asked by the step, evaluation, the
-evaluate and predict commands and the forecast. It says what its labels are: one number,
+evaluate and score commands and the forecast. It says what its labels are: one number,
 one class or a set of classes per row, their encoding and their balanced weights; reading
 them from the data in Arrow, as it says, is trainer/data/labels.py's.
 
@@ -107,7 +107,7 @@ class Task:
         """The picture `evaluate` draws of the split (a PNG)."""
         raise NotImplementedError
 
-    # --- predict -------------------------------------------------------------------------
+    # --- score ---------------------------------------------------------------------------
 
     def predictions(self, logits: torch.Tensor) -> list[dict[str, Any]]:
         """Each row's answer, by field, from its logits (fp32)."""

@@ -3,7 +3,7 @@
 One output, mean squared error. Metrics: MSE and MAE from sums over the ranks; Pearson's and
 Spearman's correlation (average ranks for ties) from every row's prediction, gathered on rank
 0 in the split's row order, so that they do not depend on the world size. `evaluate` draws
-the predictions against the truth; `predict` writes each row's value.
+the predictions against the truth; `score` writes each row's value.
 """
 
 from __future__ import annotations

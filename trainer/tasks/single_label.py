@@ -2,7 +2,7 @@
 
 Cross-entropy, with train.label_smoothing and train.class_weights; accuracy and macro F1 from
 the summed confusion matrix; `evaluate` reports each class's precision, recall, F1 and support
-and draws the confusion matrix; `predict` writes the class, its name and the softmax.
+and draws the confusion matrix; `score` writes the class, its name and the softmax.
 """
 
 from __future__ import annotations

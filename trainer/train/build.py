@@ -2,7 +2,7 @@
 step, from the config.
 
 Training (trainer/train/loop.py), doctor's forecast (trainer/preflight/forecast.py), `evaluate` and
-`predict`, the memory plan (on the meta device, trainer/preflight/memory.py) and the
+`score`, the memory plan (on the meta device, trainer/preflight/memory.py) and the
 benchmarks all build here, so each runs the model and the step that training runs; what
 differs is an argument (a process group of one, the meta device, a trained folder).
 """
@@ -154,7 +154,7 @@ class Trained(Model):
 
 
 def trained(cfg: Config, dist_env: DistEnv, device: torch.device, folder: Path) -> Trained:
-    """A trained model (`load`'s `trained`) for evaluate and predict, with the label space it
+    """A trained model (`load`'s `trained`) for evaluate and score, with the label space it
     was trained on: final/'s config holds it, a checkpoint's state.json, or (a checkpoint of
     an older run) the config."""
     if pretrained.is_model_folder(folder):

@@ -140,7 +140,7 @@ def run(cfg: Config, dist_env: DistEnv, device: torch.device, folder: Path) -> d
 
 def _write_rows(path: Path, task: Task, kept: tuple[list[int], torch.Tensor, torch.Tensor] | None) -> None:
     """Each row of the split, once and in order: its true label and the model's answer, in
-    the task's terms (predict's columns): what the report's metrics are computed from."""
+    the task's terms (score's columns): what the report's metrics are computed from."""
     assert kept is not None, "rank 0 holds the gathered rows"
     rows, logits, labels = kept
     with path.open("w", newline="") as f:

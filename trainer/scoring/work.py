@@ -1,0 +1,317 @@
+"""A worker of `python -m trainer score`: the chunks it claims, read and tokenized on a loader
+thread while the model scores the chunk before, committed whole, and each shard published
+once its every chunk is done.
+
+Every worker runs alone: a rank of torchrun, a Slurm array task, a Kubernetes pod. They meet
+only in the ledger (ledger.py), so none waits for another except at the very end, where a
+worker whose pass found every chunk left claimed by live workers waits for them, taking over
+the claims of any that dies: while one worker lives, the job ends with every row scored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from trainer import files
+from trainer.config.schema import Config
+from trainer.data import loaders
+from trainer.errors import DataError, TrainerError
+from trainer.faults import inject
+from trainer.scoring.corpus import Chunk, Reader, Shard
+from trainer.scoring.ledger import Ledger
+from trainer.train.build import Trained
+
+log = logging.getLogger(__name__)
+
+PROGRESS_S = float(os.environ.get("TRAINER_SCORE_PROGRESS_S", 30))
+"""How often a worker logs its progress line (rows/s, the corpus's chunks done, ETA)."""
+
+
+@dataclass
+class Tokenized:
+    """One claimed chunk, ready for the model: its batches cut by the token budget."""
+
+    shard: Shard
+    chunk: Chunk
+    batches: list[tuple[list[int], dict[str, torch.Tensor]]]
+    """(the rows' places in the chunk, their padded tensors), longest rows first."""
+    truncated: int
+
+
+@dataclass
+class Counts:
+    rows: int = 0
+    truncated: int = 0
+    chunks: int = 0
+    skipped: list[str] = field(default_factory=list)
+    shards_published: list[str] = field(default_factory=list)
+
+
+def budget_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """The rows' indices, longest first, cut into batches whose padded size (rows x the
+    longest) stays within `max_tokens`; a row over the budget is a batch of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def truncated_rows(encoded, texts: list[str], pairs: list[str] | None, max_length: int) -> int:
+    """How many rows lost text to data.max_length: a row at the limit whose last token of a
+    text ends before that text's end (fast tokenizers' offsets); by its length alone where
+    the tokenizer gives no offsets."""
+    count = 0
+    for i, ids in enumerate(encoded["input_ids"]):
+        if len(ids) < max_length:
+            continue
+        if not encoded.is_fast:
+            count += 1
+            continue
+        ends: dict[int, int] = {}
+        for sequence, (_, end) in zip(encoded.sequence_ids(i), encoded["offset_mapping"][i], strict=True):
+            if sequence is not None:
+                ends[sequence] = end
+        segments = [texts[i], *([pairs[i]] if pairs is not None else [])]
+        count += any(ends.get(s, 0) < len(text.rstrip()) for s, text in enumerate(segments))
+    return count
+
+
+class Worker:
+    def __init__(self, cfg: Config, trained: Trained, device: torch.device, ledger: Ledger, shards: list[Shard],
+                 first: int):
+        self.cfg, self.trained, self.device, self.ledger = cfg, trained, device, ledger
+        self.shards = shards[first:] + shards[:first]  # workers start apart, and meet at the tail
+        self.output = Path(cfg.score.output or "")
+        self.suffix = f".{cfg.score.format}"
+        self.collate = loaders.collate(cfg, trained.tokenizer, device)
+        self.pin = device.type == "cuda"
+        self.counts = Counts()
+        self._stop = threading.Event()
+
+    # --- the loader thread ---------------------------------------------------------------
+
+    def _reader(self, shard: Shard) -> Reader:
+        score_cfg, data_cfg = self.cfg.score, self.cfg.data
+        return Reader(shard, score_cfg.chunk_rows, data_cfg.text_field, data_cfg.text_pair_field, score_cfg.carry,
+                      skip=score_cfg.bad_rows == "skip")
+
+    def _claimed(self) -> Iterator[Tokenized]:
+        """Each chunk this worker claims, pass after pass over the shards not yet published,
+        until every one is (or a worker failed)."""
+        while not self._stop.is_set():
+            pending = [s for s in self.shards if not self.published(s)]
+            if not pending:
+                return
+            claimed_any = False
+            for shard in pending:
+                for tokenized in self._claim_in(shard):
+                    claimed_any = True
+                    yield tokenized
+                if self.ledger.missing(shard.name, self.suffix) == []:
+                    yield Tokenized(shard, Chunk(-1), [], 0)  # every chunk done: the shard to publish
+            if not claimed_any:
+                # The rest is claimed by live workers: look again soon, for their end or death.
+                self._stop.wait(min(1.0, self.cfg.score.lease_s / 8))
+
+    def _claim_in(self, shard: Shard) -> Iterator[Tokenized]:
+        ledger = self.ledger
+        missing = ledger.missing(shard.name, self.suffix)
+        claimed = None if missing is None else {i for i in missing if ledger.claim(shard.name, i)}
+        if claimed == set():  # its length known, and every chunk left is another's: not read
+            return
+
+        def wanted(index: int) -> bool:
+            if claimed is not None:
+                return index in claimed
+            return not ledger.done(shard.name, index, self.suffix) and ledger.claim(shard.name, index)
+        chunks = 0
+        for index, chunk in self._reader(shard).chunks(wanted):
+            chunks = index + 1
+            if failure := ledger.failure():
+                raise DataError(f"score: stopped: another worker failed: {failure}")
+            if chunk is not None:
+                yield self._tokenized(shard, chunk)
+        ledger.set_count(shard.name, chunks)
+
+    def _tokenized(self, shard: Shard, chunk: Chunk) -> Tokenized:
+        tokenizer, max_length = self.trained.tokenizer, self.cfg.data.max_length
+        encoded = tokenizer(chunk.texts, chunk.pairs, truncation=True, max_length=max_length,
+                            return_offsets_mapping=tokenizer.is_fast)
+        truncated = truncated_rows(encoded, chunk.texts, chunk.pairs, max_length)
+        names = [k for k in encoded if k != "offset_mapping"]
+        lengths = [len(ids) for ids in encoded["input_ids"]]
+        batches = []
+        for rows in budget_batches(lengths, self.cfg.score.max_tokens):
+            batch = self.collate([{k: encoded[k][i] for k in names} for i in rows])
+            batches.append((rows, {k: v.pin_memory() if self.pin else v for k, v in batch.items()}))
+        return Tokenized(shard, chunk, batches, truncated)
+
+    def _prefetched(self) -> Iterator[Tokenized]:
+        """`_claimed`, run on a loader thread one chunk ahead of the model. Tokenizing (in
+        Rust) and the model both release the GIL, so the two overlap."""
+        ahead: queue.Queue = queue.Queue(maxsize=1)
+
+        def put(item: Tokenized | BaseException | None) -> None:
+            # Never a blocking put: a model side that stopped (its error) no longer takes.
+            while not self._stop.is_set():
+                try:
+                    return ahead.put(item, timeout=0.5)
+                except queue.Full:
+                    continue
+
+        def load() -> None:
+            try:
+                for tokenized in self._claimed():
+                    put(tokenized)
+                put(None)
+            except BaseException as e:  # the worker's to raise  # noqa: BLE001
+                put(e)
+
+        thread = threading.Thread(target=load, name="trainer-score-loader", daemon=True)
+        thread.start()
+        try:
+            while (item := ahead.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._stop.set()
+            thread.join()
+
+    # --- the model -----------------------------------------------------------------------
+
+    def run(self) -> Counts:
+        began, last_line = time.monotonic(), time.monotonic()
+        done_at_start = self.corpus_chunks()[0]
+        try:
+            for tokenized in self._prefetched():
+                if tokenized.chunk.index >= 0:
+                    self._score(tokenized)
+                self._publish_if_done(tokenized.shard)
+                if time.monotonic() - last_line >= PROGRESS_S:
+                    last_line = time.monotonic()
+                    self._progress(last_line - began, done_at_start)
+        except TrainerError as e:
+            if isinstance(e, DataError) and not str(e).startswith("score: stopped:"):
+                self.ledger.fail(str(e))  # every other worker stops at its next chunk
+            raise
+        return self.counts
+
+    @torch.inference_mode()
+    def _score(self, tokenized: Tokenized) -> None:
+        chunk, task = tokenized.chunk, self.trained.task
+        answers: list[dict] = [{}] * len(chunk.texts)
+        for rows, batch in tokenized.batches:
+            on_device = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            logits = self.trained.logits(**on_device).float().cpu()  # the batch's one host read
+            for i, answer in zip(rows, task.predictions(logits), strict=True):
+                answers[i] = answer
+        records = [{**carried, **answer} for carried, answer in zip(chunk.carried, answers, strict=True)]
+        inject.scoring("scored", tokenized.shard.name, chunk.index)
+        if self.published(tokenized.shard):  # its chunks all committed meanwhile, by others
+            return
+        if self.ledger.commit(tokenized.shard.name, chunk.index, self.suffix, lambda p: self._write(p, records)):
+            self.counts.chunks += 1
+            self.counts.rows += len(records)
+            self.counts.truncated += tokenized.truncated
+            self.counts.skipped += chunk.skipped
+        inject.scoring("committed", tokenized.shard.name, chunk.index)
+
+    def _write(self, path: Path, records: list[dict]) -> None:
+        if self.suffix == ".parquet":
+            pq.write_table(pa.Table.from_pylist(records), path)
+        else:
+            path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+
+    # --- shards ----------------------------------------------------------------------------
+
+    def output_path(self, shard: Shard) -> Path:
+        return self.output / f"{shard.name}{self.suffix}"
+
+    def published(self, shard: Shard) -> bool:
+        return self.output_path(shard).exists()
+
+    def _publish_if_done(self, shard: Shard) -> None:
+        """The shard's chunks, in order, as one file written aside and renamed into place. Two
+        workers may both find the shard done: each writes the same file, the rename is whole."""
+        count, target = self.ledger.count(shard.name), self.output_path(shard)
+        if count is None or target.exists() or self.ledger.missing(shard.name, self.suffix):
+            return
+        chunks = [self.ledger.chunk_path(shard.name, i, self.suffix) for i in range(count)]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        aside = target.with_name(f".{target.name}.{self.ledger.me.lease_id}.tmp")
+        try:
+            if self.suffix == ".parquet":
+                schemas = [pq.read_schema(p) for p in chunks]
+                schema = pa.unify_schemas([s for s in schemas if s.names]) if any(s.names for s in schemas) \
+                    else pa.schema([])
+                with pq.ParquetWriter(aside, schema) as writer:
+                    for path in chunks:  # one chunk in memory at a time
+                        table = pq.read_table(path)
+                        if table.num_rows:
+                            writer.write_table(table.select(schema.names).cast(schema))
+            else:
+                with aside.open("wb") as out:
+                    for path in chunks:
+                        out.write(path.read_bytes())
+            files.rename_into_place(aside, target)
+        except FileNotFoundError:  # another worker published it and removed its chunks first
+            aside.unlink(missing_ok=True)
+            if target.exists():
+                return
+            raise
+        self.counts.shards_published.append(shard.name)
+        self.ledger.remove_chunks(shard.name)
+        log.info("score: published %s", target)
+
+    def corpus_chunks(self) -> tuple[int, float | None]:
+        """(chunks done by every worker, the corpus's chunks), from the ledger: a shard's count
+        once a worker has read it through (a Parquet shard's from its footer), else estimated
+        from its size by the shards of its kind whose counts are known; None before any is."""
+        done, known, rows = 0, {}, self.cfg.score.chunk_rows
+        for shard in self.shards:
+            count = self.ledger.count(shard.name)
+            if count is None and shard.kind == "parquet":
+                count = -(-pq.ParquetFile(shard.path).metadata.num_rows // rows)
+            if count is not None:
+                known[shard] = count
+            if self.published(shard):
+                done += count or 0
+            else:
+                done += len(list((self.ledger.root / "chunks" / shard.name).glob(f"*{self.suffix}")))
+        total = 0.0
+        for shard in self.shards:
+            alike = [s for s in known if (s.kind, s.compression) == (shard.kind, shard.compression)]
+            if shard not in known and not alike:
+                return done, None
+            total += known[shard] if shard in known else \
+                shard.path.stat().st_size * sum(known[s] for s in alike) / max(1, sum(s.path.stat().st_size
+                                                                                     for s in alike))
+        return done, total
+
+    def _progress(self, seconds: float, done_at_start: int) -> None:
+        done, total = self.corpus_chunks()
+        rate = (done - done_at_start) / max(seconds, 1e-9)  # every worker's, as the ledger shows it
+        eta = "ETA unknown yet"
+        if total is not None and rate > 0:
+            left_s = max(0.0, total - done) / rate
+            eta = f"ETA {left_s:.0f} s" if left_s < 120 else f"ETA {left_s / 60:.0f} min"
+        log.info("score: %d rows here (%.1f rows/s), %d truncated, %d skipped; corpus: %d of %s chunks done, %s",
+                 self.counts.rows, self.counts.rows / max(seconds, 1e-9), self.counts.truncated,
+                 len(self.counts.skipped), done, "?" if total is None else f"~{total:.0f}", eta)
