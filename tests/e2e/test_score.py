@@ -14,7 +14,7 @@ import random
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from support.runs import launch, trainer_command
+from support.runs import PYTHON, launch, run, trainer_command
 
 CHUNK = 32
 SHARDS = {"part-0": 230, "sub/part-1": 170, "part-2": 40}
@@ -84,6 +84,10 @@ def test_one_process_scores_every_row_once_in_order(uninterrupted):
     chunks = sum(-(-count // CHUNK) for count in SHARDS.values())
     assert (summary["rows"], summary["chunks"], summary["skipped"]) == (sum(SHARDS.values()), chunks, 0)
     assert 0 < summary["truncated"] < summary["rows"]
+    reported = run([PYTHON, "-m", "trainer", "report", str(uninterrupted)])
+    assert reported.returncode == 0 and reported.output.startswith(
+        f"scoring of {uninterrupted}: 3 of 3 shards published, {summary['rows']} rows in {chunks} chunks by 1 "
+        f"worker(s); {summary['truncated']} truncated, 0 skipped, 0 chunks scored twice\n"), reported.output
 
 
 def test_two_ranks_equal_one_process(tiny_model, corpus, uninterrupted, tmp_path):

@@ -321,13 +321,15 @@ def run_dir(command: str, args: argparse.Namespace) -> Path:
 def run_report(args: argparse.Namespace) -> int:
     """where a run's time went, across its attempts and restarts: goodput (RUN_DIR: its
     output_dir), printed and written as RUN_DIR/goodput.json and goodput.png; of a sweep's
-    output_dir, each of its runs'."""
+    output_dir, each of its runs'; of a `score` output folder, its workers' counts."""
     folder = run_dir("report", args)
     from trainer.outputs import report
     from trainer.sweep import runs
 
     trials = folder / runs.TRIALS
-    if trials.is_dir():
+    if (folder / ".score").is_dir():  # a `score` output folder
+        report.run_scoring(folder)
+    elif trials.is_dir():
         report.run_sweep(folder, sorted(p for p in trials.iterdir() if p.is_dir()))
     else:
         report.run(folder)

@@ -24,6 +24,7 @@ seconds, summed over the runs (runs side by side each count their own).
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import time
@@ -249,3 +250,25 @@ def run_sweep(sweep_dir: Path, run_dirs: list[Path]) -> dict:
               f"{r['steps_redone']:>8}")
     print(f"  {sweep_dir / 'goodput.json'}; each run's goodput.json and {PICTURE} in its folder")
     return sweep
+
+
+def run_scoring(output: Path) -> dict:
+    """A `score` output folder: its workers' summaries summed, and each worker's line (the
+    summaries `trainer/scoring/command.py` writes in .score/summaries/; named here, not
+    imported: scoring is a layer above)."""
+    workers = [json.loads(p.read_text()) for p in sorted((output / ".score" / "summaries").glob("*.json"))]
+    shards = json.loads((output / ".score" / "manifest.json").read_text())["shards"]
+    published = [name for name, *_ in shards if any(output.glob(f"{glob.escape(name)}.*"))]
+    total = {key: sum(w[key] for w in workers) for key in ("rows", "chunks", "truncated", "skipped", "scored_twice")}
+    total |= {"workers": len(workers), "shards": len(shards), "shards_published": len(published)}
+    failed = output / ".score" / "failed"
+    if failed.exists():
+        total["failed"] = failed.read_text()
+    print(f"scoring of {output}: {total['shards_published']} of {total['shards']} shards published, "
+          f"{total['rows']} rows in {total['chunks']} chunks by {total['workers']} worker(s); "
+          f"{total['truncated']} truncated, {total['skipped']} skipped, {total['scored_twice']} chunks scored twice")
+    for w in workers:
+        print(f"  {w['worker']:<40}{w['rows']:>10} rows{w['rows_per_s']:>10.1f} rows/s{w['seconds']:>9.0f} s")
+    if "failed" in total:
+        print(f"  failed: {total['failed']}")
+    return total
