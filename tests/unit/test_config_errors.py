@@ -15,7 +15,7 @@ from support.runs import tiny_overrides
 
 from trainer.cli import run_config
 from trainer.cli.main import train_preflight
-from trainer.errors import TrainerError
+from trainer.errors import ConfigError, TrainerError
 
 
 def refusal(overrides: list[str], config_file: str | None = None, environ: dict[str, str] | None = None) -> str:
@@ -209,3 +209,12 @@ def test_an_unknown_key_in_allow_changes_is_an_error(tiny_model, reviews, tmp_pa
         "checkpoint.allow_changes": "[train.learning_rate]"}))
     assert "checkpoint.allow_changes: 'train.learning_rate' is not a config key" in message
 
+
+
+def test_predict_points_to_score():
+    """`predict` became `score`: one way to apply a model, and one line saying how."""
+    from trainer.cli.main import parse_args
+
+    with pytest.raises(ConfigError, match=r"^predict: now `score`, for a file or a corpus: python -m trainer score "
+                                          r"-c CONFIG score.input=FILE\|FOLDER\|GLOB score.output=FOLDER"):
+        parse_args(["predict", "-c", "x.yaml", "input=a.jsonl", "output=b.jsonl"])
