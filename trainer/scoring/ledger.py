@@ -87,6 +87,9 @@ class Ledger:
                                   f"in {', '.join(differ)}): give this job its own score.output") from None
         finally:
             aside.unlink(missing_ok=True)
+        if failure := self.failure():  # a new job tries again: what stopped the last may be gone (a full disk)
+            log.warning("score: the last job on %s stopped: %s; trying again", self.root.parent, failure)
+            (self.root / "failed").unlink(missing_ok=True)
 
     def start_heartbeat(self) -> None:
         """Take this worker's lease (a live worker of the same name is refused) and renew it

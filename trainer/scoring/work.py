@@ -115,6 +115,8 @@ class Worker:
         """Each chunk this worker claims, pass after pass over the shards not yet published,
         until every one is (or a worker failed)."""
         while not self._stop.is_set():
+            if failure := self.ledger.failure():
+                raise DataError(f"score: stopped: another worker failed: {failure}")
             pending = [s for s in self.shards if not self.published(s)]
             if not pending:
                 return
