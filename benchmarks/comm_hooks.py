@@ -2,7 +2,7 @@
 nodes, one rank each, whose links are shaped to 500 Mb/s, with each ddp.comm_hook;
 interleaved. samples/s, the final validation accuracy, and the bytes the links carried.
 
-    python -m benchmarks.comm_hooks [--reps 2] [--steps 150] [--data data/reviews]
+    python -m benchmarks.comm_hooks [--reps 2] [--steps 150] [--data data/reviews] [--smoke]
 
 Root: the nodes are network namespaces (tests/support/netns.py), each with one core of its own and a
 token bucket on its egress. samples/s is summary.json's (after the first step, evaluation and
@@ -57,4 +57,5 @@ def medians(runs: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    demo_main(RESULTS, SIDES, one_run, medians, reps=2, steps=150)
+    # Smoke: one hook (a side costs ~15 s, its two nodes); every side runs the same code with another override.
+    demo_main(RESULTS, SIDES, one_run, medians, reps=2, steps=150, smoke_sides=("powersgd r=1",))

@@ -2,7 +2,7 @@
 one persistent loader worker (as before), interleaved, on the demo config: MiniLM, the demo
 data's 1000 eval samples, one process on the CPU.
 
-    python -m benchmarks.eval_loader [--reps 8] [--data data/reviews]
+    python -m benchmarks.eval_loader [--reps 8] [--data data/reviews] [--smoke]
 
 Prints each side's seconds per full evaluation and writes them to
 results/cpu-minilm-eval-loader.json. The first evaluation of the worker side includes forking
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from benchmarks import smoke
 from trainer.cli import run_config
 from trainer.data import loaders, reading
 from trainer.data.batch_plan import BatchPlan
@@ -34,9 +35,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--data", default="data/reviews")
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    tiny = []
+    if args.smoke:  # 16 eval samples of the tiny model; 2 repetitions, as the ratio leaves out each side's first
+        args.reps, tiny = 2, smoke.demo_overrides(smoke.folder())
 
-    cfg = run_config.load("configs/demo.yaml", [f"data.path={args.data}", "output_dir=/tmp/eval-loader-bench"])
+    cfg = run_config.load("configs/demo.yaml", [f"data.path={args.data}", "output_dir=/tmp/eval-loader-bench", *tiny])
     dist_env, device = environment.read_env(), torch.device("cpu")
     splits = reading.load(cfg, dist_env)
     built_run = build.build(cfg, dist_env, device, splits.labels, max_steps=1)  # the model as training evaluates it
@@ -61,7 +66,7 @@ def main() -> None:
     ratio = statistics.median(seconds["one_worker"][1:]) / statistics.median(seconds["in_process"][1:])
     result = {"date": time.strftime("%Y-%m-%d"), "eval_samples": built.num_eval, "threads": torch.get_num_threads(),
               "seconds": seconds, "one_worker_over_in_process_median": round(ratio, 3)}
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    smoke.results_path(RESULTS.name, args.smoke).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -7,7 +7,7 @@ summary.json: after the first step, evaluation and saves excluded).
 
     python -m benchmarks.forecast [--steps 50] [--nodes 2 3 4] [--rates 200 1000 5000]
                                   [--hooks none bf16 powersgd] [--buckets 25] [--data data/reviews]
-                                  [key=value ...]
+                                  [--smoke] [key=value ...]
 
 Root (network namespaces). Every node gets its share of the machine's cores, as
 tests/support/netns.py gives it. Writes results/cpu-minilm-forecast.json (or --out).
@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import smoke
 from benchmarks.interleaved import REPO, cpu_name
 from trainer.runtime.launch import torchrun_argv, trainer_program
 
@@ -86,7 +87,13 @@ def main() -> None:
     parser.add_argument("--data", default=str(REPO / "data/reviews"))
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "cpu-minilm-forecast.json"))
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="for doctor and training alike")
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    out = Path(args.out)
+    if args.smoke:  # one point of the grid, the smallest: 2 nodes, one rate, no hook, 4 steps in 2 windows
+        args.nodes, args.rates, args.hooks, args.buckets, args.steps = [2], [5000], ["none"], [25], 4
+        args.overrides = [*smoke.demo_overrides(smoke.folder()), "train.log_every=2", *args.overrides]
+        out = smoke.results_path(out.name, smoke=True)
     points = []
     for rate in args.rates:
         for nodes in args.nodes:
@@ -101,8 +108,8 @@ def main() -> None:
                     print(json.dumps({k: v for k, v in point.items() if k != "doctor"}), flush=True)
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "steps": args.steps, "points": points,
               "worst_error": max(abs(p["error"]) for p in points)}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    chart(points, Path(args.out).with_suffix(".png"))
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    chart(points, out.with_suffix(".png"))
     print(f"worst |forecast / measured - 1|: {result['worst_error']:.1%}")
 
 

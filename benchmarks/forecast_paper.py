@@ -1,7 +1,7 @@
 """A forecast on paper, not a measurement: trainer/preflight/forecast.py's model, validated on shaped
 CPU links (benchmarks/forecast.py), extrapolated to 8-512 H100s over published link speeds.
 
-    python -m benchmarks.forecast_paper      # prints the markdown tables, writes the JSON
+    python -m benchmarks.forecast_paper [--smoke]     # prints the markdown tables, writes the JSON
 
 Every input is stated here, and RESULTS.md repeats them:
 - bert-base, batch 512 per GPU, seq 128, bf16: 74 ms a step on one H100, split as the profile
@@ -19,6 +19,7 @@ Every input is stated here, and RESULTS.md repeats them:
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -26,6 +27,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from benchmarks import smoke
+from benchmarks.__main__ import ARCHS
 from trainer.cli import run_config
 from trainer.data import labels
 from trainer.preflight import forecast
@@ -35,7 +38,8 @@ from trainer.strategies.traffic import Param
 from trainer.train import build
 from trainer.train.flops import FlopModel
 
-RESULTS = Path(__file__).with_name("results") / "forecast-h100-paper.json"
+RESULTS = "forecast-h100-paper.json"
+LLAMA = Path(__file__).parents[1] / "configs/models/llama-3.1-8b"
 GPUS_PER_NODE = 8
 NODES = (1, 2, 4, 8, 16, 32, 64)
 NVLINK = forecast.Link(latency_s=3e-6, busbw=360e9)
@@ -53,16 +57,20 @@ def meta_model(folder: Path, *overrides: str):
                       on_meta=True).model
 
 
-def jobs() -> dict[str, tuple]:
-    from transformers import BertConfig
+def jobs(tiny: bool = False) -> dict[str, tuple]:
+    """`tiny`: both models 2 layers of width 32, their other settings kept (the smoke run)."""
+    from transformers import BertConfig, LlamaConfig
 
-    with tempfile.TemporaryDirectory() as bert_folder:
-        BertConfig(num_labels=5).save_pretrained(bert_folder)
-        bert = meta_model(Path(bert_folder))
+    with tempfile.TemporaryDirectory() as folder:
+        BertConfig(num_labels=5, **(ARCHS["tiny"] if tiny else {})).save_pretrained(f"{folder}/bert")
+        bert = meta_model(Path(folder, "bert"))
+        llama_folder = Path(folder, "llama") if tiny else LLAMA
+        if tiny:
+            LlamaConfig.from_pretrained(LLAMA, **ARCHS["tiny"], num_key_value_heads=1, head_dim=16).save_pretrained(
+                llama_folder)
+        llama = meta_model(llama_folder, "model.lora.r=16", "model.lora.alpha=32",
+                           "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
     bert_compute = forecast.Compute(forward_s=0.035, backward_s=0.032, optimizer_s=0.007, micro_batch=512)
-
-    llama = meta_model(Path(__file__).parents[1] / "configs/models/llama-3.1-8b", "model.lora.r=16",
-                       "model.lora.alpha=32", "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
     tokens = 4 * 512
     step_s = FlopModel.of(llama).train_flops(tokens, 4 * 512**2) / (0.4 * H100_BF16_FLOPS)
     llama_compute = forecast.Compute(step_s / 3, 2 * step_s / 3, 0.002, micro_batch=4)
@@ -70,11 +78,14 @@ def jobs() -> dict[str, tuple]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    smoke.add_flag(parser)
+    args = parser.parse_args()
     settings = OmegaConf.create({"train": {"strategy": "ddp"},
                                  "ddp": {"bucket_cap_mb": 25.0, "sparse_embedding_grad": False, "comm_hook": "none",
                                          "powersgd_rank": 4}})
     out: dict = {"assumptions": __doc__, "gpus_per_node": GPUS_PER_NODE, "forecast": {}}
-    for job, (model, compute) in jobs().items():
+    for job, (model, compute) in jobs(tiny=args.smoke).items():
         traffic = DDP(settings).traffic(Param.all_of(model), "nccl", 0)
         single = compute.forward_s + compute.backward_s + compute.optimizer_s
         print(f"\n{job}: {traffic.nbytes / 1e6:.1f} MB of gradients a step, {single * 1e3:.0f} ms of compute\n")
@@ -91,7 +102,7 @@ def main() -> None:
             print(f"| {world} | " + " | ".join(f"{c['step_s'] * 1e3:.0f} ms, {c['efficiency']:.0%}"
                                               for c in cells.values()) + " |")
         out["forecast"][job] = {"gradient_bytes": traffic.nbytes, "compute_s": single, "rows": rows}
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    smoke.results_path(RESULTS, args.smoke).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """FSDP against DDP on the demo model (MiniLM, full fine-tuning), 2 CPU ranks, interleaved:
 samples/s, each rank's memory, and each rank's checkpoint share.
 
-    python -m benchmarks.fsdp_vs_ddp [--reps 2] [--steps 60] [--data data/reviews]
+    python -m benchmarks.fsdp_vs_ddp [--reps 2] [--steps 60] [--data data/reviews] [--smoke]
 
 Each run is `torchrun --nproc-per-node=2 -m trainer train -c configs/demo.yaml` with
 `train.max_steps=STEPS`, a checkpoint every 20 steps, with `train.strategy` ddp or fsdp.

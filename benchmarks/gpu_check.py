@@ -1,6 +1,6 @@
 """`benchmarks/gpu.sh check`: issue 58's GPU check, one call of at most 8 minutes on one GPU.
 
-    benchmarks/gpu.sh check [--dry-run] [PART ...]        (PART: variants saves profile cuda)
+    benchmarks/gpu.sh check [--dry-run | --smoke] [PART ...]        (PART: variants saves profile cuda)
 
 In order, each part a subprocess under its own `timeout` (a part that runs long costs only
 itself, and what it wrote so far is kept), all within --budget-s from the start:
@@ -21,7 +21,9 @@ check.md (a short table) under $OUT, or benchmarks/results/ where $OUT is unset.
 --dry-run is the same on CPU with a 2-layer model at batch 4 for a few steps and one side per
 part (SDPA math; the async FSDP save), every GPU side's overrides checked by the config and
 model.sdpa_backend's rules instead: tests/e2e/test_gpu_check.py runs it, so that the check
-cannot break unseen.
+cannot break unseen. --smoke is the dry run of the profile part only (unless PARTs are named),
+its files under a temporary folder: the check's own code (the sides' checks, a part under its
+timeout, the report) in seconds.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from benchmarks import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = "trainer DDP bf16"
@@ -188,8 +192,11 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", default=os.environ.get("DRY_RUN") == "1",
                         help="on CPU, tiny shapes, a few steps (also DRY_RUN=1)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="all the parts together")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "benchmarks/results"))
+    parser.add_argument("--out", type=Path, help="default: $OUT, or benchmarks/results where unset")
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # the dry run's cheapest part that measures: one process, one step profiled
+        args.dry_run, args.parts, args.out = True, args.parts or ["profile"], args.out or smoke.folder()
     unknown = set(args.parts) - {"variants", "saves", "profile", "cuda"}
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}: expected variants, saves, profile or cuda")
@@ -199,7 +206,7 @@ def main() -> int:
 
     started = time.monotonic()
     deadline = started + args.budget_s
-    out: Path = args.out
+    out: Path = args.out or Path(os.environ.get("OUT") or REPO / "benchmarks/results")
     (out / "parts").mkdir(parents=True, exist_ok=True)
     if not args.dry_run and not torch.cuda.is_available():
         print("benchmarks/gpu.sh check: no CUDA GPU here; --dry-run (or DRY_RUN=1) runs it on CPU", file=sys.stderr)

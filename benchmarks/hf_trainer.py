@@ -10,7 +10,8 @@ SDPA under bf16): the model-side choice our trainer makes by default there. `--c
 the Trainer's own torch.compile switch.
 
 Writes {"samples_per_s", "timed_steps", "first_step_end_unix"} to --out on rank 0. Samples/s
-is taken over the steps after --warmup, from a callback on step ends.
+is taken over the steps after --warmup, from a callback on step ends. `--smoke` (no other
+flag needed): one process, the `best` setting, 1 + 2 steps of the tiny model on its data.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ class StepClock(TrainerCallback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--setting", choices=["default", "best"], required=True)
+    parser.add_argument("--model", help="required but for --smoke")
+    parser.add_argument("--data", help="required but for --smoke")
+    parser.add_argument("--setting", choices=["default", "best"], help="required but for --smoke")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=30)
@@ -57,8 +58,20 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="required but for --smoke")
+    # Not smoke.add_flag: run as a script under torchrun, this file cannot import `benchmarks`.
+    parser.add_argument("--smoke", action="store_true", help="(python -m benchmarks.hf_trainer --smoke) a tiny "
+                        "random-init model for 3 steps, in one process: proves this runs, measures nothing")
     args = parser.parse_args()
+    if args.smoke:  # `best`: `python -m benchmarks --smoke` runs `default`, under torchrun
+        from benchmarks import smoke
+
+        args.model, args.data = smoke.tiny_model(smoke.folder()), smoke.tiny_data(smoke.folder())
+        args.out = str(smoke.results_path("hf.json", smoke=True))
+        args.setting, args.batch_size, args.max_length, args.steps, args.warmup = "best", 8, 32, 2, 1
+    missing = [f"--{name}" for name in ("model", "data", "setting", "out") if getattr(args, name) is None]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForSequenceClassification.from_pretrained(

@@ -41,10 +41,12 @@ def demo_command(data: str, steps: int, output_dir: str, extra: list[str]) -> li
 
 
 def demo_main(results: Path, sides: dict[str, list[str]], one_run: Callable[[str, int, list[str]], dict],
-              medians: Callable[[list[dict]], dict], reps: int, steps: int = 60) -> None:
-    """A demo-config benchmark's command line (--reps, --steps, --data): `one_run(data,
+              medians: Callable[[list[dict]], dict], reps: int, steps: int = 60,
+              smoke_sides: tuple[str, ...] = ()) -> None:
+    """A demo-config benchmark's command line (--reps, --steps, --data, --smoke): `one_run(data,
     steps, overrides)` for each side, interleaved; `medians` of each side's runs printed, and
-    written to `results` with every run, the date and the CPU."""
+    written to `results` with every run, the date and the CPU. --smoke runs `smoke_sides`
+    only (default: every side), once, for 4 steps of the tiny model."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--steps", type=int, default=steps)
@@ -55,6 +57,8 @@ def demo_main(results: Path, sides: dict[str, list[str]], one_run: Callable[[str
     if args.smoke:  # the tiny model's overrides come after the data's, so they win
         args.reps, args.steps, results = 1, 4, smoke.results_path(results.name, smoke=True)
         tiny = smoke.demo_overrides(smoke.folder())
+        sides = {side: sides[side] for side in smoke_sides or sides}
+        RankMemory.every_s = 0.2
 
     runs = run_interleaved(sides, args.reps, lambda extra: one_run(args.data, args.steps, [*tiny, *extra]),
                            shown=lambda run: {k: v for k, v in run.items() if k != "checkpoint_files"})
@@ -74,10 +78,14 @@ def cpu_name() -> str:
 
 class RankMemory:
     """`with RankMemory(torchrun_proc) as peak:` samples the RSS and PSS of the torchrun's
-    workers every 20 ms from /proc, summed over them, and keeps their peaks (GiB), and the
-    largest RSS of one worker. RSS counts a page in every process that maps it (a model
-    file's page cache, once per rank); PSS splits shared pages among the processes that map
-    them, so its sum is what the node really holds for the ranks."""
+    workers every 20 ms (every_s) from /proc, summed over them, and keeps their peaks (GiB),
+    and the largest RSS of one worker. RSS counts a page in every process that maps it (a
+    model file's page cache, once per rank); PSS splits shared pages among the processes that
+    map them, so its sum is what the node really holds for the ranks."""
+
+    every_s = 0.02
+    """Seconds between samples. Reading smaps_rollup walks a worker's page tables and slows
+    it: ~2 s of a tiny run's 11, which a smoke run (measuring nothing) saves with 0.2."""
 
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
@@ -100,7 +108,7 @@ class RankMemory:
                 self.rss_gib = max(self.rss_gib, sum(r for r, _ in per_rank) / 2**20)
                 self.pss_gib = max(self.pss_gib, sum(p for _, p in per_rank) / 2**20)
                 self.max_rank_rss_gib = max(self.max_rank_rss_gib, max(r for r, _ in per_rank) / 2**20)
-            time.sleep(0.02)
+            time.sleep(self.every_s)
 
 
 def _memory_kib(pid: int) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """The launch budget of one steady-state training step, counted on the CPU.
 
-    python -m benchmarks.launch_budget [--models tiny,minilm,bert-base] [--strategies ddp,lora,fsdp]
+    python -m benchmarks.launch_budget [--models tiny,minilm,bert-base] [--strategies ddp,lora,fsdp] [--smoke]
     PYTHONPATH=/tmp/wt-866d9e3 python benchmarks/launch_budget.py --label 866d9e3   # an older commit
 
 Per model shape and strategy: the aten ops a step dispatches (on a GPU, about one kernel
@@ -39,13 +39,18 @@ SHAPES = {
 STRATEGIES = {"ddp": [], "lora": ["model.lora.r=8"], "fsdp": ["train.strategy=fsdp"]}
 
 
-def counter_module():
-    """tests/support/perf_counts.py of this checkout, whatever `trainer` is on the path."""
-    spec = importlib.util.spec_from_file_location("_perf_counts", HERE / "tests" / "support" / "perf_counts.py")
+def this_checkouts(path: str):
+    """The module at `path` in this checkout, whatever `trainer` and `benchmarks` are on the path."""
+    spec = importlib.util.spec_from_file_location(f"_{Path(path).stem}", HERE / path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def counter_module():
+    """tests/support/perf_counts.py of this checkout."""
+    return this_checkouts("tests/support/perf_counts.py")
 
 
 def model_folder(work: Path, shape: str) -> str:
@@ -150,7 +155,12 @@ def main() -> None:
     parser.add_argument("--label", default="this checkout")
     parser.add_argument("--out", type=Path, help="write the counts as JSON here")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
+    smoke = this_checkouts("benchmarks/smoke.py")  # an older commit's checkout on PYTHONPATH may have none
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # every strategy on the tiny shape, one warm-up step, two counted: steadiness is still judged
+        args.models, args.batch_size, args.max_length, args.warmup = "tiny", 4, 32, 1
+        args.out = args.out or smoke.results_path("launch-budget.json", smoke=True)
     torch.set_num_threads(1)  # counts do not depend on it; the shared machine does
     perf_counts = counter_module()
     import trainer

@@ -5,11 +5,12 @@ RSS counts a page in every process that maps it: the model file's page cache, sh
 the node's ranks, is counted once per rank. PSS splits each shared page among the
 processes that map it, so the sum over the ranks is what the node really holds for them.
 
-    python -m benchmarks.load_memory --before /path/to/checkout/of/the/earlier/commit
+    python -m benchmarks.load_memory --before /path/to/checkout/of/the/earlier/commit [--reps 3] [--smoke]
 
 builds a random-init BERT-large classifier (335M parameters, 1.25 GiB of fp32 safetensors)
 once, then trains 2 CPU ranks with LoRA for 2 steps, alternating this tree and --before's.
-Writes results/cpu-bert-large-load-memory.json.
+Writes results/cpu-bert-large-load-memory.json. --smoke loads the tiny model instead, with
+this tree as both sides.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import smoke
 from benchmarks.interleaved import RankMemory, cpu_name, run_interleaved
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,18 +67,25 @@ def one_run(root: str, model: Path, data: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", required=True, help="a checkout of the commit to compare with")
+    parser.add_argument("--before", help="a checkout of the commit to compare with (required; --smoke: this tree)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--model", default="/tmp/bert-large-random", type=Path)
     parser.add_argument("--data", default=str(REPO / "data/reviews"))
+    smoke.add_flag(parser)
     args = parser.parse_args()
-    model = make_model(args.model)
+    if args.smoke:  # both sides once, each 2 ranks: the RSS against PSS is of a node's several ranks
+        args.before, args.reps, RankMemory.every_s = args.before or str(REPO), 1, 0.2
+        model, args.data = Path(smoke.tiny_model(smoke.folder())), smoke.tiny_data(smoke.folder())
+    elif args.before is None:
+        parser.error("--before is required")
+    else:
+        model = make_model(args.model)
     sides = {"before": [args.before], "after": [str(REPO)]}
     runs = run_interleaved(sides, args.reps, lambda root: one_run(root[0], model, Path(args.data)))
     result = {"cpu": cpu_name(), "model_file_gib": (model / "model.safetensors").stat().st_size / 2**30,
               **{side: {key: statistics.median(r[key] for r in values) for key in ("rss_gib", "pss_gib")}
                  for side, values in runs.items()}, "runs": runs}
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    smoke.results_path(RESULTS.name, args.smoke).write_text(json.dumps(result, indent=1) + "\n")
     print({side: result[side] for side in sides})
 
 

@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning on the demo model (MiniLM), 2 CPU ranks, interleaved:
 samples/s, the gradient bytes DDP all-reduces per step, checkpoint size and save time.
 
-    python -m benchmarks.lora_vs_full [--reps 3] [--steps 60] [--data data/reviews]
+    python -m benchmarks.lora_vs_full [--reps 3] [--steps 60] [--data data/reviews] [--smoke]
 
 Each run is `torchrun --nproc-per-node=2 -m trainer train -c configs/demo.yaml` with
 `train.max_steps=STEPS`, a checkpoint every 20 steps, and with or without `model.lora.r=16`

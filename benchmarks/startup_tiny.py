@@ -3,7 +3,7 @@ random-init BERT (tests/support/models.py), 2 CPU ranks, 4 steps, fp32, no wandb
 no curves (tests/support/runs.py's tiny_overrides), one launch at a time.
 
     python -m benchmarks.startup_tiny --side before=/tmp/wt-before --side after=/tmp/wt-after \
-        [--reps 5] [--name startup-2026-11-28-tiny]
+        [--reps 5] [--name startup-2026-11-28-tiny] [--smoke]
 
 Each side is a source tree (`git archive REV | tar -x -C DIR`), run with this .venv: its
 `python -m trainer.cli.torchrun --standalone --nproc-per-node=2 -m trainer train ...` from that
@@ -11,6 +11,7 @@ tree, in the suite's environment (OMP_NUM_THREADS=1, offline). The sides alterna
 reversed every other repetition, after one warm-up launch each. Per launch: rank 0's phases
 (summary.json's startup_s) and their sum, the launch's wall time to exit, and the CPU time
 of the launcher and both ranks (user + system). Writes benchmarks/results/<--name>.json.
+`--smoke`: this tree alone (no --side), one launch on 64 rows, no warm-up.
 """
 
 from __future__ import annotations
@@ -28,20 +29,21 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import smoke
 from benchmarks.interleaved import REPO, cpu_name, run_interleaved
 
 ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def fixtures(work: Path) -> tuple[Path, Path]:
+def fixtures(work: Path, train: int = 600, test: int = 203) -> tuple[Path, Path]:
     """The tiny model and the reviews, made as the suite's fixtures make them."""
     sys.path.insert(0, str(REPO / "tests"))
     from support.models import make_tiny_model
 
     from trainer.data.demo import generate
 
-    return make_tiny_model(work / "tiny", dropout=0.0), generate(work / "reviews", num_train=600, num_test=203, seed=1)
+    return make_tiny_model(work / "tiny", dropout=0.0), generate(work / "reviews", train, test, seed=1)
 
 
 def one_launch(tree: Path, model: Path, data: Path, out: Path) -> dict:
@@ -77,16 +79,22 @@ def medians(runs: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--side", action="append", required=True, help="NAME=TREE, in the order they first run")
+    parser.add_argument("--side", action="append", help="NAME=TREE, in the order they first run (required)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--name", default=f"startup-{time.strftime('%Y-%m-%d')}-tiny")
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.side, args.reps = [f"this tree={REPO}"], 1
+    elif not args.side:
+        parser.error("--side NAME=TREE is required")
     trees = {name: Path(tree) for name, tree in (side.split("=", 1) for side in args.side)}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model, data = fixtures(work)
-        for tree in trees.values():  # warm-up: the page cache, the `datasets` cache of the reviews
-            one_launch(tree, model, data, work / "run")
+        model, data = fixtures(work, *((64, 16) if args.smoke else ()))
+        if not args.smoke:  # the timed launch's call again, ~10 s: a smoke run skips it
+            for tree in trees.values():  # warm-up: the page cache, the `datasets` cache of the reviews
+                one_launch(tree, model, data, work / "run")
         runs = run_interleaved({name: [str(tree)] for name, tree in trees.items()}, args.reps,
                                lambda side: one_launch(Path(side[0]), model, data, work / "run"),
                                shown=lambda run: {k: round(v, 2) for k, v in run.items() if k != "startup_s"})
@@ -94,7 +102,7 @@ def main() -> None:
               "python": platform.python_version(), "what": __doc__.split("\n\n")[0],
               "sides": {name: str(tree) for name, tree in trees.items()}, "runs": runs,
               "medians": {name: medians(side_runs) for name, side_runs in runs.items()}}
-    out = REPO / "benchmarks" / "results" / f"{args.name}.json"
+    out = smoke.results_path(f"{args.name}.json", args.smoke)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["medians"], indent=1))
 

@@ -2,7 +2,7 @@
 kind of data at several sizes, for the first launch on a cold `datasets` cache and for the
 next one (the same training in a new output_dir, as every new run has).
 
-    python -m benchmarks.startup_vs_data [--rows 40000 400000] [--baseline REV] [--reps 1]
+    python -m benchmarks.startup_vs_data [--rows 40000 400000] [--baseline REV] [--reps 1] [--smoke]
 
 Each launch is the issue's command: `torchrun --standalone --nproc-per-node=2 -m trainer train
 -c configs/demo.yaml data.path=... output_dir=... train.max_steps=3`; its phases come from
@@ -10,7 +10,8 @@ summary.json (startup_s), and the cache-*.arrow files it added to HF_DATASETS_CA
 whether it tokenized. With --baseline, the same launches also run from git revision REV (a
 worktree), interleaved with this tree's, each side on a cache of its own. Then tokenization
 alone, in one process on the converted split: in process against num_proc (the trainer's
-rule, data.tokenize_processes, for local rank 0).
+rule, data.tokenize_processes, for local rank 0). `--smoke`: this tree alone, 64 rows, the
+tiny model, the cold launch only.
 
 Writes benchmarks/results/<--name>.json.
 """
@@ -28,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import smoke
 from benchmarks.__main__ import REPO, Worktree
 from trainer.runtime.launch import torchrun_argv, trainer_program
 
@@ -39,11 +41,11 @@ def lscpu_model() -> str:
     return platform.processor()
 
 
-def launch(cwd: Path, data: Path, out: Path, cache: Path, timeout: float) -> dict:
-    """One training launch; its phases, and the map cache files it wrote."""
+def launch(cwd: Path, data: Path, out: Path, cache: Path, timeout: float, extra: list[str]) -> dict:
+    """One training launch, with `extra` overrides; its phases, and the map cache files it wrote."""
     before = set(cache.rglob("cache-*.arrow"))
-    program = trainer_program("train", "configs/demo.yaml",
-                              [f"data.path={data}", f"output_dir={out}", "train.max_steps=3"])
+    program = trainer_program("train", "configs/demo.yaml",  # `data` after `extra`, so that it wins
+                              [*extra, f"data.path={data}", f"output_dir={out}", "train.max_steps=3"])
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     started = time.perf_counter()
     proc = subprocess.run(torchrun_argv(2, program), cwd=cwd, env=env, capture_output=True, text=True,
@@ -60,9 +62,9 @@ def launch(cwd: Path, data: Path, out: Path, cache: Path, timeout: float) -> dic
             "wall_s": round(wall, 1), "cache_files_written": written, "data_log": log}
 
 
-def tokenize_in_process(data_dir: Path, cache: Path, reps: int) -> dict:
+def tokenize_in_process(data_dir: Path, cache: Path, reps: int, extra: list[str]) -> dict:
     """The train split's map alone, in process and with the trainer's num_proc, on the split
-    as converted (each map into a cache file of its own, removed after)."""
+    as converted (each map into a cache file of its own, removed after); `extra` overrides."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the trainer sets it
     import datasets
 
@@ -72,7 +74,7 @@ def tokenize_in_process(data_dir: Path, cache: Path, reps: int) -> dict:
     from trainer.runtime.environment import DistEnv
 
     datasets.disable_progress_bars()
-    cfg = run_config.load("configs/demo.yaml", [f"data.path={data_dir}"])
+    cfg = run_config.load("configs/demo.yaml", [*extra, f"data.path={data_dir}"])
     tokenizer = pretrained.load_tokenizer(cfg.model)
     ds = datasets.load_dataset(str(data_dir), split="train", cache_dir=str(cache))
     max_length = int(cfg.data.max_length)
@@ -105,7 +107,12 @@ def main() -> None:
     parser.add_argument("--tokenize-reps", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--name", default="cpu-minilm-startup-vs-data")
+    smoke.add_flag(parser)
     args = parser.parse_args()
+    test_rows, extra, launches = 1000, [], (1, 2)
+    if args.smoke:  # the cold launch only: the warm one is the same call again, and a launch costs ~10 s
+        args.rows, args.baseline, args.reps, args.tokenize_reps, test_rows, launches = [64], None, 1, 1, 16, (1,)
+        extra = smoke.demo_overrides(smoke.folder())
 
     from trainer.data.demo import generate
 
@@ -122,14 +129,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="startup-vs-data-"))
     try:
         for rows in args.rows:
-            data = generate(work / f"data-{rows}", num_train=rows, num_test=1000)
+            data = generate(work / f"data-{rows}", num_train=rows, num_test=test_rows)
             runs: dict[str, list] = {side: [] for side in sides}
             for rep in range(args.reps):
                 caches = {side: work / f"hf-{i}-{rows}-{rep}" for i, side in enumerate(sides)}
-                for k in (1, 2):  # interleaved: each side's launch k, then the next k
+                for k in launches:  # interleaved: each side's launch k, then the next k
                     for i, (side, cwd) in enumerate(sides.items()):
                         out = work / f"run-{i}-{rows}-{rep}-{k}"
-                        record = launch(cwd, data, out, caches[side], args.timeout)
+                        record = launch(cwd, data, out, caches[side], args.timeout, extra)
                         runs[side].append({"rep": rep, "launch": k, **record})
                         print(f"{rows} rows, {side}, launch {k}: {record['startup_s']} "
                               f"wrote {len(record['cache_files_written'])} cache files", flush=True)
@@ -137,7 +144,7 @@ def main() -> None:
                 for cache in caches.values():
                     shutil.rmtree(cache, ignore_errors=True)
             results["launches"][str(rows)] = runs
-            tokenized = tokenize_in_process(data, work / f"hf-tokenize-{rows}", args.tokenize_reps)
+            tokenized = tokenize_in_process(data, work / f"hf-tokenize-{rows}", args.tokenize_reps, extra)
             results["tokenize_in_process"][str(rows)] = tokenized
             print(f"{rows} rows, tokenize in process: {tokenized['seconds']}", flush=True)
             shutil.rmtree(work / f"hf-tokenize-{rows}", ignore_errors=True)
@@ -146,7 +153,7 @@ def main() -> None:
         if baseline is not None:
             baseline.remove()
         shutil.rmtree(work, ignore_errors=True)
-    out = REPO / "benchmarks" / "results" / f"{args.name}.json"
+    out = smoke.results_path(f"{args.name}.json", args.smoke)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
 

