@@ -132,15 +132,21 @@ class Worker:
                 self._stop.wait(min(1.0, self.cfg.score.lease_s / 8))
 
     def _claim_in(self, shard: Shard) -> Iterator[Tokenized]:
+        """The chunks of `shard` this worker claims, each as the reader reaches it: one at a
+        time, so that other workers share the shard's tail."""
         ledger = self.ledger
         missing = ledger.missing(shard.name, self.suffix)
-        claimed = None if missing is None else {i for i in missing if ledger.claim(shard.name, i)}
-        if claimed == set():  # its length known, and every chunk left is another's: not read
-            return
+        first, left = None, None if missing is None else set(missing)
+        if missing is not None:  # its length known: read it only if a chunk left is claimable now
+            first = next((i for i in missing if ledger.claim(shard.name, i)), None)
+            if first is None:
+                return
 
         def wanted(index: int) -> bool:
-            if claimed is not None:
-                return index in claimed
+            if index == first:
+                return True
+            if left is not None and index not in left:
+                return False
             return not ledger.done(shard.name, index, self.suffix) and ledger.claim(shard.name, index)
         chunks = 0
         for index, chunk in self._reader(shard).chunks(wanted):
