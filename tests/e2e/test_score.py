@@ -41,8 +41,9 @@ def corpus(tmp_path_factory):
 
 
 def settings(model, corpus, output, *more) -> list[str]:
-    """The training run's config (the demo's), and the corpus to score with `model`."""
-    return [f"model.name={model}", f"output_dir={output.parent / 'run'}",
+    """The training run's config (the demo's: its data.path and model.name need not be here),
+    and the corpus to score with `model`."""
+    return ["model.name=/not/here/any/more", "data.path=/nor/here", f"output_dir={output.parent / 'run'}",
             f"score.model={model}", f"score.input={corpus}", f"score.output={output}", "score.carry=[id]",
             f"score.chunk_rows={CHUNK}", "score.max_tokens=512", "data.max_length=48", "dist.init_timeout_s=60",
             *more]
@@ -176,11 +177,12 @@ def test_a_missing_column_is_one_line_before_the_model_loads(tiny_model, corpus,
 
 def test_check_covers_a_scoring_config(usage_run, tiny_model, corpus, tmp_path):
     """`check` of a config with score.input: the corpus as `score` checks it, before any job."""
-    checked = usage_run([*settings(tiny_model, corpus, tmp_path / "out"), "--no-data"], command="check",
+    planned = [f"model.name={tiny_model}", "--no-data"]  # check also plans the training's memory
+    checked = usage_run([*settings(tiny_model, corpus, tmp_path / "out"), *planned], command="check",
                         config="configs/demo.yaml")
     assert checked.returncode == 0, checked.output[-3000:]
     assert f"score: 3 shard(s) under {corpus}, the first with the text and carried columns" in checked.output
-    refused = usage_run([*settings(tiny_model, corpus, tmp_path / "out"), "score.carry=[url]", "--no-data"],
+    refused = usage_run([*settings(tiny_model, corpus, tmp_path / "out"), "score.carry=[url]", *planned],
                         command="check", config="configs/demo.yaml")
     errors = [line for line in refused.output.splitlines() if line.startswith("error: ")]
     assert refused.returncode == 2 and errors == [

@@ -22,6 +22,7 @@ from typing import NoReturn
 from trainer import errors
 from trainer.cli import run_config
 from trainer.config import loading
+from trainer.config.checks import LOCAL_PATHS
 from trainer.config.schema import Config
 from trainer.errors import ConfigError, TrainerError
 from trainer.exit_codes import MEANING, Exit
@@ -140,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         arguments["no_data"], arguments["resolved"] = args.no_data, args.resolved
         if arguments.get("split"):
             overrides.append(f"data.eval_split={arguments['split']}")
-        cfg = run_config.load(args.config, overrides)
+        # score reads final/ and its corpus: the training data and base model may be elsewhere;
+        # check --no-data leaves the data to where the job runs.
+        local_paths = () if args.command == "score" else \
+            [key for key in LOCAL_PATHS if not (args.no_data and key == "data.path")]
+        cfg = run_config.load(args.config, overrides, local_paths)
         arguments["config"], arguments["overrides"] = args.config, args.overrides  # sweep's: no command arguments
         return COMMANDS[args.command](cfg, arguments)
     except TrainerError as e:

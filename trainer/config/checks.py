@@ -17,7 +17,12 @@ from trainer.errors import ConfigError
 _UNKNOWN = object()
 
 
-def check(cfg: DictConfig) -> None:
+LOCAL_PATHS = ("model.name", "data.path")
+"""The keys whose local files a command reads, checked where they look local: `score` reads
+neither (score.model holds the model, score.input the corpus), so it checks none."""
+
+
+def check(cfg: DictConfig, local_paths: Sequence[str] = LOCAL_PATHS) -> None:
     """Raise a ConfigError for the first key that another contradicts."""
     train, ckpt = cfg.train, cfg.checkpoint
     if (train.max_steps is None) == (train.epochs is None):
@@ -66,7 +71,7 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError("data.text_pair_field: must differ from data.text_field")
     if cfg.wandb.mode == "online" and not (os.environ.get("WANDB_API_KEY") or _has_netrc_login()):
         raise ConfigError("wandb.mode: online needs WANDB_API_KEY (or `wandb login`); use offline otherwise")
-    for key in ("model.name", "data.path"):
+    for key in local_paths:
         value = OmegaConf.select(cfg, key)
         if _looks_local(value) and not Path(value).exists():
             raise ConfigError(f"{key}: {value}: no such file or folder")

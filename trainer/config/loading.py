@@ -85,8 +85,10 @@ def _read_yaml(path: str) -> DictConfig:
     return loaded
 
 
-def load(path: str | None, overrides: Sequence[str] = ()) -> DictConfig:
-    """Schema defaults, then the YAML file, then the overrides; resolved and checked."""
+def load(path: str | None, overrides: Sequence[str] = (),
+         local_paths: Sequence[str] = checks.LOCAL_PATHS) -> DictConfig:
+    """Schema defaults, then the YAML file, then the overrides; resolved and checked (the
+    `local_paths` keys, where a value looks local, must exist)."""
     cfg = OmegaConf.structured(Config)
     try:
         # Merged onto a DictConfig, the result is one (OmegaConf's type says any container).
@@ -104,7 +106,7 @@ def load(path: str | None, overrides: Sequence[str] = ()) -> DictConfig:
         ok, must = f.metadata.get("check", (None, ""))
         if ok is not None and not ok(value):
             raise ConfigError(f"{name}: {must}, got {value!r}")
-    checks.check(cfg)
+    checks.check(cfg, local_paths)
     return cfg
 
 
