@@ -18,6 +18,10 @@ No API server here, so each layer of acceptance is checked against the real thin
   Pod Security Standard (tests/support/k8s_pss.py);
 - the restart contract (trainer/exit_codes.py) compiled into each job's restart rules: what
   the operator, or the Job and JobSet controllers, do with each verdict's exit code;
+- the scoring Job (k8s/score): an Indexed Job under the same pod rules, its failure policy
+  against the restart contract, renamed with every component, and its pods run in our image as
+  the Job controller starts them, one of them killed and recreated: the scores equal one
+  process's, every row once;
 - the Katib Experiment (k8s/kustomize/katib) against Katib's CRD, API types and webhook rules
   (tests/support/katib.py), its trials equal to the base job but for Katib's parts, their pods under
   our pod rules, their commands through the trainer's config check, and Katib's collector rule
@@ -27,10 +31,12 @@ No API server here, so each layer of acceptance is checked against the real thin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import ipaddress
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -106,13 +112,15 @@ RUNTIME = yaml.safe_load((REPO / "k8s/trainjob/trainingruntime.yaml").read_text(
 CLUSTER_RUNTIME = yaml.safe_load((SCHEMAS / "torch_distributed_runtime.yaml").read_text())
 POLICY_FILES = {"pytorchjob": REPO / "k8s/networkpolicy.yaml", "elastic": REPO / "k8s/elastic/networkpolicy.yaml",
                 "trainjob": REPO / "k8s/trainjob/networkpolicy.yaml"}
+SCORE_FILES = [REPO / "k8s/score/job.yaml", REPO / "k8s/score/networkpolicy.yaml"]
+SCORE_JOB, SCORE_POLICY = (yaml.safe_load(path.read_text()) for path in SCORE_FILES)
 
 
 def test_k8s_folder_holds_exactly_the_job_objects():
     objects = k8s_objects()
     assert set(objects) == {"PyTorchJob", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy"}
     assert objects["PyTorchJob"]["apiVersion"] == "kubeflow.org/v1"
-    core = [REPO / "k8s/configmap.yaml", REPO / "k8s/pvc.yaml", *POLICY_FILES.values()]
+    core = [REPO / "k8s/configmap.yaml", REPO / "k8s/pvc.yaml", *POLICY_FILES.values(), *SCORE_FILES]
     result = subprocess.run([BIN / "kubernetes-validate", "--strict", *core], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("passed") == len(core), result.stdout
@@ -488,8 +496,8 @@ def images_in(value) -> list[str]:
 
 
 def test_every_manifest_with_an_image_has_a_digest_overlay():
-    """k8s/kustomize/overlays/image pins the job, and its folders stage-data, elastic and
-    trainjob the other manifests: together they render every object of k8s/ that names an
+    """k8s/kustomize/overlays/image pins the job, and its folders stage-data, elastic, trainjob
+    and score the other manifests: together they render every object of k8s/ that names an
     image, and no image of theirs is left without the digest."""
     wanted = pinned_image()
     rendered = {}
@@ -501,12 +509,13 @@ def test_every_manifest_with_an_image_has_a_digest_overlay():
     named = {(o["kind"], o["metadata"]["name"]) for path in (REPO / "k8s").rglob("*.yaml")
              if "kustomize" not in path.parts for o in load_all(path) if images_in(o)}
     assert named == {("PyTorchJob", "ddp-trainer"), ("PyTorchJob", "ddp-trainer-elastic"), ("TrainJob", "ddp-trainer"),
-                     ("TrainingRuntime", "ddp-trainer"), ("Job", "ddp-trainer-stage-data")}
+                     ("TrainingRuntime", "ddp-trainer"), ("Job", "ddp-trainer-stage-data"),
+                     ("Job", "ddp-trainer-score")}
     assert named <= set(rendered), named - set(rendered)
     for key in named:
         assert images_in(rendered[key]), key
     # Each folder's kustomization holds exactly the folder's manifests, as `kubectl apply -f` applies them.
-    for folder in ("stage-data", "elastic", "trainjob"):
+    for folder in ("stage-data", "elastic", "trainjob", "score"):
         files = sorted(path.name for path in (REPO / "k8s" / folder).iterdir() if path.suffix in (".yaml", ".yml"))
         assert sorted(yaml.safe_load((REPO / "k8s" / folder / "Kustomization").read_text())["resources"]) == files
 
@@ -528,7 +537,7 @@ def test_the_hub_token_is_only_where_it_is_needed(renderings, tmp_path):
     not in any other manifest or rendering, so code run in a training pod cannot read it."""
     token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": True}}}
     assert token in job_pod(STAGE_JOB).container["env"]
-    plain = [*k8s_objects().values(), ELASTIC, TRAINJOB, RUNTIME]
+    plain = [*k8s_objects().values(), ELASTIC, TRAINJOB, RUNTIME, SCORE_JOB]
     plain += [o for name, objects in renderings.items() if name != "renamed-4x8-with-every-component"
               for o in objects.values()]
     for o in plain:
@@ -905,6 +914,279 @@ def test_a_users_overlay_trains_on_data_and_a_model_a_staging_job_put_on_the_pvc
     card = (workspace / "runs/my-job/final/README.md").read_text()
     assert "`/workspace/data/sentiment`: text from `review`, labels from `sentiment`; rows: train 200, validation 32." \
         in card
+
+
+# --- Scoring a corpus: k8s/score, an Indexed Job ------------------------------------------------------
+
+KUBELET_ENV = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+"""What the kubelet gives every container, whatever the pod asks (the API server's Service)."""
+
+
+def indexed_job_pods(job: dict) -> list[Pod]:
+    """The pods of an Indexed Job (batch/v1), one per completion index, as the Job controller
+    makes them: the hostname `JOB-INDEX` (Pod.name here: the pod's own name has a random
+    suffix more, and a pod recreated for the index gets another), the index in its annotation,
+    its label and JOB_COMPLETION_INDEX, the job-name labels; and the kubelet's variables."""
+    name, spec = job["metadata"]["name"], job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    pods = []
+    for index in range(spec["completions"]):
+        template = copy.deepcopy(spec["template"])
+        (container,) = template["spec"]["containers"]
+        hostname = f"{name}-{index}"
+        labels = {**template["metadata"].get("labels", {}), "batch.kubernetes.io/job-name": name, "job-name": name,
+                  "batch.kubernetes.io/job-completion-index": str(index)}
+        annotations = {**template["metadata"].get("annotations", {}),
+                       "batch.kubernetes.io/job-completion-index": str(index)}
+        pods.append(Pod(hostname, [hostname], annotations, labels, template["spec"], container,
+                        {"JOB_COMPLETION_INDEX": str(index), **KUBELET_ENV}))
+    return pods
+
+
+def job_pod_failure(job: dict, exit_code: int | None = None, condition: str | None = None) -> str:
+    """What the Job controller does when a pod of `job` fails with its container's `exit_code`
+    or with a pod `condition`: the first podFailurePolicy rule that matches decides (FailJob:
+    "fail"; Ignore: "retry uncounted"; Count: "retry"); with none, the failure counts against
+    backoffLimit ("retry")."""
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    actions = {"FailJob": "fail", "Ignore": "retry uncounted", "Count": "retry"}
+    for rule in job["spec"].get("podFailurePolicy", {}).get("rules", []):
+        if codes := rule.get("onExitCodes"):
+            matches = (exit_code is not None and codes.get("containerName", container["name"]) == container["name"]
+                       and (exit_code in codes["values"]) == (codes["operator"] == "In"))
+        else:
+            matches = any(c["type"] == condition and c.get("status", "True") == "True"
+                          for c in rule["onPodConditions"])
+        if matches:
+            return actions[rule["action"]]
+    return "retry" if job["spec"].get("backoffLimit", 6) > 0 else "fail"
+
+
+def score_config(job: dict, configmap: dict, tmp: Path):
+    """The scoring pod's command loaded as `python -m trainer score` loads it, with the
+    ConfigMap's config (its data.path, the image's demo data, an empty folder here)."""
+    from trainer.cli.main import command_args, parse_args
+
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:6] == ["tini", "--", "python", "-m", "trainer", "score"], container["command"]
+    file, data = tmp / "config.yaml", tmp / "data"
+    data.mkdir()
+    file.write_text(configmap["data"]["config.yaml"].replace("/app/data/reviews", str(data)))
+    args = parse_args([str(file) if arg == "/etc/trainer/config.yaml" else arg for arg in container["command"][5:]])
+    return run_config.load(args.config, command_args(args.command, args.overrides)[1])
+
+
+def test_the_scoring_job_runs_as_the_trainer_does_and_follows_the_exit_codes(tmp_path):
+    """An Indexed Job whose pods pass the "restricted" standard with the trainer's own security
+    context, read the training job's ConfigMap and PVC, hold no secret, and spread by their index
+    over as many tasks as the Job has completions; its failure policy follows the restart
+    contract (a usage error fails the Job, a preemption or an eviction is retried uncounted);
+    its command loads as the trainer loads it, reading final/ of the training's output_dir and
+    writing on the PVC."""
+    from trainer.runtime.environment import DistEnv
+    from trainer.scoring.command import first_shard
+
+    spec = SCORE_JOB["spec"]
+    pods = indexed_job_pods(SCORE_JOB)
+    trainer_pod = pytorchjob_pods(k8s_objects()["PyTorchJob"])[0]
+    objects = k8s_objects()
+    assert spec["parallelism"] == spec["completions"] == len(pods) >= 2
+    for pod in pods:
+        assert restricted_violations(pod.spec) == [], pod.name
+        assert pod.spec["securityContext"] == trainer_pod.spec["securityContext"]
+        assert pod.container["securityContext"] == trainer_pod.container["securityContext"]
+        assert pod.spec["automountServiceAccountToken"] is False and pod.spec["restartPolicy"] == "Never"
+        assert pod.annotations["sidecar.istio.io/inject"] == "false"
+        assert pod.container["image"] == IMAGE
+        volumes = {v["name"]: v for v in pod.spec["volumes"]}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in pod.container["volumeMounts"]}
+        assert mounts["/workspace"]["persistentVolumeClaim"]["claimName"] == \
+            objects["PersistentVolumeClaim"]["metadata"]["name"]
+        assert mounts["/etc/trainer"]["configMap"]["name"] == objects["ConfigMap"]["metadata"]["name"]
+        assert "medium" not in mounts["/tmp"]["emptyDir"]
+        assert not [e for e in pod.container["env"] if "valueFrom" in e], "no secret: the model is on the PVC"
+        env = env_of(pod.container)
+        assert env["HF_HUB_OFFLINE"] == "1" and int(env["TRAINER_SCORE_TASKS"]) == spec["completions"]
+        assert pod.container["resources"]["limits"]["nvidia.com/gpu"] == 1  # one process per pod
+    # Each index starts on its own shard, whatever the corpus's count.
+    for shards in (2, 5, 64):
+        firsts = [first_shard(DistEnv(), shards, {**pod.injected_env, **env_of(pod.container)}) for pod in pods]
+        assert len(set(firsts)) == len(pods), (shards, firsts)
+
+    assert spec["podReplacementPolicy"] == "Failed", "one live pod per index: the ledger's worker name"
+    for verdict, wanted in CONTRACT.items():
+        assert job_pod_failure(SCORE_JOB, for_launcher(verdict, env_of(pods[0].container))) == wanted, verdict
+    assert job_pod_failure(SCORE_JOB, 128 + 15) == "retry uncounted"  # SIGTERM, through tini
+    assert job_pod_failure(SCORE_JOB, 137) == "retry"  # SIGKILL: the OOM killer
+    assert job_pod_failure(SCORE_JOB, condition="DisruptionTarget") == "retry uncounted"  # evicted, preempted
+    assert spec["backoffLimit"] == 3 * len(pods)
+
+    cfg = score_config(SCORE_JOB, objects["ConfigMap"], tmp_path)
+    assert cfg.score.model == "final" and Path(cfg.output_dir).is_relative_to("/workspace")
+    assert Path(cfg.score.input).is_relative_to("/workspace") and Path(cfg.score.output).is_relative_to("/workspace")
+    assert not Path(cfg.score.input).is_relative_to(cfg.score.output)
+
+
+def test_the_scoring_job_renders_and_validates_renamed_with_every_component(tmp_path):
+    """k8s/score beside the base, in a user's overlay with every component and the objects
+    renamed: the Job still names the renamed ConfigMap and PVC, Kueue queues it (suspended),
+    it gets the priority and the GPU nodes, and the Job and its NetworkPolicy pass
+    kubernetes-validate --strict. The policy admits no ingress to the scoring pods (they
+    listen on nothing), renamed or not, and selects no pod of the other jobs."""
+    folder = tmp_path / "my-scoring"
+    folder.mkdir()
+    up = lambda path: str(Path(os.path.relpath(path, folder)))  # noqa: E731
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [up(REPO / "k8s/score"), up(KUSTOMIZE / "base")],
+        "components": [up(KUSTOMIZE / "components" / c) for c in COMPONENTS],
+        "namePrefix": "team-a-", "nameSuffix": "-v2"}))
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in kustomize(folder)}
+    job = objects["Job", "team-a-ddp-trainer-score-v2"]
+    policy = objects["NetworkPolicy", "team-a-ddp-trainer-score-v2"]
+    (pod, *_) = pods = indexed_job_pods(job)
+    volumes = {v["name"]: v for v in pod.spec["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == "team-a-ddp-trainer-config-v2"
+    assert ("ConfigMap", "team-a-ddp-trainer-config-v2") in objects
+    assert volumes["workspace"]["persistentVolumeClaim"]["claimName"] == "team-a-ddp-trainer-workspace-v2"
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] and job["spec"]["suspend"] is True
+    assert pod.spec["priorityClassName"]
+    assert pod.spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pinned_image() == pod.container["image"]
+    assert [e for e in pod.container["env"] if e["name"] == "HF_TOKEN"] == []  # hf-token: the training pods only
+    assert restricted_violations(pod.spec) == []
+    file = tmp_path / "score.yaml"
+    file.write_text(yaml.safe_dump_all([job, policy]))
+    result = subprocess.run([BIN / "kubernetes-validate", "--strict", file], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("passed") == 2, result.stdout
+
+    for each in (SCORE_POLICY, policy):
+        assert each["spec"]["policyTypes"][0] == "Ingress" and "ingress" not in each["spec"], "no ingress at all"
+        for scoring in (*indexed_job_pods(SCORE_JOB), *pods):
+            assert selects(each["spec"]["podSelector"], scoring.labels), scoring.name
+        others = [*pytorchjob_pods(k8s_objects()["PyTorchJob"]), *job_pods()["elastic"], *job_pods()["trainjob"],
+                  job_pod(STAGE_JOB)]
+        assert not [o.name for o in others if selects(each["spec"]["podSelector"], o.labels)]
+
+
+def test_a_scoring_pod_recreated_for_its_index_takes_its_worker_lease_at_once(tmp_path, monkeypatch):
+    """The pod the Job recreates for an index has the same host name (JOB-INDEX), and on the
+    same node its pid namespace may get the dead one's number back, in which the dead worker's
+    pid may be one of the new process's threads: the worker's lease is still taken over at once,
+    as this worker's restart, not refused as held by a live process (exit 2: the Job failed)."""
+    import threading
+
+    from trainer.runtime import lease
+    from trainer.scoring.ledger import Ledger, worker_name
+
+    (pod, *_) = indexed_job_pods(SCORE_JOB)
+    for key, value in {**pod.injected_env, "HOSTNAME": pod.name}.items():
+        monkeypatch.setenv(key, value)
+    name = worker_name(0)
+    assert name == "ddp-trainer-score-index-0-rank0"
+    stop, threads = threading.Event(), []
+    helper = threading.Thread(target=lambda: (threads.append(threading.get_native_id()), stop.wait()))
+    helper.start()
+    try:
+        while not threads:
+            stop.wait(0.01)
+        # The dead container's lease, just renewed: its host and pid namespace are this one's,
+        # its pid a live thread's here.
+        dead = Ledger(tmp_path, name, lease_s=900).me
+        folder = tmp_path / ".score/workers" / name
+        folder.mkdir(parents=True)
+        (folder / lease.FILE).write_text(json.dumps(dataclasses.asdict(dataclasses.replace(dead, pid=threads[0]))))
+        restarted = Ledger(tmp_path, name, lease_s=900)
+        restarted.start_heartbeat()
+        try:
+            assert json.loads((folder / lease.FILE).read_text())["lease_id"] == restarted.me.lease_id
+        finally:
+            restarted.end()
+    finally:
+        stop.set()
+        helper.join()
+
+
+SCORED_SHARDS = {"a": 90, "b": 50}  # a.jsonl, b.csv: chunks of 16 rows, 6 and 4 of them
+
+
+def test_the_scoring_job_runs_as_the_job_controller_starts_it(engine, app_image, tiny_model, tmp_path):
+    """The Job's pods in our image as the Job controller and the kubelet start them (hostname
+    JOB-INDEX, JOB_COMPLETION_INDEX, the kubelet's variables, the pod's security context, the
+    ConfigMap, one folder as the PVC holding final/ and a corpus of two shards, with the
+    README's `score.carry=[id]`). Pod 0 is killed (SIGKILL) holding a scored chunk it had not
+    committed; the Job recreates it (137: counted, retried) beside pod 1. The recreated pod
+    takes its lease and its claims back at once; the scores equal one process's in the same
+    image, every row once, and each chunk is committed once."""
+    import csv
+    import random
+
+    import pyarrow.parquet as pq
+
+    from trainer.data.demo import review
+
+    rng = random.Random(0)
+    workspace = tmp_path / "claims" / k8s_objects()["PersistentVolumeClaim"]["metadata"]["name"]
+    corpus = workspace / "data/corpus"
+    corpus.mkdir(parents=True)
+    rows = {name: [{"id": f"{name}:{i}", "text": " ".join(review(rng, i % 5) for _ in range(1 + i % 3))}
+                   for i in range(count)] for name, count in SCORED_SHARDS.items()}
+    (corpus / "a.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows["a"]))
+    with (corpus / "b.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["id", "text"])
+        writer.writeheader()
+        writer.writerows(rows["b"])
+    # What the training job left on the PVC, and the staging Job the corpus: as uid 1000.
+    config = yaml.safe_load(k8s_objects()["ConfigMap"]["data"]["config.yaml"])
+    final = workspace / Path(config["output_dir"]).relative_to("/workspace") / "final"
+    shutil.copytree(tiny_model, final)
+    for top in (workspace / "data", workspace / "runs"):
+        for path in [top, *top.rglob("*")]:
+            os.chown(path, UID, UID)
+    claims = {workspace.name: workspace}
+
+    pods = indexed_job_pods(SCORE_JOB)
+    # The rows' ids kept, as k8s/score/job.yaml says; chunks of 16 rows, several per shard; and a
+    # lease that outlasts the test: the recreated pod must take back its claims by its name, at
+    # once, not after its previous container's heartbeat expires (pod 1 would wait as long).
+    for pod in pods:
+        pod.container["command"] += ["score.carry=[id]", "score.chunk_rows=16", "score.lease_s=900"]
+    output = workspace / "scores/ddp-trainer"
+    # One process: the same pod's command with another output, and no index.
+    reference = dataclasses.replace(pods[0], name="reference", injected_env=KUBELET_ENV,
+                                    container={**pods[0].container, "command": [
+                                        *pods[0].container["command"], "score.output=/workspace/scores/reference"]})
+    killed = dataclasses.replace(pods[0], injected_env={**pods[0].injected_env,
+                                                        "TRAINER_FAULT_SCORE_SIGKILL": "a:2:scored"})
+    first = run_containers(engine, app_image.id, [pod_container(reference, tmp_path / "reference", claims),
+                                                  pod_container(killed, tmp_path / "pod-0-try-0", claims)],
+                           timeout=300)
+    assert first.codes == [0, 137], first.tail()
+    assert job_pod_failure(SCORE_JOB, 137) == "retry"
+    committed = sorted(p.relative_to(output / ".score/chunks").as_posix()
+                       for p in (output / ".score/chunks").rglob("0*.parquet"))
+    assert committed == ["a/00000000.parquet", "a/00000001.parquet"], committed
+
+    again = run_containers(engine, app_image.id, [pod_container(pods[0], tmp_path / "pod-0-try-1", claims),
+                                                  pod_container(pods[1], tmp_path / "pod-1-try-0", claims)],
+                           timeout=300)
+    assert again.codes == [0, 0], again.tail()
+    # Its previous container's lease, taken over at once as its own: not after an expired heartbeat,
+    # nor refused for a pid that its pid namespace, numbered as the dead one's, may hold again.
+    (took_over,) = [line for line in again.logs[pods[0].name].splitlines() if "took over the lease" in line]
+    assert took_over.endswith(": held by this same Kubernetes Indexed Job worker ddp-trainer-score-index-0-rank0, "
+                              "restarted"), took_over
+
+    for name, count in SCORED_SHARDS.items():
+        table = pq.read_table(output / f"{name}.parquet")
+        assert table.column("id").to_pylist() == [f"{name}:{i}" for i in range(count)]
+        assert table.to_pylist() == pq.read_table(workspace / f"scores/reference/{name}.parquet").to_pylist()
+        assert (output / f"{name}.parquet").stat().st_uid == UID
+    chunks = sum(-(-count // 16) for count in SCORED_SHARDS.values())
+    summaries = {path.stem: json.loads(path.read_text()) for path in (output / ".score/summaries").glob("*.json")}
+    assert set(summaries) == {"ddp-trainer-score-index-0-rank0", "ddp-trainer-score-index-1-rank0"}
+    assert sum(s["chunks"] for s in summaries.values()) == chunks - len(committed)
+    assert sum(s["scored_twice"] for s in summaries.values()) == 0
 
 
 # --- The sweep on Katib: k8s/kustomize/katib --------------------------------------------------------

@@ -24,6 +24,7 @@ shares (a node's disk, NFS, Lustre, a PVC). Plain files, no server, no lock daem
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -61,6 +62,12 @@ class Ledger:
         self.root = output / LEDGER
         self.name, self.lease_s, self.clock = name, lease_s, clock
         self.me = lease.this_process(clock())
+        if self.me.job is None and os.environ.get("JOB_COMPLETION_INDEX"):
+            # A Kubernetes Indexed Job's pod: the pod recreated for its index (one live pod per
+            # index) is this worker restarted, and takes its lease at once. Its host name is the
+            # same, JOB-INDEX, but its pid namespace may get the dead one's number back, with the
+            # dead worker's pid alive in it: the host's pid check cannot tell.
+            self.me = dataclasses.replace(self.me, job=f"Kubernetes Indexed Job worker {name}")
         self._renewal: lease.Renewal | None = None
         self.committed_twice = 0
         """Chunks this worker scored that another had committed first (a claim taken over
