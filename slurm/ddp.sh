@@ -6,6 +6,8 @@
 #   sbatch --partition=cpu --gpus-per-node=0 slurm/ddp.sh -c configs/demo.yaml      # CPUs, gloo
 #   sbatch $(slurm/fit.sh PARTITION) slurm/ddp.sh -c CONFIG   # the partition's GPUs and MaxTime
 #
+# Scoring a corpus is this script too: slurm/score.sh (a job array) runs `slurm/ddp.sh score ...`.
+#
 # The #SBATCH defaults below ask for 2 whole nodes with 8 GPUs each, all their CPUs and
 # memory, for 24 hours. A node with fewer GPUs is refused at submit ("Requested node
 # configuration is not available"); a --time above the partition's MaxTime pends for ever
@@ -218,6 +220,15 @@ PET_RDZV_ID=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 export PET_RDZV_ID
 
 # --- What runs --------------------------------------------------------------------------
+# `slurm/ddp.sh score ARGS` (slurm/score.sh's line): every node's torchrun runs `python -m trainer
+# score` instead of `train`. The rest is the same: the check step, the relay, the verdict and the
+# requeue. A scoring worker saves nothing on TERM: it stops at once and loses at most the chunk
+# it was scoring (docs/scoring.md), so a requeue just goes on with the corpus.
+command=train
+if [[ ${1:-} == score ]]; then
+    command=score
+    shift
+fi
 # TRAINER_OUTPUT_DIR comes before your arguments: an explicit output_dir=... still wins.
 args=("$@")
 [[ -n ${TRAINER_OUTPUT_DIR:-} ]] && args=("output_dir=$TRAINER_OUTPUT_DIR" "${args[@]}")
@@ -228,7 +239,7 @@ torchrun_cmd=(
     python -m trainer.cli.torchrun --nnodes="$nnodes" --nproc-per-node="$nproc_per_node"
     --rdzv-backend=trainer-c10d --rdzv-endpoint="$rdzv_host:$rdzv_port"
     --rdzv-conf=join_timeout="${TRAINER_JOIN_TIMEOUT:-600}" --max-restarts="${TRAINER_MAX_RESTARTS:-0}"
-    -m trainer train "${args[@]}"
+    -m trainer "$command" "${args[@]}"
 )
 # Each node's task checks that the rendezvous host resolves there (torchrun's c10d
 # would retry an unknown name for minutes), then runs torchrun under a small relay for the
@@ -261,6 +272,9 @@ launch=(srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task="$cpus" "$
 # reads the data as training will, and logs the resolved config, the labels and the memory plan.
 check_args=("${args[@]}" "world_size=$(( nnodes * nproc_per_node ))")
 [[ $check_setting != no-data ]] || check_args+=(--no-data)
+# Scoring reads the corpus (score.input), which `check` reads with or without --no-data, and not
+# the training data, which need not be there; nor does training's batch split matter.
+[[ $command != score ]] || check_args=("${args[@]}" --no-data)
 if [[ $check_setting == 0 ]]; then
     check=(true)
 elif [[ ${#srun_flags[@]} -gt 0 ]]; then  # pyxis: in a one-task step, in the job's container
@@ -269,7 +283,7 @@ else
     check=("${exec_prefix[@]}" python -m trainer check "${check_args[@]}")
 fi
 
-echo "slurm/ddp.sh: job $SLURM_JOB_ID (attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 ))): $nnodes node(s) $SLURM_JOB_NODELIST" \
+echo "slurm/ddp.sh: $command job $SLURM_JOB_ID${SLURM_ARRAY_TASK_ID:+ (array task ${SLURM_ARRAY_JOB_ID:-}_$SLURM_ARRAY_TASK_ID)} (attempt $(( ${SLURM_RESTART_COUNT:-0} + 1 ))): $nnodes node(s) $SLURM_JOB_NODELIST" \
      "x $nproc_per_node process(es), rendezvous $rdzv_host:$rdzv_port"
 echo "slurm/ddp.sh: $cpus CPU(s) a node, OMP_NUM_THREADS=$OMP_NUM_THREADS; after the time-limit signal, the" \
      "ranks have ${TORCH_ELASTIC_SHUTDOWN_TIMEOUT}s to save (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; TRAINER_GRACE_S=$TRAINER_GRACE_S)"
@@ -289,16 +303,18 @@ rm -f "$state"/exit.*
 # script therefore must not exit early: srun runs in the background so that `wait` returns
 # to the traps, and the loop goes back to waiting until the step has finished saving.
 time_limit=0
+saving="every rank saves at its next step" saved="the checkpoint"
+[[ $command != score ]] || saving="every worker stops, losing at most its chunk" saved="the workers to stop"
 on_time_limit() {
     trap '' USR1
-    echo "slurm/ddp.sh: time limit near (SIGUSR1): every rank saves at its next step, then the job requeues"
+    echo "slurm/ddp.sh: time limit near (SIGUSR1): $saving, then the job requeues"
     time_limit=1
     scancel --signal=USR1 "$SLURM_JOB_ID"  # to every node's relay (the steps, not this script)
 }
 on_term() {
     # scancel, or preemption: Slurm has already sent TERM to the training processes. Wait
     # for their checkpoint (until KillWait runs out); requeueing is Slurm's decision here.
-    echo "slurm/ddp.sh: SIGTERM: waiting for the checkpoint before exiting"
+    echo "slurm/ddp.sh: SIGTERM: waiting for $saved before exiting"
 }
 trap on_time_limit USR1
 trap on_term TERM

@@ -3,6 +3,7 @@
     python slurm/submit.py -c CONFIG --nodes 2 [--gpus-per-node 8] [key=value ...]
     python slurm/submit.py -c configs/demo.yaml --nodes 2 --gpus-per-node 0 --wait   # CPUs, gloo
     python slurm/submit.py --sweep -c my.yaml --nodes 1 [key=value ...]   # a job array: a task per trial
+    python slurm/submit.py --score 16 -c CONFIG score.input=SHARDS score.output=FOLDER   # 16 tasks score a corpus
 
 The job runs the same entry point as `sbatch slurm/ddp.sh` (`python -m trainer train`'s
 `main`) with the same config and overrides. What differs is who starts the processes:
@@ -32,6 +33,13 @@ task one trial run of `python -m trainer sweep` (docs/sweeps.md), on --nodes nod
 folder, with everything above: requeued at its time limit or without a faulty node, resumed
 from its checkpoints. `python -m trainer sweep` with the same config then finds the trials
 finished and writes the leaderboard and final/.
+
+--score TASKS: `python -m trainer score` (docs/scoring.md) as a job array of TASKS tasks, each on
+--nodes nodes (default 1), which share the corpus through score.output's ledger: each takes the
+chunks no other has claimed, and a requeued task (the same job id: the same workers) takes its
+own claims back at once. A scoring worker has nothing to save: at the time-limit signal
+submitit's own handler requeues the task; preempted, it scores on until Slurm stops it, losing at
+most its chunk, and Slurm requeues it.
 """
 
 from __future__ import annotations
@@ -68,12 +76,14 @@ PREEMPT_SIGNALS = f"fault.preempt_signals=[SIGTERM,{TIME_LIMIT_SIGNAL.name}]"
 
 
 class TrainJob(submitit.helpers.Checkpointable):
-    """One Slurm task = one rank. Checkpointable: submitit requeues it as it was submitted,
-    and the trainer itself finds its latest checkpoint in output_dir."""
+    """One Slurm task = one rank of `python -m trainer COMMAND` (train, or score). Checkpointable:
+    submitit requeues it as it was submitted, and the trainer itself finds its latest checkpoint
+    in output_dir (a scoring worker, its own claims in score.output)."""
 
-    def __init__(self, grace_s: int = 300, max_fault_requeues: int = 3):
+    def __init__(self, grace_s: int = 300, max_fault_requeues: int = 3, command: str = "train"):
         self.grace_s = grace_s
         self.max_fault_requeues = max_fault_requeues
+        self.command = command
 
     def __call__(self, trainer_args: list[str]) -> int:
         # set_cuda_visible_devices=False: each rank picks cuda:LOCAL_RANK among the node's
@@ -86,7 +96,7 @@ class TrainJob(submitit.helpers.Checkpointable):
         # No torchrun between Slurm and the ranks: they have the signal's whole lead to save.
         os.environ.setdefault("TRAINER_GRACE_S", str(self.grace_s))
         os.environ.pop(RETRYABLE_ENV, None)  # the Kubernetes dialect would hide 75 and 76 here
-        exit_code = trainer_main(["train", *trainer_args])
+        exit_code = trainer_main([self.command, *trainer_args])
         if exit_code == Exit.PREEMPTED and TIME_LIMIT_SIGNAL.name in received_signals():
             # The checkpoint is on disk and the trainer has given the signals back to
             # submitit: replay the time-limit signal so that its handler requeues the job.
@@ -109,7 +119,8 @@ class TrainJob(submitit.helpers.Checkpointable):
             return 0  # as after USR2: exiting 0 so that --kill-on-bad-exit leaves the requeue be
         if exit_code != 0:
             meaning = MEANING.get(exit_code, "crashed")
-            raise RuntimeError(f"python -m trainer train exited with {exit_code} ({meaning}); see the job's log")
+            raise RuntimeError(f"python -m trainer {self.command} exited with {exit_code} ({meaning}); see the job's "
+                               "log")
         return exit_code
 
 
@@ -130,7 +141,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python slurm/submit.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-c", "--config", help="YAML config file (see configs/)")
-    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--nodes", type=int, help="nodes a job (or an array's task): default 2, with --score 1")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="0 for a CPU partition")
     parser.add_argument("--tasks-per-node", type=int,
                         help="ranks per node (default: one per GPU, or 1 without GPUs)")
@@ -152,19 +163,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="check the config before submitting, but not the data (that this host can't read)")
     parser.add_argument("--sweep", action="store_true",
                         help="a job array of the sweep section's trials (a grid), a task per trial run")
+    parser.add_argument("--score", type=int, metavar="TASKS",
+                        help="score score.input into score.output, as a job array of TASKS tasks")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    trainer_args = (["-c", args.config] if args.config else []) + [PREEMPT_SIGNALS, *args.overrides]
+    if args.score is not None and (args.score < 1 or args.sweep):
+        return report("--score TASKS: a number of tasks, 1 or more, and not with --sweep")
+    # A scoring worker saves nothing on a signal: submitit's own handlers stay (its time-limit
+    # signal requeues the task).
+    trainer_args = (["-c", args.config] if args.config else []) + ([] if args.score else [PREEMPT_SIGNALS]) + \
+        args.overrides
+    nodes = args.nodes or (1 if args.score else 2)
     tasks_per_node = args.tasks_per_node or max(args.gpus_per_node, 1)
     # `python -m trainer check` before anything is queued: the config, and the data read as the
     # job will read it (--no-data: all but the data, for data the submit host can't see), at
-    # the job's world size.
-    checked = trainer_main(["check", *trainer_args, f"world_size={args.nodes * tasks_per_node}",
-                            *(["--no-data"] if args.no_data else [])])
+    # the job's world size. Scoring's data is the corpus, which check reads in any case.
+    if args.score:
+        checked = trainer_main(["check", *trainer_args, "--no-data"])
+    else:
+        checked = trainer_main(["check", *trainer_args, f"world_size={nodes * tasks_per_node}",
+                                *(["--no-data"] if args.no_data else [])])
     if checked:
         return checked
     extra = {}
@@ -179,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     cpus_per_task = args.cpus_per_task or max((node_cpus(args.partition) or tasks_per_node) // tasks_per_node, 1)
     executor = submitit.AutoExecutor(folder=args.folder, cluster="slurm", slurm_max_num_timeout=args.max_timeouts)
     executor.update_parameters(
-        name="trainer", nodes=args.nodes, tasks_per_node=tasks_per_node,
+        name="trainer-score" if args.score else "trainer", nodes=nodes, tasks_per_node=tasks_per_node,
         gpus_per_node=args.gpus_per_node, cpus_per_task=cpus_per_task, timeout_min=args.time,
         slurm_partition=args.partition, slurm_signal_delay_s=args.signal_delay_s,
         slurm_exclusive=True, slurm_mem="0",
@@ -187,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         # collective until the timeout. --requeue: allowed even where the cluster's default is not.
         slurm_srun_args=["--kill-on-bad-exit=1"], slurm_additional_parameters={"requeue": True, **extra},
     )
+    if args.score:
+        jobs = executor.map_array(TrainJob(args.signal_delay_s, args.max_fault_requeues, "score"),
+                                  [trainer_args] * args.score)
+        print(f"submitted job array {jobs[0].job_id.split('_')[0]}: {len(jobs)} scoring tasks; logs in "
+              f"{Path(jobs[0].paths.stdout).parent}")
+        return 0 if not args.wait else _wait(jobs)
     if args.sweep:
         try:
             tasks = sweep_tasks(args)

@@ -12,9 +12,11 @@ import csv
 import json
 import os
 import pickle
+import random
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -25,7 +27,7 @@ from support import wandb_log
 from support.image import dockerfile_env
 from support.outputs import complete_steps, read_summary
 from support.processes import wait_for
-from support.runs import BASE_ENV, PYTHON, REPO, failure_output, tiny_overrides
+from support.runs import BASE_ENV, PYTHON, REPO, failure_output, launch, tiny_overrides, trainer_command
 from support.slurm_cluster import CPUS_PER_NODE, GPUS_PER_NODE, NODES, SHORT_MAX_TIME, SlurmCluster
 from support.slurm_stand_ins import fake_apptainer, fake_venv, recorded_env
 from support.users import UID, as_user
@@ -342,6 +344,112 @@ def test_a_sweep_job_array_task_preempted_is_requeued_resumes_and_the_sweep_repo
     with (out / "sweep.csv").open() as f:
         assert sorted(row["trial"] for row in csv.DictReader(f)) == ["000-seed42", "001-seed42"]
     assert "train.log_every=1" in (out / "sweep.md").read_text()
+
+
+SCORED = {"part-0": 50, "part-1": 40, "part-2": 30}
+"""The corpus's shards (JSON lines) and their rows, in chunks of SCORE_CHUNK: 12 chunks."""
+SCORE_CHUNK = 10
+
+
+def score_worker(array_id: str, task: int, attempt: int) -> psutil.Process | None:
+    """The scoring process (torchrun's worker) of the job array's task `task` in its attempt
+    `attempt` (from 0) if it is held still (SIGSTOP), else None."""
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            env = proc.environ()
+            if ((env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID"), env.get("SLURM_RESTART_COUNT", "0"))
+                    == (array_id, str(task), str(attempt)) and proc.cmdline()[1:5] == ["-u", "-m", "trainer", "score"]
+                    and proc.status() == psutil.STATUS_STOPPED):
+                return proc
+    return None
+
+
+def test_a_score_job_array_task_preempted_is_requeued_and_no_chunk_is_written_twice(cluster, tiny_model, tmp_path):
+    """`sbatch --array=0-1 slurm/score.sh`, a task a node, on a corpus of 3 shards. Task 0 runs
+    first, alone, from part-0 (its first shard): it commits chunk 0 and is held still having
+    scored chunk 1, its claim (TRAINER_FAULT_SCORE_SIGSTOP). Slurm preempts it there (`scontrol
+    requeue`), and task 1 starts: it scores every chunk but the claimed ones and waits. Task 0's
+    second attempt, the same job id and so the same worker, takes its claim back at once and is
+    held again at the same point (the fault is in its environment too), chunk 0 not scored again.
+    Let go, it finishes: every shard equals one process's run, and each chunk was committed
+    once, chunk 0 by the preempted attempt and every other by the two tasks' last attempts."""
+    import pyarrow.parquet as pq
+
+    from trainer.data.demo import review
+    from trainer.scoring.ledger import worker_name
+
+    corpus, output = tmp_path / "corpus", tmp_path / "scored"
+    corpus.mkdir()
+    rng = random.Random(0)
+    for name, rows in SCORED.items():
+        (corpus / f"{name}.jsonl").write_text("".join(
+            json.dumps({"id": f"{name}:{i}", "text": review(rng, i % 5)}) + "\n" for i in range(rows)))
+
+    def settings(out: Path) -> list[str]:
+        # score.lease_s: no worker takes another's claims here, whatever the pauses last; the
+        # requeued task takes its own back at once, being the same job.
+        return [f"model.name={tiny_model}", f"output_dir={out.parent / (out.name + '-run')}",
+                f"score.model={tiny_model}", f"score.input={corpus}", f"score.output={out}", "score.carry=[id]",
+                f"score.chunk_rows={SCORE_CHUNK}", "score.max_tokens=512", "data.max_length=48", "score.lease_s=600",
+                "dist.init_timeout_s=60"]
+
+    def ledger(*parts: str) -> Path:
+        return output.joinpath(".score", *parts)
+
+    def committed() -> list[str]:
+        return sorted(p.relative_to(ledger("chunks")).as_posix() for p in ledger("chunks").rglob("0*.parquet"))
+
+    # Held at submission, so that task 0 runs alone first, and its first chunks are part-0's.
+    array_id = cluster.sbatch(["--array=0-1", "--hold", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
+                               f"--output={tmp_path}/task-%a.out", "slurm/score.sh", "-c", "configs/demo.yaml",
+                               *settings(output)],
+                              env={**JOB_ENV, "TRAINER_FAULT_SCORE_SIGSTOP": "part-0:1:scored"}, cwd=REPO)
+    try:
+        cluster.client(["scontrol", "release", f"{array_id}_0"])
+        first = wait_for(lambda: score_worker(array_id, 0, attempt=0), 120, "task 0 held still at part-0's chunk 1")
+        task_env = first.environ()
+        name = worker_name(0, task_env)  # its job (SLURM_JOB_ID, which a requeue keeps) and rank
+        claim = ledger("claims", "part-0", "00000001").read_text()
+        assert committed() == ["part-0/00000000.parquet"] and claim.startswith(f"{name} "), (committed(), claim)
+        # Preempted there: a TERM waits in a stopped process, so that it dies as Slurm's SIGCONT
+        # reaches it, chunk 1 uncommitted, as a preemption's TERM kills a scoring worker mid-chunk.
+        first.send_signal(signal.SIGTERM)
+        cluster.client(["scontrol", "requeue", f"{array_id}_0"])
+        cluster.client(["scontrol", "release", f"{array_id}_1"])
+
+        # Meanwhile (the requeue waits some seconds): the reference, one process on this host.
+        reference = tmp_path / "reference"
+        alone = launch(trainer_command(settings(reference), None, command="score", config="configs/demo.yaml"))
+        assert alone.returncode == 0, failure_output(alone.output)
+
+        second = wait_for(lambda: score_worker(array_id, 0, attempt=1), 180, "task 0's second attempt held still")
+        assert worker_name(0, second.environ()) == name
+        taken_back = ledger("claims", "part-0", "00000001").read_text()
+        assert taken_back.startswith(f"{name} ") and taken_back != claim, (claim, taken_back)
+        assert "part-0/00000001.parquet" not in committed() and not (output / "part-0.parquet").exists()
+        second.resume()
+        # Slurm's own end of both tasks, before the scancel below may touch them.
+        records = {task: cluster.wait_job(f"{array_id}_{task}", timeout=120) for task in (0, 1)}
+    finally:
+        cluster.client(["scancel", array_id], check=False)  # a task left held still would hold its node
+    logs = {task: (tmp_path / f"task-{task}.out").read_text() for task in (0, 1)}
+    for task, record in records.items():
+        assert (record["JobState"], record["Restarts"]) == ("COMPLETED", str(1 - task)), logs[task][-5000:]
+    assert "(attempt 2)" in logs[0] and "slurm/ddp.sh: score job" in logs[1], logs[0][-3000:]
+
+    for shard in SCORED:
+        assert pq.read_table(output / f"{shard}.parquet").to_pylist() == \
+            pq.read_table(reference / f"{shard}.parquet").to_pylist(), shard
+    assert committed() == []  # every shard published, its chunks gone
+    summaries = {p.stem: json.loads(p.read_text()) for p in ledger("summaries").glob("*.json")}
+    job_1 = cluster.job(f"{array_id}_1")["JobId"]
+    assert set(summaries) == {name, worker_name(0, {**task_env, "SLURM_JOB_ID": job_1})}
+    # The preempted attempt wrote no summary; it committed chunk 0 alone, and none was committed
+    # or scored twice.
+    total = sum(-(-rows // SCORE_CHUNK) for rows in SCORED.values())
+    assert sum(s["chunks"] for s in summaries.values()) == total - 1, summaries
+    assert [s["scored_twice"] for s in summaries.values()] == [0, 0], summaries
+    assert summaries[name]["chunks"] >= 1, summaries  # chunk 1 at least, taken back
 
 
 @pytest.mark.parametrize("args, expected", [

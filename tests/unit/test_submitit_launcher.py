@@ -99,3 +99,29 @@ def test_a_sweep_array_refuses_what_the_sweep_refuses_before_submitting(submit, 
         assert submit.main(["--sweep", "--nodes", "1", "--gpus-per-node", "0", "--no-data", *base, *wrong]) == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith(expected)
     assert FakeExecutor.arrays == []
+
+
+def test_score_is_a_job_array_of_score_jobs_its_corpus_checked_before_submitting(submit, monkeypatch, tiny_model,
+                                                                               tmp_path, capsys):
+    """--score TASKS: TASKS array tasks, each the same `python -m trainer score` job on one node
+    (they share the corpus through score.output's ledger), with submitit's own signal handling
+    (no preempt_signals override: a scoring worker has nothing to save). The corpus is checked
+    first: a missing column is one line, and nothing is submitted."""
+    monkeypatch.setattr(submit.submitit, "AutoExecutor", FakeExecutor)
+    monkeypatch.setattr(FakeExecutor, "arrays", [])
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": 1, "text": "fine"}\n')
+    overrides = ["-c", str(REPO / "configs" / "demo.yaml"), f"model.name={tiny_model}", f"score.model={tiny_model}",
+                 f"score.input={corpus}", f"score.output={tmp_path / 'out'}", "score.carry=[id]"]
+    assert submit.main(["--score", "3", "--gpus-per-node", "0", *overrides]) == 0
+    [(executor, job, tasks)] = FakeExecutor.arrays
+    assert isinstance(job, submit.TrainJob) and job.command == "score"
+    assert (executor.parameters["nodes"], executor.parameters["name"]) == (1, "trainer-score")
+    assert tasks == [overrides] * 3
+    assert "submitted job array 7: 3 scoring tasks" in capsys.readouterr().out
+
+    assert submit.main(["--score", "3", "--gpus-per-node", "0", *overrides, "data.text_field=review"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: score.input: {corpus}: no column 'review' (its first row has id, text)")
+    assert submit.main(["--score", "0", *overrides]) == 2
+    assert len(FakeExecutor.arrays) == 1

@@ -23,6 +23,7 @@ variable set, a point is a dict lookup.
     TRAINER_FAULT_SCORE_SIGKILL=SHARD:N:AT  `score`'s chunk N of SHARD, AT `scored` (its    SIGKILL
                                             answers in memory, not committed) or
                                             `committed` (before the next chunk)
+    TRAINER_FAULT_SCORE_SIGSTOP=SHARD:N:AT  the same                                      SIGSTOP
 
 RANK is a global rank or `*` (every rank). A RANK fault fires only in a launch's first
 attempt, so that the workers torchrun restarts get past it, unless RANK says `RANK@N`: in the
@@ -182,5 +183,8 @@ def _for_this_rank(environ: Mapping[str, str], variable: str, dist_env: DistEnv)
 
 def scoring(at: str, shard: str, index: int, environ: Mapping[str, str] = os.environ) -> None:
     """The `score` worker's points: a chunk `scored` (not yet committed) or `committed`."""
-    if environ.get("TRAINER_FAULT_SCORE_SIGKILL") == f"{shard}:{index}:{at}":
+    here = f"{shard}:{index}:{at}"
+    if environ.get("TRAINER_FAULT_SCORE_SIGKILL") == here:
         os.kill(os.getpid(), signal.SIGKILL)
+    if environ.get("TRAINER_FAULT_SCORE_SIGSTOP") == here:  # held still there, its claims with it, until SIGCONT
+        os.kill(os.getpid(), signal.SIGSTOP)
