@@ -557,9 +557,11 @@ class ScoreConfig:
     """Rows per chunk, the unit of work that a worker claims, scores and commits whole: a
     worker stopped at any instant loses at most its current chunk. Rows are sorted by
     length within a chunk."""
-    max_tokens: int = key(16384, FREE, at_least(1))
+    max_tokens: int | None = key(None, FREE, at_least_or_null(1))
     """Each batch's token budget: rows x its longest row's tokens (a row longer than the
-    budget is a batch of its own)."""
+    budget is a batch of its own). null: 4096 on CPU (for MiniLM on a 2-core Xeon, 4,000 rows
+    took 17.3 s against 16384's 21.4 s, one run each: benchmarks/RESULTS.md), 32768 on a GPU
+    (not yet measured)."""
     bad_rows: Literal["stop", "skip"] = key("stop", FREE)
     """A row that cannot be scored (not valid JSON or CSV, its text missing or not text):
     stop, the job stops naming its file and row, every worker at its next chunk; skip, it is

@@ -101,6 +101,7 @@ class Worker:
         self.suffix = f".{cfg.score.format}"
         self.collate = loaders.collate(cfg, trained.tokenizer, device)
         self.pin = device.type == "cuda"
+        self.max_tokens = cfg.score.max_tokens or (32768 if device.type == "cuda" else 4096)
         self.counts = Counts()
         self._stop = threading.Event()
 
@@ -165,7 +166,7 @@ class Worker:
         names = [k for k in encoded if k != "offset_mapping"]
         lengths = [len(ids) for ids in encoded["input_ids"]]
         batches = []
-        for rows in budget_batches(lengths, self.cfg.score.max_tokens):
+        for rows in budget_batches(lengths, self.max_tokens):
             batch = self.collate([{k: encoded[k][i] for k in names} for i in rows])
             batches.append((rows, {k: v.pin_memory() if self.pin else v for k, v in batch.items()}))
         return Tokenized(shard, chunk, batches, truncated)
