@@ -34,7 +34,9 @@ demo: install data/reviews/train.jsonl
 # too (on timeouts, a hung rank's end); the other session is the unit tier and the rest of e2e.
 # (At b052dbb the sessions took 1,226 s and 1,415 s with test_gpu_check, 74 s of CPU in 78 s,
 # beside the system tier: it is in the other session now.)
-E2E_BESIDE_SYSTEM := tests/e2e/test_no_hang.py
+# test_benchmarks (every benchmark driver's smoke mode: 5-8 minutes of tiny launches, CPU-bound)
+# goes there too, into the cores that session leaves idle while it waits.
+E2E_BESIDE_SYSTEM := tests/e2e/test_no_hang.py tests/e2e/test_benchmarks.py
 
 # The trainer's bytecode is compiled once, here: where PYTHONDONTWRITEBYTECODE is set (CI's
 # environment sets it) no process writes it, and each of the suite's fresh interpreters (a

@@ -90,7 +90,7 @@ def score_command(data: Path, model_dir: Path, out: Path, nproc: int, max_length
                f"train.threads={threads}"]
     if nproc == 1:
         return [sys.executable, *program]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *program[1:]]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *program]
 
 
 def main() -> None:
@@ -140,8 +140,9 @@ def main() -> None:
                            f"output_dir={work / 'run'}", f"checkpoint={model_dir}", f"input={data}",
                            f"output={answers}", f"data.max_length={args.max_length}", "train.precision=fp32",
                            "train.threads=1"]
+                # -m trainer from the worktree: its trainer comes first on the ranks' sys.path.
                 seconds = timed([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                 *command[1:]], cwd=baseline.path)
+                                 *command], cwd=baseline.path)
                 return {"seconds": seconds, "probs": [json.loads(line)["probs"]
                                                       for line in answers.read_text().splitlines()]}
 
