@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install system image-base demo test test-unit test-cpu-bound test-waiting lint bench kill-drill clean
+.PHONY: install system image-base demo test test-unit test-cpu-bound test-waiting test-benchmarks lint bench kill-drill clean
 
 install: $(VENV)/.installed
 
@@ -34,9 +34,11 @@ demo: install data/reviews/train.jsonl
 # too (on timeouts, a hung rank's end); the other session is the unit tier and the rest of e2e.
 # (At b052dbb the sessions took 1,226 s and 1,415 s with test_gpu_check, 74 s of CPU in 78 s,
 # beside the system tier: it is in the other session now.)
-# test_benchmarks (every benchmark driver's smoke mode: 5-8 minutes of tiny launches, CPU-bound)
-# goes there too, into the cores that session leaves idle while it waits.
-E2E_BESIDE_SYSTEM := tests/e2e/test_no_hang.py tests/e2e/test_benchmarks.py
+E2E_BESIDE_SYSTEM := tests/e2e/test_no_hang.py
+# Every benchmark driver's smoke mode (tests/e2e/test_benchmarks.py) is not in `make test`: 8.5
+# minutes of tiny launches on 2 cores (509 s beside the system tier, 2026-11-29), which would
+# take the suite past its 20 minutes. `make test-benchmarks` runs it.
+NOT_IN_TEST := tests/e2e/test_benchmarks.py
 
 # The trainer's bytecode is compiled once, here: where PYTHONDONTWRITEBYTECODE is set (CI's
 # environment sets it) no process writes it, and each of the suite's fresh interpreters (a
@@ -54,10 +56,13 @@ image-base: system
 	-cd tests && $(PYTHON) -m support.image --base
 
 test-cpu-bound: install
-	$(BIN)/python -m pytest tests/unit tests/e2e $(addprefix --ignore=,$(E2E_BESIDE_SYSTEM))
+	$(BIN)/python -m pytest tests/unit tests/e2e $(addprefix --ignore=,$(E2E_BESIDE_SYSTEM) $(NOT_IN_TEST))
 
 test-waiting: install system
 	$(BIN)/python -m pytest tests/system $(E2E_BESIDE_SYSTEM)
+
+test-benchmarks: install
+	$(BIN)/python -m pytest $(NOT_IN_TEST)
 
 # ruff (lint and import order) over trainer/, tests/ and docs/, and mypy over trainer/, as
 # configured in pyproject.toml; the pre-commit hooks (.pre-commit-config.yaml) run the same.

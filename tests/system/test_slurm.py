@@ -422,7 +422,9 @@ def test_a_score_job_array_task_preempted_is_requeued_and_no_chunk_is_written_tw
         alone = launch(trainer_command(settings(reference), None, command="score", config="configs/demo.yaml"))
         assert alone.returncode == 0, failure_output(alone.output)
 
-        second = wait_for(lambda: score_worker(array_id, 0, attempt=1), 180, "task 0's second attempt held still")
+        # Slurm holds a requeued job back a while before it may start again, and then the
+        # task loads the model: minutes on a busy machine.
+        second = wait_for(lambda: score_worker(array_id, 0, attempt=1), 420, "task 0's second attempt held still")
         assert worker_name(0, second.environ()) == name
         taken_back = ledger("claims", "part-0", "00000001").read_text()
         assert taken_back.startswith(f"{name} ") and taken_back != claim, (claim, taken_back)
