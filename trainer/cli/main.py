@@ -310,9 +310,10 @@ def run_score(cfg: Config, arguments: dict) -> int:
     from trainer.checkpoint import resume
     from trainer.scoring import command
 
-    command.check(cfg)  # the shards and their columns, before any process group or weights
+    shards = command.check(cfg)  # the shards and their columns, before any process group or weights
     folder = resume.trained_folder(cfg, cfg.score.model, key="score.model")  # hashes every file of it
-    return use_trained_model(cfg, dist_env, device, backend, lambda: command.run(cfg, dist_env, device, folder))
+    return use_trained_model(cfg, dist_env, device, backend,
+                             lambda: command.run(cfg, dist_env, device, folder, shards))
 
 
 def run_dir(command: str, args: argparse.Namespace) -> Path:

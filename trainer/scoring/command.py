@@ -59,12 +59,12 @@ def first_shard(dist_env: DistEnv, shards: int, environ=os.environ) -> int:
     return (index * dist_env.world_size + dist_env.rank) * shards // max(1, tasks * dist_env.world_size) % shards
 
 
-def run(cfg: Config, dist_env: DistEnv, device: torch.device, model: Path) -> None:
+def run(cfg: Config, dist_env: DistEnv, device: torch.device, model: Path, shards: list[corpus.Shard]) -> None:
+    """Score `shards` (`check`'s) with the trained model in `model`, as one worker."""
     from trainer.scoring.work import Worker
     from trainer.train import build
 
     began = time.monotonic()
-    shards = check(cfg)
     output = Path(cfg.score.output or "")
     ledger = Ledger(output, worker_name(dist_env.rank), cfg.score.lease_s)
     ledger.join(manifest(cfg, model, shards))
