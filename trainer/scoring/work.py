@@ -103,6 +103,8 @@ class Worker:
         self.pin = device.type == "cuda"
         self.max_tokens = cfg.score.max_tokens or (32768 if device.type == "cuda" else 4096)
         self.counts = Counts()
+        self._footer_chunks: dict[str, int] = {}
+        """Parquet shards' chunk counts, from their footers, read at the first progress line."""
         self._stop = threading.Event()
 
     # --- the loader thread ---------------------------------------------------------------
@@ -207,7 +209,7 @@ class Worker:
 
     def run(self) -> Counts:
         began, last_line = time.monotonic(), time.monotonic()
-        done_at_start = self.corpus_chunks()[0]
+        done_at_start = self.chunks_done()
         try:
             for tokenized in self._prefetched():
                 if tokenized.chunk.index >= 0:
@@ -289,33 +291,39 @@ class Worker:
         self.ledger.remove_chunks(shard.name)
         log.info("score: published %s", target)
 
-    def corpus_chunks(self) -> tuple[int, float | None]:
-        """(chunks done by every worker, the corpus's chunks), from the ledger: a shard's count
-        once a worker has read it through (a Parquet shard's from its footer), else estimated
-        from its size by the shards of its kind whose counts are known; None before any is."""
-        done, known, rows = 0, {}, self.cfg.score.chunk_rows
+    def chunks_done(self) -> int:
+        """The corpus's chunks done by every worker, as the ledger shows them: a published
+        shard's count (kept in the ledger), else its committed chunks."""
+        return sum((self.ledger.count(shard.name) or 0) if self.published(shard) else
+                   len(list((self.ledger.root / "chunks" / shard.name).glob(f"*{self.suffix}")))
+                   for shard in self.shards)
+
+    def chunks_in_corpus(self) -> float | None:
+        """The corpus's chunks: a shard's count once a worker has read it through (a Parquet
+        shard's from its footer, read once), else estimated from its size by the shards of its
+        kind whose counts are known; None before any is."""
+        known = {}
         for shard in self.shards:
             count = self.ledger.count(shard.name)
             if count is None and shard.kind == "parquet":
-                count = -(-pq.ParquetFile(shard.path).metadata.num_rows // rows)
+                if shard.name not in self._footer_chunks:
+                    rows = pq.ParquetFile(shard.path).metadata.num_rows
+                    self._footer_chunks[shard.name] = -(-rows // self.cfg.score.chunk_rows)
+                count = self._footer_chunks[shard.name]
             if count is not None:
                 known[shard] = count
-            if self.published(shard):
-                done += count or 0
-            else:
-                done += len(list((self.ledger.root / "chunks" / shard.name).glob(f"*{self.suffix}")))
         total = 0.0
         for shard in self.shards:
             alike = [s for s in known if (s.kind, s.compression) == (shard.kind, shard.compression)]
             if shard not in known and not alike:
-                return done, None
+                return None
             total += known[shard] if shard in known else \
                 shard.path.stat().st_size * sum(known[s] for s in alike) / max(1, sum(s.path.stat().st_size
                                                                                      for s in alike))
-        return done, total
+        return total
 
     def _progress(self, seconds: float, done_at_start: int) -> None:
-        done, total = self.corpus_chunks()
+        done, total = self.chunks_done(), self.chunks_in_corpus()
         rate = (done - done_at_start) / max(seconds, 1e-9)  # every worker's, as the ledger shows it
         eta = "ETA unknown yet"
         if total is not None and rate > 0:
