@@ -151,7 +151,7 @@ class Up:
 
 
 def compose_up(engine, network: Network, tmp: Path, services: dict | None = None) -> Up:
-    """Start `podman-compose up --abort-on-container-exit --exit-code-from node0` of the CPU
+    """Start `podman-compose up --abort-on-container-failure` of the CPU
     variant, each service on its host of `network` (and `services` merged over it), as its
     own project; `ended` waits for it. Root here may not raise limits above the host's, so the
     locked-memory limit is the host's, and the limits podman would otherwise set to its own
@@ -166,20 +166,34 @@ def compose_up(engine, network: Network, tmp: Path, services: dict | None = None
     (tmp / "docker-compose.test.yml").write_text(yaml.safe_dump(override))
     project = f"{tmp.name}-{engine.run_dir.name}".lower()
     files = [arg for name in CPU for arg in ("-f", REPO / name)] + ["-f", tmp / "docker-compose.test.yml"]
-    proc = subprocess.Popen([PODMAN_COMPOSE, "-p", project, *files, "up", "--abort-on-container-exit",
-                             "--exit-code-from", "node0"], env={**engine.env, "TRAINER_IMAGE": APP_TAG},
+    proc = subprocess.Popen([PODMAN_COMPOSE, "-p", project, *files, "up", "--abort-on-container-failure"],
+                            env={**engine.env, "TRAINER_IMAGE": APP_TAG},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     return Up(proc, project, files, time.monotonic())
 
 
-def ended(engine, up: Up) -> tuple[int, str, float, Path]:
-    """The exit code, the output, the seconds it took and the `runs` volume's folder; the
-    project's containers are removed."""
+@dataclass
+class Ended:
+    code: int
+    """The command's exit code."""
+    output: str
+    elapsed: float
+    runs: Path
+    """The `runs` volume's folder."""
+    nodes: dict[str, int]
+    """Each service's container's own exit code."""
+
+
+def ended(engine, up: Up) -> Ended:
+    """How the command ended; the project's containers are removed."""
     try:
         output, _ = up.proc.communicate(timeout=400)
         elapsed = time.monotonic() - up.started
         volume = engine("volume", "inspect", "--format", "{{.Mountpoint}}", f"{up.project}_runs").stdout.strip()
-        return up.proc.returncode, output, elapsed, Path(volume)
+        listed = engine("ps", "-a", "--filter", f"label=com.docker.compose.project={up.project}", "--format",
+                        '{{index .Labels "com.docker.compose.service"}} {{.ExitCode}}').stdout.split()
+        nodes = {service: int(code) for service, code in zip(listed[::2], listed[1::2], strict=True)}
+        return Ended(up.proc.returncode, output, elapsed, Path(volume), nodes)
     finally:
         up.proc.kill()
         subprocess.run([PODMAN_COMPOSE, "-p", up.project, *up.files, "down", "--timeout=0"], env=engine.env,
@@ -188,15 +202,17 @@ def ended(engine, up: Up) -> tuple[int, str, float, Path]:
 
 def test_compose_cpu_variant_runs_a_two_node_job_and_a_node_that_cannot_join_ends_it(engine, app_image, tmp_path):
     """The CPU variant as shipped: two containers, node0 and node1, complete the job with world
-    size 2, written to the shared `runs` volume by the image's user.
+    size 2, written to the shared `runs` volume by the image's user, and the command and both
+    nodes exit 0. (With --abort-on-container-exit, node1 ending well stopped node0 in the last
+    second of its own shutdown, and the finished job read as stopped.)
 
     At the same time, the same files with node1's rendezvous pointed at itself (a wrong
-    endpoint): node1 gives up after its join timeout, and --abort-on-container-exit stops
+    endpoint): node1 gives up after its join timeout, and --abort-on-container-failure stops
     node0, which would otherwise wait 300 s for a peer that never comes. Its SIGTERM reaches
     torchrun through the image's tini (torchrun as PID 1 would ignore it while it waits,
-    until the SIGKILL), so the command's exit code is node0's 128 + SIGTERM, at once. (Side by
-    side because that pair never gets past its torchrun agents' rendezvous: it costs the other
-    job next to nothing.)"""
+    until the SIGKILL), so node0 exits 128 + SIGTERM, at once, and the command's exit code is
+    node1's verdict. (Side by side because that pair never gets past its torchrun agents'
+    rendezvous: it costs the other job next to nothing.)"""
     command = compose(*CPU)["services"]["node1"]["command"]
     join_timeout = 8
     wrong = [{"--rdzv-endpoint=node0:29500": "--rdzv-endpoint=node1:29500",
@@ -209,16 +225,18 @@ def test_compose_cpu_variant_runs_a_two_node_job_and_a_node_that_cannot_join_end
         good = compose_up(engine, network, tmp_path / "good")
         bad = compose_up(engine, other, tmp_path / "bad", {"node1": {"command": wrong}})
         try:
-            code, output, elapsed, _ = ended(engine, bad)
+            failed = ended(engine, bad)
         finally:
-            good_code, good_output, _, runs = ended(engine, good)
-        assert code == 128 + signal.SIGTERM, output[-5000:]
-        assert f"{join_timeout}s: 1 of 2 nodes arrived" in output, output[-5000:]
-        assert elapsed < 120, f"took {elapsed:.0f}s"
+            done = ended(engine, good)
+        assert f"{join_timeout}s: 1 of 2 nodes arrived" in failed.output, failed.output[-5000:]
+        verdict = re.findall(r"trainer\.cli\.torchrun: exiting with (\d+)", failed.output)
+        assert failed.nodes == {"node0": 128 + signal.SIGTERM, "node1": int(verdict[0])}, failed.output[-5000:]
+        assert failed.code == failed.nodes["node1"] != 0
+        assert failed.elapsed < 120, f"took {failed.elapsed:.0f}s"
 
-        assert good_code == 0, good_output[-5000:]
-        assert (runs / "smoke/summary.json").stat().st_uid == UID  # the image's user, not root
-        summary = read_summary(runs / "smoke")
+        assert (done.code, done.nodes) == (0, {"node0": 0, "node1": 0}), done.output[-5000:]
+        assert (done.runs / "smoke/summary.json").stat().st_uid == UID  # the image's user, not root
+        summary = read_summary(done.runs / "smoke")
     assert summary["world_size"] == 2
     assert sorted(summary["hosts"]) == ["node0", "node1"]
     assert summary["steps"] == 12
