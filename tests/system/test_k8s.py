@@ -1083,7 +1083,7 @@ def test_a_scoring_pod_recreated_for_its_index_takes_its_worker_lease_at_once(tm
     for key, value in {**pod.injected_env, "HOSTNAME": pod.name}.items():
         monkeypatch.setenv(key, value)
     name = worker_name(0)
-    assert name == "ddp-trainer-score-index-0-rank0"
+    assert name == "kubernetes-indexed-job-ddp-trainer-score-index-0-rank0"
     stop, threads = threading.Event(), []
     helper = threading.Thread(target=lambda: (threads.append(threading.get_native_id()), stop.wait()))
     helper.start()
@@ -1174,7 +1174,7 @@ def test_the_scoring_job_runs_as_the_job_controller_starts_it(engine, app_image,
     # Its previous container's lease, taken over at once as its own: not after an expired heartbeat,
     # nor refused for a pid that its pid namespace, numbered as the dead one's, may hold again.
     (took_over,) = [line for line in again.logs[pods[0].name].splitlines() if "took over the lease" in line]
-    assert took_over.endswith(": held by this same Kubernetes Indexed Job worker ddp-trainer-score-index-0-rank0, "
+    assert took_over.endswith(": held by this same kubernetes indexed job ddp-trainer-score index 0, "
                               "restarted"), took_over
 
     for name, count in SCORED_SHARDS.items():
@@ -1184,7 +1184,7 @@ def test_the_scoring_job_runs_as_the_job_controller_starts_it(engine, app_image,
         assert (output / f"{name}.parquet").stat().st_uid == UID
     chunks = sum(-(-count // 16) for count in SCORED_SHARDS.values())
     summaries = {path.stem: json.loads(path.read_text()) for path in (output / ".score/summaries").glob("*.json")}
-    assert set(summaries) == {"ddp-trainer-score-index-0-rank0", "ddp-trainer-score-index-1-rank0"}
+    assert set(summaries) == {f"kubernetes-indexed-job-ddp-trainer-score-index-{index}-rank0" for index in (0, 1)}
     assert sum(s["chunks"] for s in summaries.values()) == chunks - len(committed)
     assert sum(s["scored_twice"] for s in summaries.values()) == 0
 

@@ -155,6 +155,9 @@ def test_the_job_id_comes_from_the_launcher():
     assert lease.job_of({**k8s, "PET_RDZV_ENDPOINT": "ft-worker-0:29400"}) == "kubernetes job at ft-worker-0:29400"
     assert lease.job_of({**k8s, "PET_MASTER_ADDR": "ft-node-0-0.ft"}) == "kubernetes job at ft-node-0-0.ft"
     assert lease.job_of({"PET_RDZV_ENDPOINT": "localhost:29400"}) is None  # outside Kubernetes: any host's
+    indexed = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "3", "HOSTNAME": "score-corpus-3"}
+    assert lease.job_of(indexed) == "kubernetes indexed job score-corpus index 3"  # the pod recreated for 3 too
+    assert lease.job_of({**indexed, "TRAINER_JOB_ID": "x"}) == "job x"
     assert lease.job_of({}) is None
 
 

@@ -78,7 +78,10 @@ def job_of(environ: Mapping[str, str]) -> str | None:
     default without a rendezvous id, names nothing), else on Kubernetes the rendezvous the
     operator gives every pod of the job: a Service named after the job (PyTorchJob:
     PET_RDZV_ENDPOINT, `NAME-worker-0:PORT`; TrainJob: PET_MASTER_ADDR), one live job per name,
-    the same for the pods it recreates."""
+    the same for the pods it recreates; or, for a pod of an Indexed Job (one live pod per
+    completion index), the job and that index: its host name is JOB-INDEX, the same for the pod
+    recreated for the index, whose pid namespace may give the dead one's pid back to another
+    process, so that only the job can say it is the same worker."""
     if job := environ.get("TRAINER_JOB_ID"):
         return f"job {job}"
     if job := environ.get("SLURM_JOB_ID"):
@@ -87,9 +90,13 @@ def job_of(environ: Mapping[str, str]) -> str | None:
     run_id = environ.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
         return f"torchrun run {run_id}"
-    rendezvous = environ.get("PET_RDZV_ENDPOINT") or environ.get("PET_MASTER_ADDR")
-    if rendezvous and "KUBERNETES_SERVICE_HOST" in environ:
+    if "KUBERNETES_SERVICE_HOST" not in environ:
+        return None
+    if rendezvous := environ.get("PET_RDZV_ENDPOINT") or environ.get("PET_MASTER_ADDR"):
         return f"kubernetes job at {rendezvous}"
+    if index := environ.get("JOB_COMPLETION_INDEX"):
+        job = environ.get("HOSTNAME", socket.gethostname()).removesuffix(f"-{index}")
+        return f"kubernetes indexed job {job} index {index}"
     return None
 
 

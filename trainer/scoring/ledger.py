@@ -24,7 +24,6 @@ shares (a node's disk, NFS, Lustre, a PVC). Plain files, no server, no lock daem
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
@@ -49,8 +48,6 @@ def worker_name(rank: int, environ: Mapping[str, str] = os.environ) -> str:
     """This worker's name: its job and rank, which a restart of the job keeps (a requeued
     Slurm job, a Kubernetes index, torchrun's restart), else its host and process."""
     job = lease.job_of(environ)
-    if index := environ.get("JOB_COMPLETION_INDEX"):  # a Kubernetes Indexed Job's pod
-        job = f"{environ.get('HOSTNAME', socket.gethostname()).rsplit('-', 1)[0]}-index-{index}"
     name = f"{job}-rank{rank}" if job else f"{socket.gethostname()}-pid{os.getpid()}"
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
 
@@ -62,12 +59,6 @@ class Ledger:
         self.root = output / LEDGER
         self.name, self.lease_s, self.clock = name, lease_s, clock
         self.me = lease.this_process(clock())
-        if self.me.job is None and os.environ.get("JOB_COMPLETION_INDEX"):
-            # A Kubernetes Indexed Job's pod: the pod recreated for its index (one live pod per
-            # index) is this worker restarted, and takes its lease at once. Its host name is the
-            # same, JOB-INDEX, but its pid namespace may get the dead one's number back, with the
-            # dead worker's pid alive in it: the host's pid check cannot tell.
-            self.me = dataclasses.replace(self.me, job=f"Kubernetes Indexed Job worker {name}")
         self._renewal: lease.Renewal | None = None
         self.committed_twice = 0
         """Chunks this worker scored that another had committed first (a claim taken over
