@@ -163,12 +163,12 @@ def test_a_claim_is_one_workers_until_that_worker_is_gone(tmp_path):
         theirs = Ledger(tmp_path, "theirs", lease_s=60, clock=clock)
         theirs.me = dataclasses.replace(theirs.me, host="another-node", pid=1)
         other_node_worker(theirs, "theirs", clock)
-        assert theirs.claim("s", 0) and not ours.claim("s", 0)  # a live worker's, on another node
-        assert ours.claim("s", 1) and not ours.claim("s", 1) and not theirs.claim("s", 1)  # ours, read ahead
+        assert theirs.claim("s", 0, ".jsonl") and not ours.claim("s", 0, ".jsonl")  # a live worker's, on another node
+        assert ours.claim("s", 1, ".jsonl") and not ours.claim("s", 1, ".jsonl") and not theirs.claim("s", 1, ".jsonl")  # ours, read ahead
         clock.now += 61  # their heartbeat unchanged for score.lease_s: gone
-        assert ours.claim("s", 0)
+        assert ours.claim("s", 0, ".jsonl")
         restarted = Ledger(tmp_path, "ours", lease_s=60, clock=clock)  # our job's rank, a new process
-        assert restarted.claim("s", 1)
+        assert restarted.claim("s", 1, ".jsonl")
     finally:
         ours.end()
 
@@ -183,8 +183,19 @@ def test_a_dead_process_on_this_node_loses_its_claims_at_once(tmp_path):
     dead.start_heartbeat()
     assert dead._renewal is not None
     dead._renewal.stop()  # killed: no more renewals, its lease left behind
-    assert dead.claim("s", 0)
-    assert Ledger(tmp_path, "alive", lease_s=3600).claim("s", 0)
+    assert dead.claim("s", 0, ".jsonl")
+    assert Ledger(tmp_path, "alive", lease_s=3600).claim("s", 0, ".jsonl")
+
+
+def test_a_committed_chunk_is_claimed_by_no_one(tmp_path):
+    """Its commit removed its claim: a worker whose list of chunks left predates the commit
+    must not claim it afresh and score it again (nor meet the claim's fault points)."""
+    first, late = Ledger(tmp_path, "a", 60), Ledger(tmp_path, "b", 60)
+    assert first.claim("s", 0, ".jsonl")
+    assert first.commit("s", 0, ".jsonl", lambda p: p.write_text("first\n"))
+    assert not late.claim("s", 0, ".jsonl") and not first.claim("s", 0, ".jsonl")
+    assert not (late.root / "claims/s/00000000").exists()  # and no claim is left behind
+    assert late.claim("s", 1, ".jsonl")
 
 
 def test_a_chunk_is_committed_once(tmp_path):

@@ -116,9 +116,25 @@ class Ledger:
     def done(self, shard: str, index: int, suffix: str) -> bool:
         return self.chunk_path(shard, index, suffix).exists()
 
-    def claim(self, shard: str, index: int) -> bool:
+    def claim(self, shard: str, index: int, suffix: str) -> bool:
         """Whether this worker may score the chunk now: it claimed it, or took over the claim
-        of a worker that is gone (or of itself, restarted)."""
+        of a worker that is gone (or of itself, restarted), and the chunk is not committed.
+        (A commit removes its claim, so a worker whose list of chunks left is older than the
+        commit would claim the chunk afresh: it looks once the claim is its own, when no other
+        worker can commit the chunk any more.)"""
+        if self._claim(shard, index):
+            if not self.done(shard, index, suffix):
+                return True
+            self.release(shard, index)
+        return False
+
+    def release(self, shard: str, index: int) -> None:
+        path = self.root / "claims" / shard / f"{index:08d}"
+        with contextlib.suppress(FileNotFoundError):
+            if path.read_text() == f"{self.name} {self.me.lease_id}":
+                path.unlink()
+
+    def _claim(self, shard: str, index: int) -> bool:
         path = self.root / "claims" / shard / f"{index:08d}"
         path.parent.mkdir(parents=True, exist_ok=True)
         aside = path.with_name(f".{path.name}.{self.me.lease_id}.tmp")

@@ -141,7 +141,7 @@ class Worker:
         missing = ledger.missing(shard.name, self.suffix)
         first, left = None, None if missing is None else set(missing)
         if missing is not None:  # its length known: read it only if a chunk left is claimable now
-            first = next((i for i in missing if ledger.claim(shard.name, i)), None)
+            first = next((i for i in missing if ledger.claim(shard.name, i, self.suffix)), None)
             if first is None:
                 return
 
@@ -150,7 +150,7 @@ class Worker:
                 return True
             if left is not None and index not in left:
                 return False
-            return not ledger.done(shard.name, index, self.suffix) and ledger.claim(shard.name, index)
+            return ledger.claim(shard.name, index, self.suffix)
         chunks = 0
         for index, chunk in self._reader(shard).chunks(wanted):
             chunks = index + 1
