@@ -147,23 +147,37 @@ def test_a_second_job_on_the_same_output_joins_and_one_with_another_model_is_ref
 
 
 def test_bad_rows_stop_naming_file_and_line_or_are_skipped_and_counted(tiny_model, tmp_path):
+    """With score.bad_rows=skip, 2 ranks: a bad row is left out and counted, and a shard that
+    cannot be read (a copy cut short) is left out whole by the rank that meets it; no rank
+    waits for its chunks, and `report` names it."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.jsonl").write_text('{"id": 1, "text": "fine"}\n{"id": 2, "text": "broken\n{"id": 3}\n'
                                     '{"id": 4, "text": "also fine"}\n')
+    whole = gzip.compress(b"".join(b'{"id": %d, "text": "row %d"}\n' % (i, i) for i in range(5, 400)))
+    (corpus / "b.jsonl.gz").write_bytes(whole[:len(whole) // 2])  # cut short: its first chunks read
     stopped = score(tiny_model, corpus, tmp_path / "stopped")
     errors = [line for line in stopped.output.splitlines() if line.startswith("error: ")]
     assert stopped.returncode == 2 and "Traceback" not in stopped.output, stopped.output[-3000:]
     assert errors == [(f"error: score.input: {corpus / 'a.jsonl'} line 2: not JSON: Unterminated string starting "
                        "at (column 19) (score.bad_rows=skip leaves such rows out)")]
 
-    skipped = score(tiny_model, corpus, tmp_path / "skipped", "score.bad_rows=skip")
+    skipped = score(tiny_model, corpus, tmp_path / "skipped", "score.bad_rows=skip", nproc=2)
     assert skipped.returncode == 0, skipped.output[-3000:]
     assert pq.read_table(tmp_path / "skipped" / "a.parquet").column("id").to_pylist() == [1, 4]
-    (summary,) = summaries(tmp_path / "skipped")
-    assert summary["skipped"] == 2 and summary["skipped_rows"] == [
+    assert not (tmp_path / "skipped" / "b.parquet").exists()
+    workers = summaries(tmp_path / "skipped")
+    assert sum(s["skipped"] for s in workers) == 2 and [r for s in workers for r in s["skipped_rows"]] == [
         f"{corpus / 'a.jsonl'} line 2: not JSON: Unterminated string starting at (column 19)",
         f"{corpus / 'a.jsonl'} line 3: no 'text'"]
+    # Each rank that met it (one, or both at once) says so; the ledger keeps the first reason.
+    unreadable = [s["shards_skipped"] for s in workers if s["shards_skipped"]]
+    assert unreadable and all(list(u) == ["b"] and u["b"] == unreadable[0]["b"] for u in unreadable), unreadable
+    assert unreadable[0]["b"].startswith(f"score.input: {corpus / 'b.jsonl.gz'}: unreadable: ")
+    report = run([PYTHON, "-m", "trainer", "report", str(tmp_path / "skipped")])
+    assert report.returncode == 0, report.output
+    assert "1 of 2 shards published, 1 unreadable and skipped" in report.output
+    assert f"  skipped: {unreadable[0]['b']}" in report.output
 
 
 def test_a_missing_column_is_one_line_before_the_model_loads(tiny_model, corpus, tmp_path):

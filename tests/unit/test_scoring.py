@@ -164,7 +164,8 @@ def test_a_claim_is_one_workers_until_that_worker_is_gone(tmp_path):
         theirs.me = dataclasses.replace(theirs.me, host="another-node", pid=1)
         other_node_worker(theirs, "theirs", clock)
         assert theirs.claim("s", 0, ".jsonl") and not ours.claim("s", 0, ".jsonl")  # a live worker's, on another node
-        assert ours.claim("s", 1, ".jsonl") and not ours.claim("s", 1, ".jsonl") and not theirs.claim("s", 1, ".jsonl")  # ours, read ahead
+        assert ours.claim("s", 1, ".jsonl")
+        assert not ours.claim("s", 1, ".jsonl") and not theirs.claim("s", 1, ".jsonl")  # ours, read ahead
         clock.now += 61  # their heartbeat unchanged for score.lease_s: gone
         assert ours.claim("s", 0, ".jsonl")
         restarted = Ledger(tmp_path, "ours", lease_s=60, clock=clock)  # our job's rank, a new process

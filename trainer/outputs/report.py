@@ -261,14 +261,19 @@ def run_scoring(output: Path) -> dict:
     published = [name for name, *_ in shards if any(output.glob(f"{glob.escape(name)}.*"))]
     total = {key: sum(w[key] for w in workers) for key in ("rows", "chunks", "truncated", "skipped", "scored_twice")}
     total |= {"workers": len(workers), "shards": len(shards), "shards_published": len(published)}
+    skipped = {p.name.replace("%2F", "/"): p.read_text() for p in sorted((output / ".score" / "skipped").glob("*"))}
+    total["shards_skipped"] = skipped
     failed = output / ".score" / "failed"
     if failed.exists():
         total["failed"] = failed.read_text()
-    print(f"scoring of {output}: {total['shards_published']} of {total['shards']} shards published, "
+    print(f"scoring of {output}: {total['shards_published']} of {total['shards']} shards published"
+          + (f", {len(skipped)} unreadable and skipped" if skipped else "") + ", "
           f"{total['rows']} rows in {total['chunks']} chunks by {total['workers']} worker(s); "
           f"{total['truncated']} truncated, {total['skipped']} skipped, {total['scored_twice']} chunks scored twice")
     for w in workers:
         print(f"  {w['worker']:<40}{w['rows']:>10} rows{w['rows_per_s']:>10.1f} rows/s{w['seconds']:>9.0f} s")
+    for why in skipped.values():
+        print(f"  skipped: {why}")
     if "failed" in total:
         print(f"  failed: {total['failed']}")
     return total

@@ -80,6 +80,7 @@ def run(cfg: Config, dist_env: DistEnv, device: torch.device, model: Path, shard
         summary = {"worker": ledger.name, "rows": counts.rows, "chunks": counts.chunks, "truncated": counts.truncated,
                    "skipped": len(counts.skipped), "skipped_rows": counts.skipped[:1000],
                    "scored_twice": ledger.committed_twice, "shards_published": counts.shards_published,
+                   "shards_skipped": counts.shards_skipped,
                    "seconds": round(seconds, 2), "rows_per_s": round(counts.rows / max(seconds, 1e-9), 1)}
         ledger.write_summary(summary)
         log.info("score: done: %s", json.dumps(summary | {"skipped_rows": counts.skipped[:3]}))

@@ -228,6 +228,26 @@ class Ledger:
         with contextlib.suppress(OSError):
             (self.root / "claims" / shard).rmdir()
 
+    # --- shards that cannot be read (score.bad_rows=skip) -----------------------------------
+
+    def skip_shard(self, shard: str, why: str) -> None:
+        """No worker scores `shard` any more: the first reason wins. Its committed chunks stay
+        in the ledger, and no output shard is written for it."""
+        folder = self.root / "skipped"
+        folder.mkdir(exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(folder / shard.replace("/", "%2F"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(why)
+        for claim in (self.root / "claims" / shard).glob("[0-9]*"):
+            self.release(shard, int(claim.name))
+
+    def skipped(self, shard: str) -> str | None:
+        try:
+            return (self.root / "skipped" / shard.replace("/", "%2F")).read_text()
+        except FileNotFoundError:
+            return None
+
     # --- failure --------------------------------------------------------------------------
 
     def fail(self, message: str) -> None:

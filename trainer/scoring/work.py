@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from trainer import files
+from trainer import errors, files
 from trainer.config.schema import Config
 from trainer.data import loaders
 from trainer.errors import DataError, TrainerError
@@ -57,6 +57,8 @@ class Counts:
     chunks: int = 0
     skipped: list[str] = field(default_factory=list)
     shards_published: list[str] = field(default_factory=list)
+    shards_skipped: dict[str, str] = field(default_factory=dict)
+    """Shards this worker found it could not read (score.bad_rows=skip), and why."""
 
 
 def budget_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -120,7 +122,7 @@ class Worker:
         while not self._stop.is_set():
             if failure := self.ledger.failure():
                 raise DataError(f"score: stopped: another worker failed: {failure}")
-            pending = [s for s in self.shards if not self.published(s)]
+            pending = [s for s in self.shards if not self.published(s) and not self.ledger.skipped(s.name)]
             if not pending:
                 return
             claimed_any = False
@@ -150,14 +152,27 @@ class Worker:
                 return True
             if left is not None and index not in left:
                 return False
-            return ledger.claim(shard.name, index, self.suffix)
+            try:
+                return ledger.claim(shard.name, index, self.suffix)
+            except OSError as e:  # the ledger's storage, not the shard: never read as the shard's
+                raise DataError(f"score.output: {ledger.root}: {errors.describe(e)}") from None
         chunks = 0
-        for index, chunk in self._reader(shard).chunks(wanted):
-            chunks = index + 1
-            if failure := ledger.failure():
-                raise DataError(f"score: stopped: another worker failed: {failure}")
-            if chunk is not None:
-                yield self._tokenized(shard, chunk)
+        try:
+            for index, chunk in self._reader(shard).chunks(wanted):
+                chunks = index + 1
+                if failure := ledger.failure():
+                    raise DataError(f"score: stopped: another worker failed: {failure}")
+                if chunk is not None:
+                    yield self._tokenized(shard, chunk)
+        except DataError as e:
+            # With bad_rows=skip a bad row never raises: what does is the shard itself (cut
+            # short, not UTF-8, without the text column). Left out whole, for every worker.
+            if self.cfg.score.bad_rows != "skip" or not str(e).startswith(f"score.input: {shard.path}"):
+                raise
+            ledger.skip_shard(shard.name, str(e))
+            self.counts.shards_skipped[shard.name] = str(e)
+            log.warning("score: %s: skipped, with its rows (score.bad_rows=skip)", e)
+            return
         ledger.set_count(shard.name, chunks)
 
     def _tokenized(self, shard: Shard, chunk: Chunk) -> Tokenized:
