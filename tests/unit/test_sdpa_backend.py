@@ -115,3 +115,14 @@ def test_flash_is_refused_on_every_device_for_it_takes_no_mask(tiny_model, revie
                                           r"padded batch carries one; use efficient or cudnn"):
         run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{
             "model.sdpa_backend": "flash", "model.attn_implementation": "sdpa"}))
+
+
+def test_auto_attention_is_eager_for_a_cpu_model_that_trains_and_sdpa_for_one_that_only_scores(tiny_model, reviews,
+                                                                                              tmp_path):
+    cfg = run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path))
+    assert pretrained.attention_for(cfg.model, "cpu") == "eager"
+    assert pretrained.attention_for(cfg.model, "cpu", backward=False) == "sdpa"
+    assert pretrained.attention_for(cfg.model, "cuda") == "sdpa"
+    settings = {"model.attn_implementation": "eager"}
+    eager = run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **settings))
+    assert pretrained.attention_for(eager.model, "cpu", backward=False) == "eager"  # what the user set

@@ -125,8 +125,9 @@ class ModelConfig:
     """False: build the architecture from its config with random weights (benchmarks, tests)."""
     attn_implementation: str = key("auto", FREE)
     """Passed to from_pretrained: `sdpa`, `eager`, ... auto: `sdpa` on GPU (flash and
-    memory-efficient kernels), `eager` on CPU, where SDPA's backward under bf16 autocast
-    is ~1.9x slower than eager's (benchmarks/RESULTS.md)."""
+    memory-efficient kernels), `eager` on CPU for train and evaluate, where SDPA's backward
+    under bf16 autocast is ~1.9x slower than eager's, and `sdpa` for score, which runs no
+    backward (benchmarks/RESULTS.md)."""
     sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = key("auto", FREE)
     """Which kernel runs SDPA attention in the step's forward and backward and in evaluation
     (torch.nn.attention.sdpa_kernel): efficient (memory-efficient), cudnn (cuDNN's fused

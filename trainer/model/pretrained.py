@@ -90,7 +90,7 @@ def has_tokenizer(model_cfg: ModelConfig) -> bool:
 
 
 def load_config(model_cfg: ModelConfig, labels: Labels, device_type: str,
-                pad_token_id: int | None) -> PretrainedConfig:
+                pad_token_id: int | None, backward: bool = True) -> PretrainedConfig:
     """The classifier's config (config.json, no weights): all that the checks before the
     load and the memory plan need, with the run's labels: the head's size, the class names
     (id2label, label2id: a `transformers` pipeline on final/ answers with them), the task
@@ -109,7 +109,7 @@ def load_config(model_cfg: ModelConfig, labels: Labels, device_type: str,
         config = AutoConfig.from_pretrained(
             model_cfg.name, id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)},
             problem_type=task_class(labels.problem_type).hf_problem_type, **pad,
-            attn_implementation=attention_for(model_cfg, device_type), **hub_options(model_cfg))
+            attn_implementation=attention_for(model_cfg, device_type, backward), **hub_options(model_cfg))
     except (OSError, ValueError) as e:
         raise _load_error(model_cfg, e) from None
     config.trainer_labels = labels.state_dict()  # not a key transformers knows: from_pretrained would drop it
@@ -127,11 +127,15 @@ def check_max_length(model_cfg: ModelConfig, max_length: int, config: Pretrained
                           f"model.name {model_cfg.name}")
 
 
-def attention_for(model_cfg: ModelConfig, device_type: str) -> str:
+def attention_for(model_cfg: ModelConfig, device_type: str, backward: bool = True) -> str:
+    """model.attn_implementation; auto: SDPA, but eager on a CPU for a model that trains, where
+    SDPA's backward under bf16 autocast is ~1.9x slower (`backward`). A model that only runs
+    forward (score) takes SDPA there too: its fused CPU kernel, 1.1x eager's speed on MiniLM's
+    batches (benchmarks/RESULTS.md)."""
     if model_cfg.attn_implementation != "auto":
         implementation = model_cfg.attn_implementation
     else:
-        implementation = "sdpa" if device_type == "cuda" else "eager"
+        implementation = "sdpa" if device_type == "cuda" or not backward else "eager"
     check_sdpa_backend(model_cfg, implementation, device_type)
     return implementation
 

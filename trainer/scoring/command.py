@@ -68,7 +68,7 @@ def run(cfg: Config, dist_env: DistEnv, device: torch.device, model: Path, shard
     output = Path(cfg.score.output or "")
     ledger = Ledger(output, worker_name(dist_env.rank), cfg.score.lease_s)
     ledger.join(manifest(cfg, model, shards))
-    trained = build.trained(cfg, dist_env, device, model)
+    trained = build.trained(cfg, dist_env, device, model, exact=False)
     answers = set(trained.task.predictions(torch.zeros(1, trained.task.labels.num_labels))[0])
     if clash := sorted(answers & set(cfg.score.carry)):
         raise ConfigError(f"score.carry: {', '.join(clash)}: the answer's own column; carry it under another name")

@@ -64,7 +64,7 @@ imports them while it waits for local rank 0's data (Trainer, startup.Prefetch).
 
 
 def load(cfg: Config, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype, labels: Labels, *,
-         on_meta: bool = False, trained: Path | None = None) -> Model:
+         on_meta: bool = False, trained: Path | None = None, backward: bool = True) -> Model:
     """model.name's classifier for `labels` as training builds it: its tokenizer,
     data.max_length checked against its positions before any weight loads, the weights (frozen
     ones in model.dtype), LoRA's adapters, activation checkpointing, in train mode.
@@ -72,7 +72,8 @@ def load(cfg: Config, dist_env: DistEnv, device: torch.device, amp_dtype: torch.
     `on_meta`: shapes and dtypes only, no weights read, for the memory plan on `device`'s
     kind (a folder with config.json alone will do). `trained`: a `resume.trained_folder`, in
     eval mode: final/ (its own architecture, tokenizer and label names, the adapters merged),
-    or a checkpoint step-N, whose weights go into model.name's architecture."""
+    or a checkpoint step-N, whose weights go into model.name's architecture. `backward`: False
+    for a model that only runs forward (its attention: pretrained.attention_for)."""
     model_cfg, merged = cfg.model, trained is not None and pretrained.is_model_folder(trained)
     if merged:  # final/: a folder of its own, whatever revision of model.name it was trained from
         model_cfg = cast(ModelConfig, DictConfig({**node(cfg.model), "name": str(trained), "pretrained": True,
@@ -86,7 +87,7 @@ def load(cfg: Config, dist_env: DistEnv, device: torch.device, amp_dtype: torch.
     with first:
         tokenizer = pretrained.load_tokenizer(model_cfg) if not on_meta or pretrained.has_tokenizer(model_cfg) else None
         pad_token_id = None if tokenizer is None else tokenizer.pad_token_id
-        config = pretrained.load_config(model_cfg, labels, device.type, pad_token_id)
+        config = pretrained.load_config(model_cfg, labels, device.type, pad_token_id, backward)
         # Before the weights: for an 8B model a mistake costs seconds, not minutes.
         pretrained.check_max_length(model_cfg, cfg.data.max_length, config, tokenizer)
         dtype = lora.frozen_dtype(cfg.model, amp_dtype)
@@ -153,10 +154,11 @@ class Trained(Model):
     """The task of the labels it was trained on."""
 
 
-def trained(cfg: Config, dist_env: DistEnv, device: torch.device, folder: Path) -> Trained:
+def trained(cfg: Config, dist_env: DistEnv, device: torch.device, folder: Path, exact: bool = True) -> Trained:
     """A trained model (`load`'s `trained`) for evaluate and score, with the label space it
     was trained on: final/'s config holds it, a checkpoint's state.json, or (a checkpoint of
-    an older run) the config."""
+    an older run) the config. `exact`: its attention as in training, so that evaluate's
+    metrics are training's; score, bound to no earlier figure, takes the fastest forward."""
     if pretrained.is_model_folder(folder):
         from transformers import AutoConfig
 
@@ -168,6 +170,6 @@ def trained(cfg: Config, dist_env: DistEnv, device: torch.device, folder: Path) 
             raise ConfigError(f"checkpoint: {folder} does not say its labels (an older run's): set data.num_labels")
         labels = found
     loaded = load(cfg, dist_env, device, devices.configure_compute(cfg.train, dist_env, device), labels,
-                  trained=folder)
+                  trained=folder, backward=exact)
     return Trained(**vars(loaded), logits=LogitsUnderAutocast(loaded.model, device.type, loaded.amp_dtype),
                    task=tasks.of(labels, cfg.data, cfg.train))
