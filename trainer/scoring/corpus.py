@@ -130,8 +130,7 @@ class Reader:
 
     def _first_record(self) -> dict:
         """The first row that parses (a bad one is the chunks' to report), else {}."""
-        with io.BufferedReader(pa.input_stream(str(self.shard.path), compression=self.shard.compression)) as stream:
-            records = self._json(stream) if self.shard.kind == "json" else self._delimited(stream)
+        with self._records() as records:
             for _, record in records:
                 with contextlib.suppress(ValueError):
                     parsed = json.loads(record) if isinstance(record, bytes) else record
@@ -170,10 +169,14 @@ class Reader:
 
     # --- JSON lines, CSV, TSV --------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _records(self) -> Iterator[Iterator[tuple[int, bytes | dict | str]]]:
+        """The shard's records, each with its line number, as a stream (decompressed on the way)."""
+        with io.BufferedReader(pa.input_stream(str(self.shard.path), compression=self.shard.compression)) as stream:
+            yield self._json(stream) if self.shard.kind == "json" else self._delimited(stream)
+
     def _text(self, wanted: Callable[[int], bool]) -> Iterator[tuple[int, Chunk | None]]:
-        stream = io.BufferedReader(pa.input_stream(str(self.shard.path), compression=self.shard.compression))
-        with stream:
-            records = self._json(stream) if self.shard.kind == "json" else self._delimited(stream)
+        with self._records() as records:
             index, rows, where = 0, [], []
             for line, record in records:
                 rows.append(record)
