@@ -71,7 +71,12 @@ def _run(cfg: Config, plan: Plan) -> int:
     again = study.retry_unfinished(out)
     if again:
         log.info("sweep: settings %s were cut short: running them again, their runs resumed", again)
-    remaining = plan.settings - len(study.settled(optuna_study))
+    settled = study.settled(optuna_study)
+    # Told to the study before a stop: their runs are not looked at again.
+    for number, trial in sorted(((setting_number(cfg, plan, t, t.params), t) for t in settled), key=lambda p: p[0]):
+        log.info("sweep: setting %d %s before, not run again", number,
+                 "pruned" if trial.state == optuna.trial.TrialState.PRUNED else "finished")
+    remaining = plan.settings - len(settled)
     log.info("sweep: %d settings x %d seeds%s by %s, %d left, %d at a time on %d rank(s) each", plan.settings,
              sweep.seeds, f" x {sweep.folds} folds" if sweep.folds else "", plan.metric, remaining,
              sweep.parallel, slots.nproc)
