@@ -203,9 +203,11 @@ def train_together(*launches: tuple[list[str], int | None]) -> list[Run]:
 
 def failure_output(output: str, tail: int = 6000) -> str:
     """A failed run's output for the assertion message: its tail, after the first watchdog
-    report if there is one earlier. The tail shows the peers' collective timeouts; the rank
-    they waited for, stalled elsewhere, is explained only by its report and stacks."""
-    report = output.find(": stalled in ")
+    report or native crash (faulthandler's "Fatal Python error", a rank's SIGABRT or SIGSEGV)
+    if there is one earlier. The tail shows the peers' collective timeouts; the rank they
+    waited for, stalled or crashed elsewhere, is explained only by its report and stacks."""
+    found = [at for at in (output.find(": stalled in "), output.find("Fatal Python error")) if at >= 0]
+    report = min(found, default=-1)
     if report < 0 or report >= len(output) - tail:
         return output[-tail:]
     start = output.rfind("\n", 0, report) + 1
