@@ -116,17 +116,24 @@ class Ledger:
     def done(self, shard: str, index: int, suffix: str) -> bool:
         return self.chunk_path(shard, index, suffix).exists()
 
+    def committed(self, shard: str, suffix: str) -> int:
+        """How many of the shard's chunks are committed (and not yet removed by its publication)."""
+        return len(list((self.root / "chunks" / shard).glob(f"*{suffix}")))
+
     def claim(self, shard: str, index: int, suffix: str) -> bool:
         """Whether this worker may score the chunk now: it claimed it, or took over the claim
         of a worker that is gone (or of itself, restarted), and the chunk is not committed.
         (A commit removes its claim, so a worker whose list of chunks left is older than the
         commit would claim the chunk afresh: it looks once the claim is its own, when no other
         worker can commit the chunk any more.)"""
-        if self._claim(shard, index):
-            if not self.done(shard, index, suffix):
-                return True
-            self.release(shard, index)
-        return False
+        try:
+            if self._claim(shard, index):
+                if not self.done(shard, index, suffix):
+                    return True
+                self.release(shard, index)
+            return False
+        except OSError as e:  # the ledger's storage, never to be read as the shard's (Reader.chunks)
+            raise DataError(f"score.output: {self.root}: {errors.describe(e)}") from None
 
     def release(self, shard: str, index: int) -> None:
         path = self.root / "claims" / shard / f"{index:08d}"

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from trainer import errors, files
+from trainer import files
 from trainer.config.schema import Config
 from trainer.data import loaders
 from trainer.errors import DataError, TrainerError
@@ -152,10 +152,7 @@ class Worker:
                 return True
             if left is not None and index not in left:
                 return False
-            try:
-                return ledger.claim(shard.name, index, self.suffix)
-            except OSError as e:  # the ledger's storage, not the shard: never read as the shard's
-                raise DataError(f"score.output: {ledger.root}: {errors.describe(e)}") from None
+            return ledger.claim(shard.name, index, self.suffix)
         chunks = 0
         try:
             for index, chunk in self._reader(shard).chunks(wanted):
@@ -310,8 +307,7 @@ class Worker:
         """The corpus's chunks done by every worker, as the ledger shows them: a published
         shard's count (kept in the ledger), else its committed chunks."""
         return sum((self.ledger.count(shard.name) or 0) if self.published(shard) else
-                   len(list((self.ledger.root / "chunks" / shard.name).glob(f"*{self.suffix}")))
-                   for shard in self.shards)
+                   self.ledger.committed(shard.name, self.suffix) for shard in self.shards)
 
     def chunks_in_corpus(self) -> float | None:
         """The corpus's chunks: a shard's count once a worker has read it through (a Parquet
