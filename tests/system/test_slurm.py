@@ -368,7 +368,8 @@ def test_a_score_job_array_task_preempted_is_requeued_and_no_chunk_is_written_tw
     """`sbatch --array=0-1 slurm/score.sh`, a task a node, on a corpus of 3 shards. Task 0 runs
     first, alone, from part-0 (its first shard): it commits chunk 0 and is held still having
     scored chunk 1, its claim (TRAINER_FAULT_SCORE_SIGSTOP). Slurm preempts it there (`scontrol
-    requeue`), and task 1 starts: it scores every chunk but the claimed ones and waits. Task 0's
+    requeue`), and task 1 starts on the other node: it scores every chunk but the claimed ones
+    and waits, the claim's holder being on a host whose pids it cannot see. Task 0's
     second attempt, the same job id and so the same worker, takes its claim back at once and is
     held again at the same point (the fault is in its environment too), chunk 0 not scored again.
     Let go, it finishes: every shard equals one process's run, and each chunk was committed
@@ -408,6 +409,7 @@ def test_a_score_job_array_task_preempted_is_requeued_and_no_chunk_is_written_tw
         cluster.client(["scontrol", "release", f"{array_id}_0"])
         first = wait_for(lambda: score_worker(array_id, 0, attempt=0), 120, "task 0 held still at part-0's chunk 1")
         task_env = first.environ()
+        first_node = task_env["SLURMD_NODENAME"]
         name = worker_name(0, task_env)  # its job (SLURM_JOB_ID, which a requeue keeps) and rank
         claim = ledger("claims", "part-0", "00000001").read_text()
         assert committed() == ["part-0/00000000.parquet"] and claim.startswith(f"{name} "), (committed(), claim)
@@ -415,6 +417,10 @@ def test_a_score_job_array_task_preempted_is_requeued_and_no_chunk_is_written_tw
         # reaches it, chunk 1 uncommitted, as a preemption's TERM kills a scoring worker mid-chunk.
         first.send_signal(signal.SIGTERM)
         cluster.client(["scontrol", "requeue", f"{array_id}_0"])
+        # Task 1 kept off that node: there it would see the holder's pid gone and rightly take
+        # chunk 1 at once, and then be held still itself by the same fault (a node has room for
+        # both tasks, so Slurm's placement alone would decide, run by run).
+        cluster.client(["scontrol", "update", f"JobId={array_id}_1", f"ExcNodeList={first_node}"])
         cluster.client(["scontrol", "release", f"{array_id}_1"])
 
         # Meanwhile (the requeue waits some seconds): the reference, one process on this host.
@@ -424,7 +430,14 @@ def test_a_score_job_array_task_preempted_is_requeued_and_no_chunk_is_written_tw
 
         # Slurm holds a requeued job back a while before it may start again, and then the
         # task loads the model: minutes on a busy machine.
-        second = wait_for(lambda: score_worker(array_id, 0, attempt=1), 420, "task 0's second attempt held still")
+        def stuck() -> str:
+            claims = {}
+            for path in ledger("claims").rglob("0*"):
+                with contextlib.suppress(OSError):  # committed meanwhile
+                    claims[path.relative_to(ledger("claims")).as_posix()] = path.read_text().split()[0]
+            return f"task 0's second attempt held still; claims {claims}, committed {committed()}"
+
+        second = wait_for(lambda: score_worker(array_id, 0, attempt=1), 420, stuck)
         assert worker_name(0, second.environ()) == name
         taken_back = ledger("claims", "part-0", "00000001").read_text()
         assert taken_back.startswith(f"{name} ") and taken_back != claim, (claim, taken_back)
