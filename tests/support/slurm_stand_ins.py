@@ -6,7 +6,10 @@ a second or two a job: its exit-code mapping, its requeues, what it hands a cont
   argv and environment to FAKE_OUT/torchrun.ATTEMPT.NODE. FAKE_TORCHRUN holds rules
   `ATTEMPT:NODE=ACTION` (NODE may be `*`); ACTION is an exit code, `CODE>HOST` (append HOST to
   $TRAINER_NODE_FAULTS, as a rank that suspects HOST does, then exit CODE), or `hang` (until
-  srun ends it). No rule: exit 0.
+  srun ends it). No rule: exit 0. A node that exits first waits (60 s at most) until each
+  other node told to hang in this attempt is hanging: srun's TERM then finds its process.
+  Otherwise, at once as it exits, srun may end the step before the other node's relay has
+  started its child, which then misses the TERM and dies of the SIGKILL after KillWait.
 - `fake_apptainer(folder)`: an `apptainer` that writes its argv and environment to
   FAKE_OUT/apptainer.NODE.PID and exits 0: what ddp.sh asks of Apptainer, on each node.
 
@@ -26,15 +29,22 @@ case "$1 $2" in
     *) echo "fake python: not a call slurm/ddp.sh makes: $*" >&2; exit 99 ;;
 esac
 { echo "argv: $*"; env; } > "$FAKE_OUT/torchrun.$attempt.$node"
+others_hanging() {
+    for rule in $FAKE_TORCHRUN; do
+        local host=${rule#*:}; host=${host%%=*}
+        [[ ${rule%%:*} == "$attempt" && ${rule#*=} == hang && $host != "$node" && $host != "*" ]] || continue
+        for _ in $(seq 600); do [[ -e $FAKE_OUT/hanging.$attempt.$host ]] && break; sleep 0.1; done
+    done
+}
 for rule in $FAKE_TORCHRUN; do
     [[ ${rule%%:*} == "$attempt" ]] || continue
     rest=${rule#*:}
     [[ ${rest%%=*} == "*" || ${rest%%=*} == "$node" ]] || continue
     action=${rest#*=}
     case $action in
-        hang) exec sleep 120 ;;
-        *'>'*) echo "${action#*>}" >> "$TRAINER_NODE_FAULTS"; exit "${action%%>*}" ;;
-        *) exit "$action" ;;
+        hang) : > "$FAKE_OUT/hanging.$attempt.$node"; exec sleep 120 ;;
+        *'>'*) echo "${action#*>}" >> "$TRAINER_NODE_FAULTS"; others_hanging; exit "${action%%>*}" ;;
+        *) others_hanging; exit "$action" ;;
     esac
 done
 exit 0
