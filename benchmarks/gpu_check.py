@@ -1,6 +1,6 @@
 """`benchmarks/gpu.sh check`: issue 58's GPU check, one call of at most 8 minutes on one GPU.
 
-    benchmarks/gpu.sh check [--dry-run | --smoke] [PART ...]        (PART: variants saves profile cuda)
+    benchmarks/gpu.sh check [--dry-run | --smoke] [PART ...]   (PART: variants saves profile cuda scoring)
 
 In order, each part a subprocess under its own `timeout` (a part that runs long costs only
 itself, and what it wrote so far is kept), all within --budget-s from the start:
@@ -13,7 +13,9 @@ itself, and what it wrote so far is kept), all within --budget-s from the start:
   profile   benchmarks/profile_step.py at batch 512: where a step's time goes
   cuda      tests/e2e/test_cuda.py, with what the budget has left: on an H200 (2026-11-28)
             it takes 210 s, the speed parts about 400, so a first call measures the speed
-            and a second, `check cuda`, runs the tests
+            and a second, `check cuda scoring`, runs the tests and the part below
+  scoring   `python -m benchmarks.scoring --gpu` (issue 73): bert-base's rows/s in `score`
+            against transformers' pipeline on the same card, at 128 and 512 tokens
 
 It logs as it goes (check.log) and writes check.json (every part's outcome and results) and
 check.md (a short table) under $OUT, or benchmarks/results/ where $OUT is unset.
@@ -88,6 +90,10 @@ def parts(args, out: Path) -> list[Part]:
                          "--out", str(out / "parts/check-profile.json")],
              limit_s=120, results=out / "parts/check-profile.json"),
         Part("cuda", [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/e2e/test_cuda.py"], limit_s=300),
+        # The dry run: one length, the pipeline, `score` and the model alone on 300 rows (--smoke).
+        Part("scoring", [py, "-m", "benchmarks.scoring", "--gpu", "--reps", "1", *(["--smoke"] if dry else []),
+                         "--out", str(out / "parts/check-scoring.json")],
+             limit_s=240, results=out / "parts/check-scoring.json"),
     ]
 
 
@@ -180,6 +186,14 @@ def table(summary: dict) -> str:
         lines += [f"profile: {profile['wall_ms_per_step']:.1f} ms per step, {profile['device_busy_ms_per_step']:.1f} "
                   "ms of kernels: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                 list(profile["ms_per_step_by_category"].items())[:6]), ""]
+    scoring = summary["parts"].get("scoring", {}).get("results")
+    if scoring:
+        lines += ["| scoring: at most N tokens | side | rows/s | / the pipeline at its best |", "|---|---|---|---|"]
+        for length, measured in scoring.get("by_max_length", {scoring.get("max_length"): scoring}).items():
+            over = measured["speedup_over_the_pipeline_at_its_best"]
+            lines += [f"| {length} | {side} | {rate:,.1f} | {over[side]:.2f} |"
+                      for side, rate in measured["rows_per_s"].items()]
+        lines.append("")
     if summary["side_problems"]:
         lines += ["overrides refused:", *(f"- {p}" for p in summary["side_problems"]), ""]
     return "\n".join(lines)
@@ -188,7 +202,7 @@ def table(summary: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("parts", nargs="*", metavar="PART", help="run these parts only: variants, saves, profile, "
-                                                                 "cuda (default: all, in that order)")
+                                                                 "cuda, scoring (default: all, in that order)")
     parser.add_argument("--dry-run", action="store_true", default=os.environ.get("DRY_RUN") == "1",
                         help="on CPU, tiny shapes, a few steps (also DRY_RUN=1)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="all the parts together")
@@ -197,9 +211,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:  # the dry run's cheapest part that measures: one process, one step profiled
         args.dry_run, args.parts, args.out = True, args.parts or ["profile"], args.out or smoke.folder()
-    unknown = set(args.parts) - {"variants", "saves", "profile", "cuda"}
+    unknown = set(args.parts) - {"variants", "saves", "profile", "cuda", "scoring"}
     if unknown:
-        parser.error(f"unknown parts {sorted(unknown)}: expected variants, saves, profile or cuda")
+        parser.error(f"unknown parts {sorted(unknown)}: expected variants, saves, profile, cuda or scoring")
     import datetime
 
     import torch
