@@ -3,12 +3,13 @@
 # CUDA GPU and this project installed (`make install`, or the image), offline:
 #
 #   benchmarks/gpu.sh [all | cuda | sweep | compare | profile | ablations | demo | cpu-scaling ...]
-#   benchmarks/gpu.sh check [--dry-run] [cuda variants profile saves]
+#   benchmarks/gpu.sh check [--dry-run] [variants saves profile cuda scoring]
 #
 # check is issue 58's prepared check, one call of at most 8 minutes with no internet
-# (benchmarks/gpu_check.py, docs/gpus.md): the CUDA tests, then on bert-base at batch 512 the
-# loss check, model.sdpa_backend and train.compile on and off, interleaved, a profile, and an
-# FSDP save with checkpoint.async_save on and off; check.json, check.md and check.log land in
+# (benchmarks/gpu_check.py, docs/gpus.md): on bert-base at batch 512 the loss check,
+# model.sdpa_backend and train.compile on and off, interleaved, an FSDP save with
+# checkpoint.async_save on and off, a profile, the CUDA tests, and `score` against
+# transformers' pipeline (issue 73); check.json, check.md and check.log land in
 # $OUT (benchmarks/results where unset). --dry-run (or DRY_RUN=1): the same on CPU, tiny.
 #
 # all (the default) runs every part in this order, about 25 minutes on an H100:
