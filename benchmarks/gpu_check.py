@@ -93,7 +93,7 @@ def parts(args, out: Path) -> list[Part]:
         # The dry run: one length, the pipeline, `score` and the model alone on 300 rows (--smoke).
         Part("scoring", [py, "-m", "benchmarks.scoring", "--gpu", "--reps", "1", *(["--smoke"] if dry else []),
                          "--out", str(out / "parts/check-scoring.json")],
-             limit_s=240, results=out / "parts/check-scoring.json"),
+             limit_s=300, results=out / "parts/check-scoring.json"),
     ]
 
 

@@ -171,10 +171,12 @@ def main() -> None:
         args.rows, args.reps, args.baseline, args.batch, lengths = 300, 1, None, args.batch[:1], [32]
     name = "gpu-bert-base-scoring.json" if args.gpu else "cpu-minilm-scoring.json"
     results = args.out or smoke.results_path(name, args.smoke)
-    measured = {length: measure(args, length) for length in lengths}
-    result = measured[lengths[0]] if len(lengths) == 1 else {"by_max_length": measured}
     results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(result, indent=1) + "\n")
+    measured = {}
+    for length in lengths:  # written after each: a part cut short by its timeout keeps what it measured
+        measured[length] = measure(args, length)
+        result = measured[length] if len(lengths) == 1 else {"by_max_length": measured}
+        results.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def measure(args, max_length: int) -> dict:
