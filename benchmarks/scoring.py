@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--baseline", metavar="REV", help="also that revision's `predict` on 2 ranks")
     parser.add_argument("--gpu", action="store_true", help="one CUDA GPU, bert-base in bf16 (module docstring)")
     parser.add_argument("--out", type=Path, help="the results file (default: results/cpu-minilm-scoring.json; "
-                                                 "with --gpu, results/gpu-bert-base-scoring-MAX_LENGTH.json)")
+                                                 "with --gpu, results/gpu-bert-base-scoring.json)")
     smoke.add_flag(parser)
     args = parser.parse_args()
     args.batch = args.batch or ([64, 256] if args.gpu else [32])
@@ -206,7 +206,7 @@ def measure(args, max_length: int) -> dict:
             def run() -> dict:
                 folder = out()
                 seconds, peak = timed(score_command(corpus_file, model_dir, folder, nproc, max_length,
-                                                    "auto" if args.gpu else "fp32"))
+                                                    "auto" if on_gpu else "fp32"))
                 probs = pq.read_table(folder / "corpus.parquet").column("probs").to_pylist()
                 return {"seconds": seconds, "peak_mib": peak, "probs": probs}
             return run
@@ -247,6 +247,8 @@ def measure(args, max_length: int) -> dict:
     answered = {side: side_runs for side, side_runs in runs.items() if "probs" in side_runs[0]}
     worst = {side: max(abs(a - b) for run in side_runs for row, ref in zip(run["probs"], reference, strict=True)
                        for a, b in zip(row, ref, strict=True)) for side, side_runs in answered.items()}
+    if not on_gpu and (off := {side: d for side, d in worst.items() if d > 1e-5}):
+        raise SystemExit(f"benchmarks.scoring: answers differ from the pipeline's by more than 1e-5 at fp32: {off}")
     medians = {side: statistics.median(r["seconds"] for r in side_runs) for side, side_runs in runs.items()}
     pipeline_s = min(medians[f"pipeline batch {batch}"] for batch in args.batch)  # at its best
     if "kill" in extras:
