@@ -256,8 +256,7 @@ def measure(args, max_length: int) -> dict:
         extras["peak_ratio_all_rows_to_a_tenth"] = \
             whole / extras["score_1_process_peak_mib_at_a_tenth_of_the_rows"]["peak_mib"]
         extras["kill"]["seconds_lost"] = extras["kill"]["seconds_killed_and_again"] - medians["score, 1 process"]
-    device = __import__("torch").cuda.get_device_name(0) if on_gpu else cpu_name()
-    result = {"date": time.strftime("%Y-%m-%d"), "device": device, "cores": os.cpu_count(), "rows": rows,
+    result = {"date": time.strftime("%Y-%m-%d"), "device": device_name(on_gpu), "cores": os.cpu_count(), "rows": rows,
               "max_length": max_length, "reps": args.reps,
               "seconds": {side: [round(r["seconds"], 2) for r in side_runs] for side, side_runs in runs.items()},
               "median_s": medians, "rows_per_s": {side: rows / s for side, s in medians.items()},
@@ -266,6 +265,14 @@ def measure(args, max_length: int) -> dict:
               **extras, "max_abs_prob_difference_from_the_first_pipeline": worst}
     print(json.dumps({k: v for k, v in result.items() if k not in ("seconds", "rows_per_s")}, indent=1))
     return result
+
+
+def device_name(on_gpu: bool) -> str:
+    if not on_gpu:
+        return cpu_name()
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 def old_predict(tree: Path, data: Path, model_dir: Path, out, max_length: int):
@@ -288,7 +295,10 @@ def kill_cost(data: Path, model_dir: Path, folder: Path, rows: int, max_length: 
     """`score` in one process killed with its middle chunk's answers in memory, not committed,
     then run again to the end: the rows the two runs scored beyond the corpus's, and their
     seconds. The killed run's rows are its committed chunks' and the killed chunk's."""
-    chunk_rows, command = 4096, score_command(data, model_dir, folder, 1, max_length)
+    from trainer.config.schema import ScoreConfig
+
+    chunk_rows = ScoreConfig().chunk_rows  # the default, which score_command leaves in place
+    command = score_command(data, model_dir, folder, 1, max_length)
     middle = (-(-rows // chunk_rows)) // 2
     killed_s, _ = timed(command, env={"TRAINER_FAULT_SCORE_SIGKILL": f"corpus:{middle}:scored"}, check=False)
     committed = sum(pq.read_metadata(p).num_rows for p in (folder / ".score" / "chunks" / "corpus").glob("0*.parquet"))
