@@ -6,9 +6,10 @@ In order, each part a subprocess under its own `timeout` (a part that runs long 
 itself, and what it wrote so far is kept), all within --budget-s from the start:
 
   variants  `python -m benchmarks` on the bert-base shape (random init) at batch 512, one rank:
-            the defaults against each of: the loss check off, model.sdpa_backend efficient
-            and cudnn, a second loader worker, and train.compile; interleaved (the order
-            rotates each repetition, as long as the budget lasts)
+            the defaults against each of: data.packing (issue 74), the loss check off,
+            model.sdpa_backend efficient and cudnn, 2 and 4 loader workers (the data phase's
+            gap, issue 74), and train.compile; interleaved (the order rotates each
+            repetition, as long as the budget lasts)
   saves     an FSDP run saving every 5 steps, checkpoint.async_save on and off
   profile   benchmarks/profile_step.py at batch 512: where a step's time goes
   cuda      tests/e2e/test_cuda.py, with what the budget has left: on an H200 (2026-11-28)
@@ -44,7 +45,8 @@ from benchmarks import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = "trainer DDP bf16"
-GPU_SIDES = ["- loss check", "+ SDPA efficient", "+ SDPA cudnn", "+ 2 loader workers", "+ torch.compile"]
+GPU_SIDES = ["+ packing", "- loss check", "+ SDPA efficient", "+ SDPA cudnn", "+ 2 loader workers",
+             "+ 4 loader workers", "+ torch.compile"]
 """Against the defaults (auto SDPA, the loss check on, no compile), in the order they start."""
 SAVES = ["trainer FSDP bf16, async save every 5", "trainer FSDP bf16, sync save every 5"]
 BUDGET_S = 470

@@ -141,7 +141,7 @@ def test_every_part_of_the_training_step_runs_inside_a_phase(run_config):
     calls: list[str] = []
 
     class Recorder(StepObserver):
-        def micro_batch(self, attention_mask):
+        def micro_batch(self, lengths):
             calls.append("micro_batch")
 
         def phase(self, name, at=None):

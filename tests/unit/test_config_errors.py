@@ -96,6 +96,8 @@ BAD_OVERRIDES = [
     ("unknown-strategy", ["train.strategy=hsdp"], "train.strategy: must be one of ddp, fsdp, dp, got 'hsdp'"),
     ("hook-without-ddp", ["train.strategy=fsdp", "ddp.comm_hook=powersgd"],
      "ddp.comm_hook: powersgd compresses DDP's all-reduce, and train.strategy=fsdp has none"),
+    ("packing-under-dp", ["train.strategy=dp", "data.packing=true"],
+     "data.packing: nn.DataParallel (train.strategy=dp) splits a batch by rows"),
     ("powersgd-rank-zero", ["ddp.powersgd_rank=0"], "ddp.powersgd_rank: must be >= 1"),
     ("unknown-hook", ["ddp.comm_hook=int8"], "ddp.comm_hook"),
 ]

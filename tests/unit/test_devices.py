@@ -241,7 +241,7 @@ def test_mfu_is_logged_as_unknown_without_a_peak():
 
     meter = Meter(DistEnv(), torch.device("cpu"), 16, FlopModel(1000, 2, 32), max_steps=1)
     meter.begin(0)
-    meter.micro_batch(torch.ones(16, 8, dtype=torch.long))
+    meter.micro_batch(torch.full((16,), 8))
     meter.step_done(torch.tensor(1.0), None)
     window = meter.take_window(0, 1e-3)
     assert window["mfu"] is None

@@ -72,7 +72,7 @@ class _Observer(StepObserver):
     def __init__(self):
         self.calls: list[str] = []
 
-    def micro_batch(self, attention_mask):
+    def micro_batch(self, lengths):
         pass
 
     def phase(self, name, at=None):

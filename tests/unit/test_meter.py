@@ -38,7 +38,7 @@ def make_meter(clock: FakeClock, peak: float | None = 1e5) -> Meter:
 def step(meter: Meter, clock: FakeClock, lengths: list[int], loss: float = 1.0,
          phases: dict[str, float] | None = None) -> None:
     """One training step: a micro-batch of sequences of `lengths`, each phase's seconds."""
-    meter.micro_batch(torch.tensor([[1] * n + [0] * (8 - n) for n in lengths]))
+    meter.micro_batch(torch.tensor(lengths))
     for name, seconds in (phases or {"forward": 1.0}).items():
         meter.phase(name)
         clock.advance(seconds)

@@ -16,7 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.cli.run_config import load as load_config
 from trainer.data import labels
+from trainer.data.packing import PackedCollate
 from trainer.faults import inject
+from trainer.model import packing
 from trainer.runtime.environment import DistEnv
 from trainer.train import build
 from trainer.train.step import StepObserver
@@ -40,23 +42,33 @@ def run_config(tiny_model, reviews, tmp_path):
     return make
 
 
-def counted_steps(built, steps: int = 4) -> list[dict]:
+def packed_batches(built, padded: bool, seed: int) -> list[dict[str, torch.Tensor]]:
+    """`batches`' samples packed (data.packing)."""
+    (batch,) = batches(padded, seed)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    features = [{"input_ids": batch["input_ids"][i, :length].tolist(), "labels": i} for i, length in enumerate(lengths)]
+    return [PackedCollate(built.tokenizer, packing.layout(built.config), None)(features)]
+
+
+def counted_steps(built, steps: int = 4, packed: bool = False) -> list[dict]:
     """Each step's counts, counted from the first (what a step hands the next is known)."""
     taken = []
+    made = [packed_batches(built, n % 2 == 0, n) if packed else None for n in range(1, steps + 1)]  # not counted
     with StepCounts() as counts:
         for n in range(1, steps + 1):
-            step_batches = batches(padded=n % 2 == 0, seed=n)
+            step_batches = made[n - 1] or batches(padded=n % 2 == 0, seed=n)
             counts.host(step_batches)
             built.step(step_batches, n, StepObserver())
             taken.append(counts.take())
     return taken
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "lora"])
+@pytest.mark.parametrize("strategy", ["ddp", "lora", "packed"])
 def test_a_steady_state_step_makes_no_host_sync(run_config, strategy):
-    cfg = run_config(**({"model.lora.r": 4} if strategy == "lora" else {}))
+    settings = {"lora": {"model.lora.r": 4}, "packed": {"data.packing": True}}.get(strategy, {})
+    cfg = run_config(**settings)
     built = build.build(cfg, DistEnv(), torch.device("cpu"), labels.from_config(cfg.data), max_steps=8)
-    steady = counted_steps(built)[1:]  # the first settles nothing yet
+    steady = counted_steps(built, packed=strategy == "packed")[1:]  # the first settles nothing yet
     assert [step["sync_sites"] for step in steady] == [{}, {}, {}]
     # Padded and unpadded batches alike; the same ops every step, so a count may be asserted.
     assert steady[0]["by_op"] == steady[2]["by_op"] and steady[1]["syncs"] == 0

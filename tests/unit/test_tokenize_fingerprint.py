@@ -227,7 +227,7 @@ def test_an_eval_split_cut_by_max_eval_samples_is_read_whole_each_row_once_on_on
     assert Counter(rows_read(loader)) == expected
 
     tokenized = encoding.tokenize_split(splits.eval, cfg.data, "eval_split", tokenizer, splits.labels, DistEnv())
-    options = loaders._loader_options(cfg, tokenizer, torch.device("cpu"))
+    options = loaders._loader_options(cfg, tokenizer, torch.device("cpu"), None)
     shards = [rows_read(loaders._eval_loader(tokenized, cfg, DistEnv(
         rank=r, local_rank=r, world_size=2, local_world_size=2, master_addr="localhost", master_port=1), options))
         for r in (0, 1)]

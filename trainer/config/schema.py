@@ -227,6 +227,11 @@ class DataConfig:
     """Label names renamed before the classes are found (after data.normalize_labels), e.g.
     `{pos: positive, "n/a": null}`; a name mapped to null is a row with no label (see
     data.drop_invalid_rows)."""
+    packing: bool = key(False, FREE)
+    """Lay each micro-batch's samples end to end in as few rows as fit its longest sample, so
+    no layer computes on padding but a row's tail; each sample attends to itself alone and is
+    classified at its own token, so it trains what padding trains (docs/packing.md: the
+    families it runs on, and why it is off by default). Not under train.strategy=dp."""
     group_by_length: bool = key(True, FIXED)
     """Group samples of similar length into the same global batch (less padding)."""
     num_workers: int = key(1, FREE, at_least(0))

@@ -17,6 +17,7 @@ from trainer.config.schema import Config
 from trainer.data import arrow, encoding, reading, samplers, worker_server
 from trainer.data import labels as labels_module
 from trainer.data.batch_plan import BatchPlan
+from trainer.data.packing import Layout, PackedCollate
 from trainer.errors import CheckpointError
 from trainer.runtime.distributed import local_rank_zero_first
 from trainer.runtime.environment import DistEnv
@@ -80,8 +81,9 @@ def stop_workers(loader: DataLoader | None) -> list:
 
 
 def build(cfg: Config, dist_env: DistEnv, splits: reading.Splits, tokenizer, device: torch.device,
-          plan: BatchPlan) -> Data:
-    """The loaders of the `load`ed splits: tokenized (once per node), batched by `plan`."""
+          plan: BatchPlan, layout: Layout | None = None) -> Data:
+    """The loaders of the `load`ed splits: tokenized (once per node), batched by `plan`, padded
+    or (a `layout`: data.packing) packed."""
     data_cfg = cfg.data
     with local_rank_zero_first(dist_env, "tokenizing"):
         train_ds = encoding.tokenize_split(splits.train, data_cfg, "train_split", tokenizer, splits.labels, dist_env)
@@ -90,7 +92,9 @@ def build(cfg: Config, dist_env: DistEnv, splits: reading.Splits, tokenizer, dev
             splits.test, data_cfg, "test_split", tokenizer, splits.labels, dist_env)
     splits.steps_per_epoch(plan, cfg.train)  # checked before the model loads; again for other callers
     worker_server.start_worker_server(cfg)  # a no-op after run_train's; benchmarks and tests call build() alone
-    loader_options = _loader_options(cfg, tokenizer, device)
+    loader_options = _loader_options(cfg, tokenizer, device, layout)
+    if layout is not None and dist_env.is_rank_zero:
+        log.info("%s", packing_line(cfg, layout))
     train_sampler = samplers.GlobalBatchSampler(
         arrow.int_column(train_ds, "length"), labels_module.ledger_keys(arrow.column(train_ds, "labels")),
         plan.global_batch, dist_env, cfg.seed, data_cfg.group_by_length,
@@ -107,13 +111,13 @@ def build(cfg: Config, dist_env: DistEnv, splits: reading.Splits, tokenizer, dev
     )
 
 
-def build_eval(cfg: Config, dist_env: DistEnv, splits: reading.Splits, tokenizer, device: torch.device
-               ) -> tuple[DataLoader, int]:
+def build_eval(cfg: Config, dist_env: DistEnv, splits: reading.Splits, tokenizer, device: torch.device,
+               layout: Layout | None = None) -> tuple[DataLoader, int]:
     """The validation split of the `load`ed splits alone, for `python -m trainer evaluate`:
     (loader, samples)."""
     with local_rank_zero_first(dist_env, "tokenizing"):
         eval_ds = encoding.tokenize_split(splits.eval, cfg.data, "eval_split", tokenizer, splits.labels, dist_env)
-    return _eval_loader(eval_ds, cfg, dist_env, _loader_options(cfg, tokenizer, device)), len(eval_ds)
+    return _eval_loader(eval_ds, cfg, dist_env, _loader_options(cfg, tokenizer, device, layout)), len(eval_ds)
 
 
 def pad_multiple(cfg: Config, device: torch.device) -> int | None:
@@ -122,15 +126,24 @@ def pad_multiple(cfg: Config, device: torch.device) -> int | None:
     return cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None)
 
 
-def collate(cfg: Config, tokenizer, device: torch.device) -> Collate:
+def collate(cfg: Config, tokenizer, device: torch.device, layout: Layout | None = None) -> Collate | PackedCollate:
+    """Padded batches, or packed ones in `layout` (data.packing: trainer/model/packing.py's)."""
+    if layout is not None:
+        return PackedCollate(tokenizer, layout, pad_multiple(cfg, device))
     return Collate(tokenizer, pad_multiple(cfg, device))
 
 
-def _loader_options(cfg: Config, tokenizer, device: torch.device) -> dict:
+def packing_line(cfg: Config, layout: Layout) -> str:
+    """What the log says of data.packing, once a command packs its batches."""
+    return (f"data.packing: each batch's samples laid end to end in rows of up to {cfg.data.max_length} tokens, "
+            f"each sample read at its {'last' if layout.pool_last else 'first'} token")
+
+
+def _loader_options(cfg: Config, tokenizer, device: torch.device, layout: Layout | None) -> dict:
     data_cfg = cfg.data
     workers = data_cfg.num_workers
     return {
-        "collate_fn": collate(cfg, tokenizer, device),
+        "collate_fn": collate(cfg, tokenizer, device, layout),
         "num_workers": workers, "pin_memory": pins_memory(cfg, device),
         "persistent_workers": workers > 0,
         # Never a fork of the rank (start_worker_server says why). The worker reads the

@@ -29,6 +29,7 @@ from trainer.config.schema import Config
 from trainer.data import loaders
 from trainer.errors import DataError, TrainerError
 from trainer.faults import inject
+from trainer.model import packing
 from trainer.scoring.corpus import Chunk, Reader, Shard
 from trainer.scoring.ledger import Ledger
 from trainer.train.build import Trained
@@ -101,7 +102,10 @@ class Worker:
         self.shards = shards[first:] + shards[:first]  # workers start apart, and meet at the tail
         self.output = Path(cfg.score.output or "")
         self.suffix = f".{cfg.score.format}"
-        self.collate = loaders.collate(cfg, trained.tokenizer, device)
+        layout = packing.of_run(cfg.data, trained.config)
+        if layout is not None:
+            log.info("%s", loaders.packing_line(cfg, layout))
+        self.collate = loaders.collate(cfg, trained.tokenizer, device, layout)
         self.pin = device.type == "cuda"
         self.max_tokens = cfg.score.max_tokens or (32768 if device.type == "cuda" else 4096)
         self.counts = Counts()

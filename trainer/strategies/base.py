@@ -21,6 +21,8 @@ from torch import nn
 from trainer.checkpoint import formats
 from trainer.config.schema import Config
 from trainer.data.batch_plan import BatchPlan
+from trainer.data.packing import is_packed
+from trainer.model import packing
 from trainer.runtime import distributed
 from trainer.runtime.environment import DistEnv
 
@@ -49,6 +51,8 @@ class LogitsUnderAutocast(nn.Module):
 
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
         with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            if is_packed(inputs):  # data.packing: each sample read at its own token of the rows
+                return packing.logits(self.model, inputs)
             return self.model(**inputs).logits
 
 

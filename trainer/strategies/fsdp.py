@@ -22,6 +22,7 @@ from torch import nn
 from trainer.checkpoint import formats
 from trainer.config.schema import Config
 from trainer.errors import CheckpointError, ConfigError
+from trainer.model import packing
 from trainer.model.pretrained import transformer_blocks
 from trainer.runtime import distributed
 from trainer.strategies.base import Strategy
@@ -76,6 +77,8 @@ class FSDP(Strategy):
     def prepare(self, model, dist_env, device, amp_dtype) -> None:
         if dist_env.is_distributed:
             fully_shard_model(model, self.cfg.fsdp.reshard_after_forward, amp_dtype)
+            if self.cfg.data.packing:
+                packing.through_fsdp_root(model)
             self._model, self.sharded = model, True
 
     def sync_gradients(self, now: bool) -> AbstractContextManager:

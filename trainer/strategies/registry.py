@@ -38,3 +38,8 @@ def check(cfg: Config) -> None:
     if cfg.ddp.comm_hook != "none" and strategy != "ddp":
         raise ConfigError(f"ddp.comm_hook: {cfg.ddp.comm_hook} compresses DDP's all-reduce, and "
                           f"train.strategy={strategy} has none; set ddp.comm_hook=none")
+    if cfg.data.packing and strategy == "dp":
+        # It scatters each tensor of a batch by its first dimension: a packed batch's rows
+        # and its samples are not the same count.
+        raise ConfigError("data.packing: nn.DataParallel (train.strategy=dp) splits a batch by rows, and a packed "
+                          "row holds several samples; use train.strategy=ddp or set data.packing=false")

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from trainer.config.schema import Config
 from trainer.data import loaders, reading
-from trainer.model import pretrained
+from trainer.model import packing, pretrained
 from trainer.runtime import distributed
 from trainer.runtime.environment import DistEnv
 from trainer.tasks.base import Task
@@ -116,7 +116,8 @@ def run(cfg: Config, dist_env: DistEnv, device: torch.device, folder: Path) -> d
     the report on rank 0."""
     trained = build.trained(cfg, dist_env, device, folder)
     splits = reading.load(cfg, dist_env, labels=trained.task.labels)  # every label one the model knows
-    loader, num_samples = loaders.build_eval(cfg, dist_env, splits, trained.tokenizer, device)
+    loader, num_samples = loaders.build_eval(cfg, dist_env, splits, trained.tokenizer, device,
+                                             packing.of_run(cfg.data, trained.config))
     result = evaluate(trained.logits, loader, num_samples, trained.task, device, dist_env, keep_rows=True,
                       sdpa_backend=cfg.model.sdpa_backend)
     split = cfg.data.eval_split

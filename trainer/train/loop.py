@@ -22,7 +22,7 @@ from trainer.errors import describe
 from trainer.exit_codes import Exit
 from trainer.faults import inject, numerics, preemption, replicas, timeline, watchdog
 from trainer.faults.attempts import Attempt
-from trainer.model import lora, optim, pretrained
+from trainer.model import lora, optim, packing, pretrained
 from trainer.outputs import card, summary
 from trainer.outputs.ending import Ending, write_outputs
 from trainer.runtime import distributed
@@ -115,7 +115,8 @@ class Trainer:
         self.parameter_counts = lora.parameter_counts(self.model)
         self.precisions = lora.precisions(self.model, self.built.amp_dtype)
         startup.mark("model")
-        self.data = loaders.build(cfg, dist_env, splits, self.built.tokenizer, device, self.batch)
+        self.data = loaders.build(cfg, dist_env, splits, self.built.tokenizer, device, self.batch,
+                                  packing.of_run(cfg.data, self.built.config))
         startup.mark("tokenize")
         self.selection = Selection.from_config(cfg)
         """The best checkpoint so far, and early stopping."""

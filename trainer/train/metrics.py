@@ -109,9 +109,8 @@ class Meter(StepObserver):
         """The step enters phase `name` (None: the step is over), now or at an earlier `at`."""
         self.timer.start(name, at)
 
-    def micro_batch(self, attention_mask: torch.Tensor) -> None:
-        """Count a micro-batch's real tokens (before it moves to the device: no sync)."""
-        lengths = attention_mask.sum(1)
+    def micro_batch(self, lengths: torch.Tensor) -> None:
+        """Count a micro-batch's real tokens, its samples' `lengths` (on the host: no sync)."""
         self._window.tokens += int(lengths.sum())
         self._window.sum_sq_len += int(lengths.square().sum())
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
+from trainer.data.packing import is_packed
 from trainer.faults.numerics import LossGuard, Outcome, Verdict
 from trainer.model.pretrained import sdpa_kernel
 
@@ -65,8 +66,8 @@ class StepObserver:
     """What the step reports as it runs; this one ignores it all. trainer/train/metrics.py's Meter
     keeps it as the run's rates and phase times, the forecast's clock as its timings."""
 
-    def micro_batch(self, attention_mask: torch.Tensor) -> None:
-        """A micro-batch begins, still on the host."""
+    def micro_batch(self, lengths: torch.Tensor) -> None:
+        """A micro-batch of samples of these token `lengths` begins, still on the host."""
 
     def phase(self, name: str | None, at: float | None = None) -> None:
         """The step enters phase `name` (None: it is over), now or at an earlier `at`
@@ -154,14 +155,21 @@ class TrainStep:
         step_loss = torch.zeros((), device=self.device)
         with self._casts_kept(grad_accum):
             for i, batch in enumerate(batches):
-                observer.micro_batch(batch["attention_mask"])
-                mask = self.masks(batch["attention_mask"])  # from the host's copy: nothing to read on the device
+                if is_packed(batch):  # its mask is made on the device, of its sequence ids
+                    batch = dict(batch)
+                    lengths, mask = batch.pop("lengths"), None
+                else:
+                    lengths = batch["attention_mask"].sum(1)
+                    mask = self.masks(batch["attention_mask"])  # from the host's copy: nothing to read on the device
+                observer.micro_batch(lengths)
                 # From page-locked memory (data.pin_memory, on GPU) the copies need not block the host.
                 batch = {k: v.to(self.device, non_blocking=self.non_blocking) for k, v in batch.items()}
+                if mask is not None:
+                    batch["attention_mask"] = mask(batch["attention_mask"])
                 is_last = i == grad_accum - 1
                 with self.strategy.sync_gradients(now=is_last), sdpa_kernel(self.sdpa_backend):
                     observer.phase("forward")
-                    loss = self.loss({**batch, "attention_mask": mask(batch["attention_mask"])}) / grad_accum
+                    loss = self.loss(batch) / grad_accum
                     observer.phase("backward")
                     self.scaler.scale(loss).backward()
                 if is_last and clock is not None:
