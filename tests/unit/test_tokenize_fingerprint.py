@@ -9,6 +9,7 @@ proves the same across real launches.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import datasets
@@ -264,3 +265,29 @@ def test_check_measures_the_token_lengths_of_a_seeded_sample_of_2000_rows_of_a_l
     assert expected[2] not in {truncation(lengths("train", 2500, None)), truncation(lengths("train", 2000, None))}
     checked = data_check.check(cfg, world_size=1)
     assert [line for line in checked.lines if line.startswith(("  tokens", "  data.max_length"))] == expected
+
+
+def test_check_says_how_much_of_the_micro_batches_is_padding_and_what_packing_would_leave(tiny_model, tmp_path):
+    """The padding of the train sample's micro-batches as the run's sampler draws them: with
+    length grouping on little, with it off much, and then a warning that data.packing would
+    leave a fraction of it; with packing on, the packed share leads."""
+    data = generate(tmp_path / "data", num_train=600, num_test=100)
+
+    def padding(**changes) -> tuple[list[float], list[str]]:
+        cfg = settings(tiny_model, data, tmp_path, **{"train.batch_size": 16, **changes})
+        checked = data_check.check(cfg, world_size=2)
+        (line,) = [line for line in checked.lines if line.startswith("  padding: ")]
+        return [float(share) for share in re.findall(r"([\d.]+)%", line)], checked.warnings
+
+    (grouped, grouped_packed), grouped_warnings = padding()
+    (mixed, mixed_packed), mixed_warnings = padding(**{"data.group_by_length": False})
+    assert grouped < 10 and mixed > 25 and mixed_packed < mixed - 5, (grouped, mixed, mixed_packed)
+    assert grouped_packed <= grouped
+    assert not [w for w in grouped_warnings if "data.packing" in w]
+    (suggestion,) = [re.fullmatch(r"(\d+)% of the tokens the micro-batches compute are padding \(length grouping "
+                                  r"off\): data.packing=true would leave (\d+)% \(docs/packing.md\)", w)
+                     for w in mixed_warnings if "data.packing" in w]
+    assert suggestion and [int(n) for n in suggestion.groups()] == [pytest.approx(mixed, abs=0.51),
+                                                                    pytest.approx(mixed_packed, abs=0.51)]
+    (packed, padded), packed_warnings = padding(**{"data.group_by_length": False, "data.packing": True})
+    assert (packed, padded) == (mixed_packed, mixed) and not [w for w in packed_warnings if "data.packing" in w]

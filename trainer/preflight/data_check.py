@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainer.config.schema import Config
-from trainer.data import reading
+from trainer.data import packing, reading, samplers
 from trainer.data.batch_plan import BatchPlan
 from trainer.data.reading import Splits
 from trainer.errors import ConfigError
@@ -58,7 +58,7 @@ def check(cfg: Config, world_size: int) -> DataCheck:
                                                          for name, w in zip(labels.names, labels.weights, strict=True)))
         elif imbalance > 10:
             warnings.append(f"the labels are imbalanced ({imbalance:.3g}x): consider train.class_weights=balanced")
-    lines += _lengths(cfg, splits, warnings)
+    lines += _lengths(cfg, splits, warnings, world_size)
     warnings += _epoch(cfg, splits, world_size)
     return DataCheck(labels, lines, warnings)
 
@@ -73,9 +73,9 @@ def _splits_line(cfg: Config, splits: Splits) -> str:
             f"({data_cfg.train_split}), validation {validation}, test {test}")
 
 
-def _lengths(cfg: Config, splits: Splits, warnings: list[str]) -> list[str]:
-    """Each split's token-length percentiles from a seeded sample, and the data.max_length
-    that keeps 99% of the train sample untruncated."""
+def _lengths(cfg: Config, splits: Splits, warnings: list[str], world_size: int) -> list[str]:
+    """Each split's token-length percentiles from a seeded sample, the data.max_length that
+    keeps 99% of the train sample untruncated, and the padding its micro-batches carry."""
     try:
         tokenizer = pretrained.load_tokenizer(cfg.model)
     except ConfigError as e:  # a hub model a login node can't reach: the rest of the check stands
@@ -102,7 +102,43 @@ def _lengths(cfg: Config, splits: Splits, warnings: list[str]) -> list[str]:
     if truncated > 0.05:
         warnings.append(f"data.max_length {data_cfg.max_length} truncates {truncated:.0%} of the training texts; "
                         f"{keeps} would keep 99% whole (within the model's positions)")
-    return lines
+    return lines + _padding(cfg, np.minimum(train_lengths, data_cfg.max_length), world_size, warnings)
+
+
+PADDING_WARNED = 0.25
+"""A share of padding in the micro-batches above which `check` suggests data.packing."""
+
+
+def _padding(cfg: Config, lengths: np.ndarray, world_size: int, warnings: list[str]) -> list[str]:
+    """The share of padding in rank 0's micro-batches of the train sample, drawn as the run's
+    sampler draws them (length grouping as set), padded and packed (data.packing)."""
+    try:
+        plan = BatchPlan.of(cfg.train, world_size)
+    except ConfigError:  # _epoch says so
+        return []
+    if len(lengths) < plan.global_batch:
+        return []
+    rank_zero = DistEnv(world_size=world_size)
+    sampler = samplers.GlobalBatchSampler(lengths, np.zeros(len(lengths), np.int64), plan.global_batch, rank_zero,
+                                          cfg.seed, cfg.data.group_by_length)
+    order = lengths[list(sampler)]
+    real = padded = packed = 0
+    for start in range(0, len(order) - plan.micro_batch + 1, plan.micro_batch):
+        batch = order[start:start + plan.micro_batch].tolist()
+        width = max(batch)
+        real, padded = real + sum(batch), padded + width * len(batch)
+        packed += width * len(packing.rows_of(batch, width))
+    padded_share, packed_share = 1 - real / padded, 1 - real / packed
+    grouping = "on" if cfg.data.group_by_length else "off"
+    batches = f"of the tokens of the sample's micro-batches of {plan.micro_batch}"
+    if cfg.data.packing:
+        line = f"{packed_share:.1%} {batches} (data.packing; {padded_share:.1%} padded, length grouping {grouping})"
+    else:
+        line = f"{padded_share:.1%} {batches} (length grouping {grouping}; {packed_share:.1%} with data.packing)"
+        if padded_share > PADDING_WARNED:
+            warnings.append(f"{padded_share:.0%} of the tokens the micro-batches compute are padding (length "
+                            f"grouping {grouping}): data.packing=true would leave {packed_share:.0%} (docs/packing.md)")
+    return [f"  padding: {line}"]
 
 
 def _epoch(cfg: Config, splits: Splits, world_size: int) -> list[str]:
