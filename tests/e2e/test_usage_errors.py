@@ -15,7 +15,6 @@ import shutil
 
 import pytest
 import yaml
-from support.models import make_tiny_model
 from support.outputs import read_summary
 from support.runs import REPO, assert_usage_error, launch, previous_run, snapshot, tiny_overrides, trainer_command
 
@@ -232,18 +231,6 @@ def test_positions_are_checked_before_any_weight_loads(usage_run, tiny_model, re
         result = usage_run(tiny_overrides(broken, reviews, tmp_path / "run", **{"data.max_length": 512}),
                            command=command)
         assert_usage_error(result, "data.max_length: 512 is more than the 128 positions of model.name")
-
-
-def test_packing_a_family_it_is_not_proven_on_is_refused_before_any_weight_loads(usage_run, reviews, tmp_path):
-    """data.packing reads each sample at its family's own token: a family not proven equal
-    (DeBERTa-v2 here) is refused from its config.json, by train and check alike."""
-    model = make_tiny_model(tmp_path / "model", 0.0, "deberta-v2")
-    (model / "model.safetensors").write_bytes(b"not weights")
-    for command in ("train", "check"):
-        result = usage_run(tiny_overrides(model, reviews, tmp_path / "run", **{"data.packing": True}),
-                           command=command)
-        assert_usage_error(result, f"data.packing: model.name {model}: model type deberta-v2 is not one packing is "
-                                   "proven on")
 
 
 def test_strategy_dp_single_process_trains(tiny_model, reviews, tmp_path):

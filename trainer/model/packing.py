@@ -12,11 +12,12 @@ tail is a sequence of its own: no query is ever masked whole, which would make S
 softmax NaN and its gradient with it.
 
 A family is here once a test proves its packed logits, loss, gradients and trained weights
-equal to padded ones (tests/unit/test_packing.py); any other refuses data.packing in one line.
+equal to padded ones (tests/unit/test_packing.py); any other is padded, as the run says.
 """
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -26,13 +27,14 @@ from torch import nn
 
 from trainer.config.schema import DataConfig
 from trainer.data.packing import Layout
-from trainer.errors import ConfigError
 
 ENCODERS_WITH_HEAD = frozenset({"roberta"})
 """Their `classifier` takes the sequence output and reads its token 0 (RobertaClassificationHead)."""
 DECODERS = frozenset({"gpt2", "llama", "qwen2", "mistral"})
 """Their `score` maps every token; the classifier reads each sequence's last."""
 FAMILIES = frozenset({"bert"}) | ENCODERS_WITH_HEAD | DECODERS
+
+log = logging.getLogger(__name__)
 
 
 def unsupported(config) -> str | None:
@@ -46,15 +48,15 @@ def unsupported(config) -> str | None:
 
 
 def of_run(data_cfg: DataConfig, config) -> Layout | None:
-    """The layout of the run's packed rows (data.packing) for the model of `config`; None: padded."""
-    return layout(config) if data_cfg.packing else None
-
-
-def check(data_cfg: DataConfig, model_name: str, config) -> None:
-    """data.packing against the model's config, before its weights load."""
-    reason = unsupported(config) if data_cfg.packing else None
+    """The layout of the run's packed rows (data.packing) for the model of `config`; None:
+    padded, as asked, or because packing is not proven on this model (said in one line)."""
+    if not data_cfg.packing:
+        return None
+    reason = unsupported(config)
     if reason is not None:
-        raise ConfigError(f"data.packing: model.name {model_name}: {reason}; set data.packing=false")
+        log.warning("data.packing: %s: its batches are padded instead", reason)
+        return None
+    return layout(config)
 
 
 def layout(config) -> Layout:

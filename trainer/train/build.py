@@ -25,7 +25,7 @@ from trainer.data import labels as labels_module
 from trainer.data import loaders
 from trainer.errors import ConfigError
 from trainer.faults.numerics import LossGuard
-from trainer.model import lora, optim, packing, pretrained
+from trainer.model import lora, optim, pretrained
 from trainer.runtime import devices, distributed
 from trainer.runtime.environment import DistEnv
 from trainer.strategies import registry
@@ -90,7 +90,6 @@ def load(cfg: Config, dist_env: DistEnv, device: torch.device, amp_dtype: torch.
         config = pretrained.load_config(model_cfg, labels, device.type, pad_token_id, backward)
         # Before the weights: for an 8B model a mistake costs seconds, not minutes.
         pretrained.check_max_length(model_cfg, cfg.data.max_length, config, tokenizer)
-        packing.check(cfg.data, model_cfg.name, config)
         dtype = lora.frozen_dtype(cfg.model, amp_dtype)
         bare = pretrained.meta_model(config, dtype, model_cfg.trust_remote_code) if on_meta else \
             pretrained.load_model(model_cfg, config, cfg.seed, device, dtype)
