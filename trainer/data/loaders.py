@@ -135,8 +135,8 @@ def collate(cfg: Config, tokenizer, device: torch.device, layout: Layout | None 
 
 def packing_line(cfg: Config, layout: Layout) -> str:
     """What the log says of data.packing, once a command packs its batches."""
-    return (f"data.packing: each batch's samples laid end to end in rows of up to {cfg.data.max_length} tokens, "
-            f"each sample read at its {'last' if layout.pool_last else 'first'} token")
+    return (f"data.packing: each batch's samples laid end to end in rows as wide as its longest (at most "
+            f"{cfg.data.max_length} tokens), each sample read at its {'last' if layout.pool_last else 'first'} token")
 
 
 def _loader_options(cfg: Config, tokenizer, device: torch.device, layout: Layout | None) -> dict:
