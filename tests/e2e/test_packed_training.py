@@ -2,15 +2,19 @@
 
 A Llama-shaped classifier (its tokenizer pads on the left; the classifier reads each
 sequence's last token, under a causal mask): 2 ranks with packed micro-batches of 8 end
-where 1 process with padded batches of 16 ends, and evaluate the same; rank 1 SIGKILLed
+where 1 process with padded batches of 16 ends, and evaluate the same (`evaluate` of one
+final/, packed and padded: every row's answer the same); rank 1 SIGKILLed
 mid-epoch and relaunched, packed, ends bitwise where the uninterrupted packed run ends.
 (Packed against padded per family, full and LoRA, in process: tests/unit/test_packing.py.)
 """
 
+import json
+import shutil
+
 import pytest
 from support.models import make_tiny_model
 from support.outputs import read_summary
-from support.runs import kill_then_resume, tiny_overrides, train_together
+from support.runs import kill_then_resume, tiny_overrides, together, train_together, trainer_command
 from support.weights import compare_weights, weights
 
 
@@ -33,6 +37,20 @@ def test_two_packed_ranks_train_what_one_padded_process_trains_and_resume_bitwis
     assert packed_eval.keys() == padded_eval.keys()
     for name, value in padded_eval.items():
         assert packed_eval[name] == pytest.approx(value, abs=1e-5), name
+
+    # `evaluate` of the same final/, packed and padded: the same answer for every row, the same metrics.
+    folders = {name: tmp_path / f"final-{name}" for name in ("padded", "packed")}
+    for folder in folders.values():
+        shutil.copytree(single / "final", folder)
+    evaluated = together(*((trainer_command([*tiny_overrides(model, reviews, tmp_path / "evaluate", **options),
+                                              f"data.packing={name == 'packed'}", f"checkpoint={folder}"],
+                                             None, command="evaluate"), {}) for name, folder in folders.items()))
+    assert all(result.returncode == 0 for result in evaluated), [r.output[-2000:] for r in evaluated]
+    assert "samples laid end to end" in evaluated[1].output and "samples laid end to end" not in evaluated[0].output
+    (padded_rows,), (packed_rows,) = (list(folder.glob("eval-*-rows.csv")) for folder in folders.values())
+    assert packed_rows.read_text() == padded_rows.read_text()  # each row's prediction, as a CSV prints it
+    reports = [json.loads(next(folder.glob("eval-*.json")).read_text()) for folder in folders.values()]
+    assert reports[1]["loss"] == pytest.approx(reports[0]["loss"], abs=1e-5)
 
     kill_then_resume(tiny_overrides(model, reviews, resumed, **options, **packed), resumed,
                      {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)

@@ -117,6 +117,8 @@ def build_eval(cfg: Config, dist_env: DistEnv, splits: reading.Splits, tokenizer
     (loader, samples)."""
     with local_rank_zero_first(dist_env, "tokenizing"):
         eval_ds = encoding.tokenize_split(splits.eval, cfg.data, "eval_split", tokenizer, splits.labels, dist_env)
+    if layout is not None and dist_env.is_rank_zero:
+        log.info("%s", packing_line(cfg, layout))
     return _eval_loader(eval_ds, cfg, dist_env, _loader_options(cfg, tokenizer, device, layout)), len(eval_ds)
 
 
