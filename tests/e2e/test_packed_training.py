@@ -12,7 +12,6 @@ import json
 import shutil
 
 import pytest
-from support.models import make_tiny_model
 from support.outputs import read_summary
 from support.runs import kill_then_resume, tiny_overrides, together, train_together, trainer_command
 from support.weights import compare_weights, weights
@@ -56,13 +55,3 @@ def test_two_packed_ranks_train_what_one_padded_process_trains_and_resume_bitwis
                      {"TRAINER_FAULT_SIGKILL": "1:13"}, resumed_from=10)
     assert not compare_weights(ranks, resumed, steps).differing
 
-
-def test_a_family_packing_is_not_proven_on_trains_padded_and_says_so(reviews, tmp_path):
-    """DeBERTa-v2 reads its samples through a pooler of its own: data.packing pads its batches
-    instead, in one line, and the run trains."""
-    model = make_tiny_model(tmp_path / "model", 0.0, "deberta-v2")
-    (result,) = train_together((tiny_overrides(model, reviews, tmp_path / "run", **{"data.packing": True}), None))
-    said = ("data.packing: model type deberta-v2 is not one packing is proven on (bert, gpt2, llama, mistral, qwen2, "
-            "roberta): its batches are padded instead")
-    assert said in result.output, result.output[-3000:]
-    assert "samples laid end to end" not in result.output

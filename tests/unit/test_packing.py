@@ -145,3 +145,17 @@ def test_rows_are_filled_first_fit_by_decreasing_length():
     assert rows_of(LENGTHS, CAPACITY) == [[2], [4, 0, 5, 1], [6, 3]]
     assert rows_of([5, 5, 5], 16) == [[0, 1, 2]]
     assert rows_of([8, 8], 8) == [[0], [1]]
+
+
+def test_a_family_packing_is_not_proven_on_is_padded_and_the_run_says_so(folders, caplog):
+    """DeBERTa-v2 reads its samples through a pooler of its own: its batches stay padded."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folders("deberta-v2"), attn_implementation="sdpa")
+    with caplog.at_level("WARNING", logger="trainer.model.packing"):
+        assert packing.of_run(OmegaConf.create({"packing": True}), config) is None
+    said = ("data.packing: model type deberta-v2 is not one packing is proven on (bert, gpt2, llama, mistral, qwen2, "
+            "roberta): its batches are padded instead")
+    assert caplog.messages == [said]
+    bert = AutoConfig.from_pretrained(folders("bert"), attn_implementation="sdpa")
+    assert packing.of_run(OmegaConf.create({"packing": True}), bert) == packing.Layout(pool_last=False)
