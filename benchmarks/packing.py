@@ -64,8 +64,7 @@ def main() -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from benchmarks.__main__ import machine
-    from trainer.data.loaders import Collate
-    from trainer.data.packing import PackedCollate
+    from trainer.data.loaders import Collate, PackedCollate
     from trainer.model import packing
     from trainer.strategies.base import LogitsUnderAutocast
 

@@ -16,8 +16,8 @@ import torch
 from omegaconf import OmegaConf
 from support.models import make_tiny_model
 
-from trainer.data.loaders import Collate
-from trainer.data.packing import PackedCollate, rows_of
+from trainer.data.loaders import Collate, PackedCollate
+from trainer.data.packing import rows_of
 from trainer.model import lora, packing
 from trainer.strategies.base import LogitsUnderAutocast
 

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.cli.run_config import load as load_config
 from trainer.data import labels
-from trainer.data.packing import PackedCollate
+from trainer.data.loaders import PackedCollate
 from trainer.faults import inject
 from trainer.model import packing
 from trainer.runtime.environment import DistEnv

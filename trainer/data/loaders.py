@@ -1,5 +1,6 @@
-"""The loaders: the tokenized splits batched by the batch plan and padded (`Collate`), and
-where the train loader stands (its position, saved in each checkpoint).
+"""The loaders: the tokenized splits batched by the batch plan and padded (`Collate`) or packed
+(`PackedCollate`, data.packing), and where the train loader stands (its position, saved in
+each checkpoint).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer.config.schema import Config
-from trainer.data import arrow, encoding, reading, samplers, worker_server
+from trainer.data import arrow, encoding, packing, reading, samplers, worker_server
 from trainer.data import labels as labels_module
 from trainer.data.batch_plan import BatchPlan
-from trainer.data.packing import Layout, PackedCollate
+from trainer.data.packing import Layout
 from trainer.errors import CheckpointError
 from trainer.runtime.distributed import local_rank_zero_first
 from trainer.runtime.environment import DistEnv
@@ -128,7 +129,7 @@ def pad_multiple(cfg: Config, device: torch.device) -> int | None:
     return cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None)
 
 
-def collate(cfg: Config, tokenizer, device: torch.device, layout: Layout | None = None) -> Collate | PackedCollate:
+def collate(cfg: Config, tokenizer, device: torch.device, layout: Layout | None = None) -> Collate:
     """Padded batches, or packed ones in `layout` (data.packing: trainer/model/packing.py's)."""
     if layout is not None:
         return PackedCollate(tokenizer, layout, pad_multiple(cfg, device))
@@ -203,27 +204,75 @@ class Collate:
         self.multiple = pad_to_multiple_of
         self.left = tokenizer.padding_side == "left"
 
+    def width(self, longest: int) -> int:
+        """A batch's row width: its longest sample, rounded up to `pad_to_multiple_of`."""
+        return -(-longest // self.multiple) * self.multiple if self.multiple else longest
+
+    def stacked(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        """The columns that are not padded (the labels), stacked as they are."""
+        return {"labels" if key in ("label", "label_ids") else key: torch.tensor([f[key] for f in features])
+                for key in features[0] if key not in self.pad_values}
+
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         lengths = np.fromiter((len(f["input_ids"]) for f in features), np.int64, len(features))
-        width = int(lengths.max())
-        if self.multiple:
-            width = -(-width // self.multiple) * self.multiple
+        width = self.width(int(lengths.max()))
         columns = np.arange(width)
         real = columns >= (width - lengths)[:, None] if self.left else columns < lengths[:, None]
         batch = {}
         for key in features[0]:
-            values = [f[key] for f in features]
             if key in self.pad_values:
                 padded = np.full((len(features), width), self.pad_values[key], np.int64)
-                padded[real] = np.fromiter(itertools.chain.from_iterable(values), np.int64, int(lengths.sum()))
+                padded[real] = np.fromiter(itertools.chain.from_iterable(f[key] for f in features), np.int64,
+                                           int(lengths.sum()))
                 batch[key] = torch.from_numpy(padded)
-            else:
-                batch["labels" if key in ("label", "label_ids") else key] = torch.tensor(values)
+        batch |= self.stacked(features)
         if self.with_mask and "attention_mask" not in batch:
             batch["attention_mask"] = torch.from_numpy(real.astype(np.int64))
         if self.left:
             batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         return batch
+
+
+class PackedCollate(Collate):
+    """Tokenized samples to one packed micro-batch (data.packing, trainer/data/packing.py):
+    `input_ids`, and `token_type_ids` where the samples have them, padded as `Collate` pads
+    them; `position_ids`, `sequence_ids`; `pool_index` and `lengths`, one per sample in order;
+    the other columns (the labels) stacked as `Collate` stacks them.
+
+    Rows are as wide as the micro-batch's longest sample (rounded up to `pad_to_multiple_of`),
+    the width its padded batch has: the attention's masked blocks cost compute (a row's
+    scores are width x width), so wider rows would trade the linear layers' saving for
+    attention over blocks that are masked. At this width no layer computes more than padded,
+    and the linear layers compute on fewer rows (benchmarks/RESULTS.md, 2026-11-29)."""
+
+    def __init__(self, tokenizer, layout: Layout, pad_to_multiple_of: int | None):
+        super().__init__(tokenizer, pad_to_multiple_of)
+        self.layout = layout
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        lengths = [len(f["input_ids"]) for f in features]
+        width = self.width(max(lengths))
+        rows = packing.rows_of(lengths, width)
+        offset = self.layout.position_offset
+        ids = {key: np.full((len(rows), width), self.pad_values[key], np.int64)
+               for key in ("input_ids", "token_type_ids") if key in features[0]}
+        positions = np.full((len(rows), width), offset, np.int64)
+        sequences = np.full((len(rows), width), packing.PAD_SEQUENCE, np.int64)
+        pool_index = np.zeros(len(features), np.int64)
+        for r, row in enumerate(rows):
+            start = 0
+            for n, i in enumerate(row, start=1):
+                end = start + lengths[i]
+                for key, packed in ids.items():
+                    packed[r, start:end] = features[i][key]
+                positions[r, start:end] = np.arange(offset, offset + lengths[i])
+                sequences[r, start:end] = n
+                pool_index[i] = r * width + (end - 1 if self.layout.pool_last else start)
+                start = end
+        return {**{key: torch.from_numpy(packed) for key, packed in ids.items()},
+                "position_ids": torch.from_numpy(positions), "sequence_ids": torch.from_numpy(sequences),
+                "pool_index": torch.from_numpy(pool_index), "lengths": torch.tensor(lengths),
+                **self.stacked(features)}
 
 
 def to_device(batch: dict, device: torch.device, loader: DataLoader) -> dict[str, torch.Tensor]:
