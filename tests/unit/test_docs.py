@@ -124,19 +124,21 @@ def test_files_the_docs_name_exist():
 
 def test_the_demo_data_commands_the_readme_shows_run_as_written(tmp_path, monkeypatch):
     """The README's `python -m trainer.data.demo` (the demo's, without its folder) and its
-    "Your own data" one, run with their arguments as shown."""
+    "Your own data" ones, run with their arguments as shown."""
     import sys
 
     from trainer.data import demo
 
     commands = re.findall(r"python -m trainer\.data\.demo([^`#\n]*)", (REPO / "README.md").read_text())
-    assert [args.split() for args in commands] == [[], ["data/sentiment", "--shape", "sentiment"]]
+    assert [args.split() for args in commands] == [[], ["data/sentiment", "--shape", "sentiment"],
+                                                   ["data/preferences", "--shape", "preferences"]]
     monkeypatch.chdir(tmp_path)
     for args in commands:
         monkeypatch.setattr(sys, "argv", ["python -m trainer.data.demo", *args.split()])
         demo.main()
     assert (tmp_path / "data" / "reviews" / "train.jsonl").is_file()
     assert (tmp_path / "data" / "sentiment" / "reviews.csv").is_file()
+    assert (tmp_path / "data" / "preferences" / "preferences.jsonl").is_file()
 
 
 def test_the_readme_lists_the_configs_as_they_are():

@@ -169,10 +169,24 @@ class DataConfig:
     """The column holding the label, as data.problem_type reads it: single_label, a class id
     (an integer from 0) or a class name (a string); multi_label, a list of ids or names;
     regression, a number (docs/tasks.md)."""
-    problem_type: Literal["single_label", "multi_label", "regression"] = key("single_label", FIXED)
+    problem_type: Literal["single_label", "multi_label", "regression", "pairwise"] = key("single_label", FIXED)
     """What the model learns from the label: single_label, one class of num_labels per row
     (cross-entropy); multi_label, any set of them (binary cross-entropy on each, predicted
-    where its sigmoid reaches data.threshold); regression, one number (mean squared error)."""
+    where its sigmoid reaches data.threshold); regression, one number (mean squared error);
+    pairwise, a reward model: no label column, a row is a preference pair (data.chosen_field
+    over data.rejected_field, Bradley-Terry's loss: docs/task-pairwise.md)."""
+    chosen_field: str = key("chosen", FIXED, NOT_EMPTY)
+    """pairwise: the column of the preferred answer: a text, or a conversation (a list of
+    {role, content} messages, rendered by the tokenizer's chat template)."""
+    rejected_field: str = key("rejected", FIXED, NOT_EMPTY)
+    """pairwise: the column of the answer it is preferred to, as data.chosen_field."""
+    prompt_field: str | None = key(None, FIXED)
+    """pairwise: the column of the prompt both answers follow (a text or a conversation).
+    null: the split's `prompt` column if it has one, else none (each side holds it all)."""
+    margin_field: str | None = key(None, FIXED)
+    """pairwise: the column of each pair's margin, a number the chosen reward must exceed the
+    rejected one by (Llama 2's loss, -log sigmoid(chosen - rejected - margin)). null: the
+    split's `margin` column if it has one, else 0."""
     num_labels: int | None = key(None, FIXED, at_least_or_null(1))
     """How many classes: the size of the classification head. null: inferred from the label
     names (data.label_names, the dataset's ClassLabel, or the train split's distinct values),
@@ -201,6 +215,9 @@ class DataConfig:
     """multi_label: a class is predicted where its sigmoid reaches this."""
     max_length: int = key(128, FIXED, at_least(8))
     """Truncation length in tokens. Batches are padded only to their longest sample."""
+    truncation_side: Literal["right", "left"] = key("right", FIXED)
+    """Which end of a text too long for data.max_length is cut: right keeps its start (as
+    transformers' tokenizers do), left its end (the answer after a long prompt: pairwise)."""
     pad_to_multiple_of: int | None = key(None, FIXED, at_least_or_null(1))
     """Round each batch's padded length up to a multiple of this. null (auto): 8 on GPU, for
     tensor-core-aligned shapes and fewer distinct ones for cuDNN's plan cache and
@@ -283,6 +300,10 @@ class TrainConfig:
     batch's loss is the mean of the weighted losses, so that 2 ranks still equal 1 process."""
     label_smoothing: float = key(0.0, FIXED, fraction(closed_at_zero=True))
     """single_label: the cross-entropy's target puts this much of its mass evenly on every class."""
+    center_rewards: float = key(0.0, FIXED, at_least(0))
+    """pairwise: the weight of each pair's squared reward sum, (chosen + rejected)^2, added to
+    its loss, which keeps rewards centred on 0 (arXiv 2312.09244's auxiliary loss; 0.01 there).
+    0: off."""
     max_grad_norm: float = key(1.0, FIXED, at_least(0))
     """Gradient clipping by global L2 norm; 0 turns it off."""
     fused_adamw: bool = key(True, FREE)

@@ -13,7 +13,14 @@ them come:
 - `complaints`: OUT_DIR/complaints.jsonl, columns text and complaints, the list of the
   topics the review complains about (multi_label; none for a happy review);
 - `score`: OUT_DIR/scores.jsonl, columns text and score, the stars as a number from 1.0 to
-  5.0 with a little noise (regression).
+  5.0 with a little noise (regression);
+- `preferences`: OUT_DIR/preferences.jsonl, preference pairs (pairwise): a prompt asking
+  about a topic, a chosen answer about that topic, and a rejected one that is off the topic
+  or dismissive; each answer padded with filler so that the chosen one is the longer in
+  about half the pairs (length alone predicts nothing);
+- `chat-preferences`: OUT_DIR/chat-preferences.jsonl, the same pairs as conversations:
+  chosen and rejected each a list of {role, content} messages, the user's question first
+  (no prompt column, as conversational preference sets come).
 
 Each review mixes sentences in the voice of its own rating with sentences from neighbouring
 ratings and neutral filler, so the classes overlap (as real star ratings do): a model must
@@ -132,13 +139,54 @@ def _score(rng: random.Random) -> dict:
     return {"text": review(rng, rating), "score": round(min(5.0, max(1.0, rating + 1 + rng.uniform(-0.5, 0.5))), 2)}
 
 
+DISMISSIVE = ["Why do you care about the {topic}? Ask someone else.", "No idea, I was not paying attention.",
+              "Whatever, it does not matter.", "I would rather not talk about the {topic}.",
+              "Look it up yourself.", "Who knows. Next question."]
+
+
+def _preference(rng: random.Random) -> dict:
+    """A prompt about a topic; the chosen answer speaks of it, the rejected one is off the
+    topic (half the pairs) or dismissive; filler on either side evens out the lengths."""
+    topic = rng.choice(TOPICS)
+    chosen = [f"The {topic} {rng.choice(VOICE[rng.randrange(5)])}."]
+    if rng.random() < 0.5:
+        other = rng.choice([t for t in TOPICS if t != topic])
+        rejected = [f"The {other} {rng.choice(VOICE[rng.randrange(5)])}."]
+    else:
+        rejected = [rng.choice(DISMISSIVE).format(topic=topic)]
+    for answer in (chosen, rejected):
+        for _ in range(rng.choice([0, 0, 1, 2, 3])):
+            answer.insert(rng.randrange(len(answer) + 1), _filler(rng))
+    return {"prompt": f"What did you think of the {topic}?", "chosen": " ".join(chosen),
+            "rejected": " ".join(rejected)}
+
+
+def preferences(out_dir: str | Path, rows: int = 4000, seed: int = 0) -> Path:
+    """preferences.jsonl: prompt, chosen, rejected (texts)."""
+    rng = random.Random(seed)
+    return _write_jsonl(Path(out_dir) / "preferences.jsonl", (_preference(rng) for _ in range(rows)))
+
+
+def chat_preferences(out_dir: str | Path, rows: int = 4000, seed: int = 0) -> Path:
+    """chat-preferences.jsonl: chosen, rejected (conversations, the question in each)."""
+    rng = random.Random(seed)
+
+    def conversation(pair: dict, side: str) -> list[dict]:
+        return [{"role": "user", "content": pair["prompt"]}, {"role": "assistant", "content": pair[side]}]
+
+    pairs = (_preference(rng) for _ in range(rows))
+    return _write_jsonl(Path(out_dir) / "chat-preferences.jsonl",
+                        ({"chosen": conversation(p, "chosen"), "rejected": conversation(p, "rejected")} for p in pairs))
+
+
 def _write_jsonl(path: Path, records: Iterable[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
 
 
-SHAPES = {"sentiment": sentiment, "complaints": complaints, "score": score}
+SHAPES = {"sentiment": sentiment, "complaints": complaints, "score": score, "preferences": preferences,
+          "chat-preferences": chat_preferences}
 
 
 def main() -> None:

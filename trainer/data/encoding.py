@@ -4,6 +4,7 @@ by what decides its tokens, which a rerun and the node's other ranks read instea
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -13,10 +14,11 @@ import pickle
 import time
 from pathlib import Path
 
+import numpy as np
+
 from trainer.config.schema import DataConfig
-from trainer.data import datasets_errors
+from trainer.data import datasets_errors, pairs
 from trainer.runtime.environment import DistEnv
-from trainer.tasks.base import Task
 from trainer.tasks.registry import task_class
 from trainer.tasks.space import Labels
 
@@ -64,12 +66,12 @@ _LOADING_ONLY = {"name_or_path", "is_local", "local_files_only", "cache_dir", "r
 model elsewhere (staged to a node's disk, say) reads the same cache."""
 
 
-def _encoding_digest(tokenizer, settings: list, task: type[Task]) -> str | None:
+def _encoding_digest(tokenizer, settings: list, code: list[str]) -> str | None:
     """A digest of what `tokenize_split`'s encode turns a row into tokens with: the tokenizer as a
     fast tokenizer serializes itself (its vocabulary, added tokens, normalizer and the rest,
     not the truncation and padding state a call leaves in it) and its Python-side settings,
-    the data settings, and the code (this module, and the module of the `task` that encodes the
-    labels). None for a tokenizer
+    the data settings, and the `code` (the files of this module, of the task that encodes the
+    labels, of trainer/data/pairs.py for pairs). None for a tokenizer
     with no fast backend: `datasets` then hashes `encode` and all it closes over, pickling the
     tokenizer by value, in every run and on every rank: the tiny run's tokenize phase (two
     splits read from the cache) took 0.19 s so, 0.04 s with this (benchmarks/RESULTS.md).
@@ -82,10 +84,99 @@ def _encoding_digest(tokenizer, settings: list, task: type[Task]) -> str | None:
     serialized.pop("padding", None)
     python_side = {k: v for k, v in tokenizer.init_kwargs.items() if k not in _LOADING_ONLY}
     digest = hashlib.sha256(pickle.dumps(serialized, protocol=5))
-    for part in (json.dumps([type(tokenizer).__name__, python_side, settings], sort_keys=True, default=str).encode(),
-                 Path(__file__).read_bytes(), Path(inspect.getfile(task)).read_bytes()):
+    template = getattr(tokenizer, "chat_template", None)
+    for part in (json.dumps([type(tokenizer).__name__, python_side, template, settings], sort_keys=True,
+                            default=str).encode(), *(Path(file).read_bytes() for file in code)):
         digest.update(part)
     return digest.hexdigest()
+
+
+def _read_at_last_token(encoded, pad_id: int | None) -> None:
+    """Each row without the pad ids that end it, in place, where the pad stands in for eos.
+
+    transformers' decoder classifiers (GPT-2, Llama, ...) read a row at its rightmost token
+    that is not the pad id; with eos as the pad (trainer/model/pretrained.py), a text that
+    ends in eos (a chat template's, say) would be read at the token before. Causal attention
+    makes those trailing tokens invisible to that token, so dropping them changes no logit of
+    a padded batch, and a packed one (trainer/data/packing.py) reads each sample at its last
+    token: the same token."""
+    if pad_id is None:
+        return
+    columns = [name for name in encoded if name != "labels"]
+    for i, ids in enumerate(encoded["input_ids"]):
+        end = len(ids)
+        while end > 1 and ids[end - 1] == pad_id:
+            end -= 1
+        if end < len(ids):
+            for name in columns:
+                encoded[name][i] = encoded[name][i][:end]
+
+
+def _stand_in_pad(tokenizer) -> int | None:
+    """The pad id where it is eos standing in (decoders without a pad token), else None."""
+    pad = tokenizer.pad_token_id
+    return pad if pad is not None and pad == tokenizer.eos_token_id else None
+
+
+def _text_encoder(data_cfg: DataConfig, tokenizer, labels: Labels):
+    """(encode, what decides its tokens) for a task of one text (or text pair) and a label per row."""
+    text, pair, label = str(data_cfg.text_field), data_cfg.text_pair_field, str(data_cfg.label_field)
+    pair = None if pair is None else str(pair)
+    max_length, side, pad = int(data_cfg.max_length), str(data_cfg.truncation_side), _stand_in_pad(tokenizer)
+    problem_type, stored_as, names = labels.problem_type, labels.stored_as, labels.names
+    task = task_class(problem_type)
+
+    def encode(batch):
+        tokenizer.truncation_side = side
+        encoded = tokenizer(batch[text], batch[pair] if pair else None, truncation=True, max_length=max_length)
+        _read_at_last_token(encoded, pad)
+        encoded["labels"] = task.encode(batch[label], stored_as, names)
+        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
+        return encoded
+
+    settings = [text, pair, label, max_length, side, problem_type, stored_as, names]
+    return encode, _encoding_digest(tokenizer, settings, [__file__, inspect.getfile(task)])
+
+
+def _pair_encoder(data_cfg: DataConfig, tokenizer, column_names: list[str]):
+    """(encode, what decides its tokens) for preference pairs (trainer/data/pairs.py): each
+    side's tokens (the rejected side's columns named pairs.REJECTED + ...), the pair's margin
+    as its label, and as its length both sides' tokens, what it costs in a batch."""
+    columns = pairs.Columns.of(data_cfg, column_names)
+    max_length, side, pad = int(data_cfg.max_length), str(data_cfg.truncation_side), _stand_in_pad(tokenizer)
+
+    def encode(batch):
+        encoded = pairs.tokenize(batch, tokenizer, columns, max_length, side)
+        for prefix in ("", pairs.REJECTED):
+            side_columns = {name: encoded[prefix + name] for name in ("input_ids", "token_type_ids")
+                            if prefix + name in encoded}
+            _read_at_last_token(side_columns, pad)
+            encoded.update({prefix + name: values for name, values in side_columns.items()})
+        rows = len(encoded["input_ids"])
+        encoded["labels"] = [0.0] * rows if columns.margin is None else [float(m) for m in batch[columns.margin]]
+        rejected = encoded[pairs.REJECTED + "input_ids"]
+        encoded["length"] = [len(c) + len(r) for c, r in zip(encoded["input_ids"], rejected, strict=True)]
+        return encoded
+
+    settings = [dataclasses.astuple(columns), max_length, side]
+    return encode, _encoding_digest(tokenizer, settings, [__file__, pairs.__file__])
+
+
+def identical_pairs(ds, data_cfg: DataConfig, tokenizer) -> dict[str, np.ndarray]:
+    """The pairs of `ds` whose two sides tokenize the same once truncated to data.max_length
+    (the part they differ in is cut off): {what is wrong: their rows}, or {}. Tokenized as
+    training tokenizes them, and thrown away: `datasets` caches what training tokenizes."""
+    encode, _ = _pair_encoder(data_cfg, tokenizer, ds.column_names)
+    flags: list[bool] = []
+    for batch in ds.iter(batch_size=1000):  # the split's own columns: no copy of it whole
+        encoded = encode(batch)
+        flags += [c == r for c, r in zip(encoded["input_ids"], encoded[pairs.REJECTED + "input_ids"], strict=True)]
+    same = np.flatnonzero(flags)
+    if not len(same):
+        return {}
+    cut = "end" if data_cfg.truncation_side == "right" else "start"
+    return {f"chosen and rejected the same once cut to data.max_length={data_cfg.max_length} tokens at their {cut} "
+            f"(raise it, or set data.truncation_side={'left' if cut == 'end' else 'right'})": same}
 
 
 def tokenize_split(ds, data_cfg: DataConfig, split_key: str, tokenizer, labels: Labels, dist_env: DistEnv):
@@ -94,19 +185,10 @@ def tokenize_split(ds, data_cfg: DataConfig, split_key: str, tokenizer, labels: 
     # or the node's other ranks, then read that file instead of tokenizing again. So the
     # fingerprint holds exactly that and no more: the whole run config would give every run
     # with another output_dir (or lr, seed, ...) a new one, and the whole split tokenized again.
-    text, pair, label = str(data_cfg.text_field), data_cfg.text_pair_field, str(data_cfg.label_field)
-    pair = None if pair is None else str(pair)
-    max_length = int(data_cfg.max_length)
-    problem_type, stored_as, names = labels.problem_type, labels.stored_as, labels.names
-    task = task_class(problem_type)
-    encoding = _encoding_digest(tokenizer, [text, pair, label, max_length, problem_type, stored_as, names], task)
-
-    def encode(batch):
-        encoded = tokenizer(batch[text], batch[pair] if pair else None, truncation=True, max_length=max_length)
-        encoded["labels"] = task.encode(batch[label], stored_as, names)
-        encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
-        return encoded
-
+    if task_class(labels.problem_type).pairs:
+        encode, encoding = _pair_encoder(data_cfg, tokenizer, ds.column_names)
+    else:
+        encode, encoding = _text_encoder(data_cfg, tokenizer, labels)
     cached = _cache_files(ds)
     processes = tokenize_processes(len(ds), dist_env)
     started = time.perf_counter()

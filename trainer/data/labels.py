@@ -18,12 +18,14 @@ from trainer.data import arrow
 from trainer.errors import DataError
 from trainer.tasks.base import Task
 from trainer.tasks.registry import task_class
-from trainer.tasks.space import IDS, MULTI_HOT, NAMES, NUMBERS, Labels, placeholder_names, shown
+from trainer.tasks.space import IDS, MULTI_HOT, NAMES, NUMBERS, PAIRS, Labels, placeholder_names, shown
 
 
 def from_config(data_cfg: DataConfig) -> Labels | None:
     """The label space the config alone gives (no data read): for `check --no-data`'s memory
     plan; None where only the data can tell."""
+    if task_class(data_cfg.problem_type).pairs:
+        return _pairs(data_cfg.problem_type)
     if task_class(data_cfg.problem_type).predicts_a_number:
         return _a_number(data_cfg.problem_type)
     if data_cfg.label_names is not None:
@@ -36,6 +38,12 @@ def from_config(data_cfg: DataConfig) -> Labels | None:
 def _a_number(problem_type: str) -> Labels:
     """The label space of a task whose label is one number: no classes."""
     return Labels(problem_type, (), "the task", NUMBERS)
+
+
+def _pairs(problem_type: str) -> Labels:
+    """The label space of a task of preference pairs: one reward, and no label column
+    (trainer/data/pairs.py reads the pairs)."""
+    return Labels(problem_type, (), "the task", PAIRS)
 
 
 # --- reading the label column ---------------------------------------------------------------
@@ -260,6 +268,8 @@ def resolve(train_ds, data_cfg: DataConfig) -> Labels:
     weights are `with_counts_and_weights`'s."""
     import pyarrow.compute as pc
 
+    if task_class(data_cfg.problem_type).pairs:
+        return _pairs(data_cfg.problem_type)
     column, field = arrow.column(train_ds, data_cfg.label_field), data_cfg.label_field
     feature_names = _class_label_names(train_ds.features.get(field))
     # A list of ClassLabel holds ids, whatever their values.
@@ -348,6 +358,8 @@ def _ids(ds, labels: Labels, data_cfg: DataConfig, split_key: str) -> tuple[np.n
 
 def check_split(ds, labels: Labels, data_cfg: DataConfig, split_key: str) -> None:
     """Every label of another split (validation, test) is one the run knows."""
+    if _task(labels).pairs:  # no label column: its pairs were read with its rows
+        return
     if _task(labels).predicts_a_number:
         _read(arrow.column(ds, data_cfg.label_field), data_cfg, split_key)
     else:
@@ -364,7 +376,7 @@ def single_label_ids(ds, labels: Labels, data_cfg: DataConfig) -> np.ndarray | N
 def with_counts_and_weights(labels: Labels, train_ds, data_cfg: DataConfig, train_cfg: TrainConfig) -> Labels:
     """`labels` with the count of each class in the rows that train (after a held-out
     validation share and data.max_train_samples), and the class weights."""
-    if _task(labels).predicts_a_number:
+    if _task(labels).predicts_a_number or _task(labels).pairs:
         return replace(labels, rows=len(train_ds))
     ids, rows = _ids(train_ds, labels, data_cfg, "data.train_split")
     if rows is not None:  # the rows holding each label: a label listed twice in a row counts once

@@ -15,13 +15,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer.config.schema import Config
-from trainer.data import arrow, encoding, packing, reading, samplers, worker_server
+from trainer.data import arrow, encoding, packing, pairs, reading, samplers, worker_server
 from trainer.data import labels as labels_module
 from trainer.data.batch_plan import BatchPlan
 from trainer.data.packing import Layout
 from trainer.errors import CheckpointError
 from trainer.runtime.distributed import local_rank_zero_first
 from trainer.runtime.environment import DistEnv
+from trainer.tasks.registry import task_class
 from trainer.tasks.space import Labels
 
 log = logging.getLogger(__name__)
@@ -129,11 +130,14 @@ def pad_multiple(cfg: Config, device: torch.device) -> int | None:
     return cfg.data.pad_to_multiple_of or (8 if device.type == "cuda" else None)
 
 
-def collate(cfg: Config, tokenizer, device: torch.device, layout: Layout | None = None) -> Collate:
-    """Padded batches, or packed ones in `layout` (data.packing: trainer/model/packing.py's)."""
-    if layout is not None:
-        return PackedCollate(tokenizer, layout, pad_multiple(cfg, device))
-    return Collate(tokenizer, pad_multiple(cfg, device))
+def collate(cfg: Config, tokenizer, device: torch.device, layout: Layout | None = None,
+            texts_only: bool = False) -> Collate | PairCollate:
+    """Padded batches, or packed ones in `layout` (data.packing: trainer/model/packing.py's);
+    of preference pairs, two texts a sample, for a task of pairs, unless `texts_only` (score:
+    a reward per text)."""
+    texts: Collate = (PackedCollate(tokenizer, layout, pad_multiple(cfg, device)) if layout is not None
+                      else Collate(tokenizer, pad_multiple(cfg, device)))
+    return PairCollate(texts) if task_class(cfg.data.problem_type).pairs and not texts_only else texts
 
 
 def packing_line(cfg: Config, layout: Layout) -> str:
@@ -273,6 +277,29 @@ class PackedCollate(Collate):
                 "position_ids": torch.from_numpy(positions), "sequence_ids": torch.from_numpy(sequences),
                 "pool_index": torch.from_numpy(pool_index), "lengths": torch.tensor(lengths),
                 **self.stacked(features)}
+
+
+class PairCollate:
+    """Preference pairs (trainer/data/pairs.py) to one batch of twice as many texts, every
+    pair's chosen side first, then every pair's rejected side, in the same order, padded or
+    packed as `texts` pads or packs them: the model runs both sides in one forward, and the
+    task reads pair i's rewards at rows i and pairs + i (trainer/tasks/pairwise.py). A pair's
+    labels: its margin and each side's tokens, in float32 (pairwise.MARGIN, ...).
+
+    One forward, not two: the step's backward then runs once, through one graph, so DDP's
+    hooks fire once per parameter per micro-batch (two forwards before a backward break
+    DDP under activation checkpointing, trl#480), and the two sides share the kernels."""
+
+    def __init__(self, texts: Collate):
+        self.texts = texts
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        names = [name for name in ("input_ids", "token_type_ids") if name in features[0]]
+        sides = [{name: f[prefix + name] for name in names} for prefix in ("", pairs.REJECTED) for f in features]
+        batch = self.texts(sides)
+        batch["labels"] = torch.tensor([[f["labels"], len(f["input_ids"]), len(f[pairs.REJECTED + "input_ids"])]
+                                        for f in features], dtype=torch.float32)
+        return batch
 
 
 def to_device(batch: dict, device: torch.device, loader: DataLoader) -> dict[str, torch.Tensor]:

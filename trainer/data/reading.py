@@ -12,13 +12,14 @@ from typing import Any
 import numpy as np
 
 from trainer.config.schema import Config, DataConfig, TrainConfig
-from trainer.data import arrow, datasets_errors, sources
+from trainer.data import arrow, datasets_errors, pairs, sources
 from trainer.data import folds as folds_module
 from trainer.data import labels as labels_module
 from trainer.data.batch_plan import BatchPlan
 from trainer.errors import ConfigError, DataError, TrainerError, describe, one_line
 from trainer.runtime.distributed import local_rank_zero_first
 from trainer.runtime.environment import DistEnv
+from trainer.tasks.registry import task_class
 from trainer.tasks.space import Labels
 
 log = logging.getLogger(__name__)
@@ -195,10 +196,12 @@ class Splits:
         return len(self.train) // plan.global_batch
 
 
-def load(cfg: Config, dist_env: DistEnv, labels: Labels | None = None) -> Splits:
+def load(cfg: Config, dist_env: DistEnv, labels: Labels | None = None, tokenizer=None) -> Splits:
     """Every split loaded, checked and subsampled, before the model is: a mistake in the data
     is reported in seconds, not after a model download. The label space is resolved from the
-    train split, or given (`labels`: a trained model's, which every split must fit). Where
+    train split, or given (`labels`: a trained model's, which every split must fit). A
+    preference pair's task finds the pairs that truncation makes the same with model.name's
+    `tokenizer` (trainer/data/pairs.py; without one, it does not look). Where
     data.eval_split names no split of the data, validation is held out of the train split.
     Local rank 0 fills the node's `datasets` cache first, the other ranks then read it."""
     data_cfg = cfg.data
@@ -207,14 +210,14 @@ def load(cfg: Config, dist_env: DistEnv, labels: Labels | None = None) -> Splits
     with local_rank_zero_first(dist_env, f"data.path: {data_cfg.path}"):
         available = list(_load(data_cfg, None).keys())
         dropped: dict[str, dict[str, int]] = {}
-        train = _readable_split(data_cfg, "train_split", available, dropped)
+        train = _readable_split(data_cfg, "train_split", available, dropped, tokenizer)
         with datasets_errors.as_data_error("data.train_split", "reading its labels"):
             labels = labels or labels_module.resolve(train, data_cfg)
         held_out = None
         if data_cfg.folds is not None:
             train, evaluated, held_out = _fold_out(train, labels, data_cfg)
         elif split_name(data_cfg.eval_split) in available:
-            evaluated = _readable_split(data_cfg, "eval_split", available, dropped)
+            evaluated = _readable_split(data_cfg, "eval_split", available, dropped, tokenizer)
         elif data_cfg.eval_split != DataConfig.eval_split and len(available) > 1:  # a mistyped split
             raise ConfigError(f"data.eval_split: {data_cfg.eval_split!r} is not a split of {data_cfg.path} (its "
                               f"splits: {', '.join(available)}); name one of them, or leave data.eval_split unset "
@@ -227,7 +230,8 @@ def load(cfg: Config, dist_env: DistEnv, labels: Labels | None = None) -> Splits
                     "data.eval_split: %r is not a split of %s (its splits: %s): validation is %s: %d rows, and %d "
                     "train rows%s", data_cfg.eval_split, data_cfg.path, ", ".join(available), held_out, len(evaluated),
                     len(train), f"; data.eval_split={others[0]} would validate on that split" if others else "")
-        test = None if data_cfg.test_split is None else _readable_split(data_cfg, "test_split", available, dropped)
+        test = None if data_cfg.test_split is None else _readable_split(data_cfg, "test_split", available, dropped,
+                                                                        tokenizer)
     train = _subsample(train, data_cfg.max_train_samples, cfg.seed, "train_split")
     evaluated = _subsample(evaluated, data_cfg.max_eval_samples, cfg.seed, "eval_split")
     test = None if test is None else _subsample(test, data_cfg.max_eval_samples, cfg.seed, "test_split")
@@ -240,14 +244,18 @@ def load(cfg: Config, dist_env: DistEnv, labels: Labels | None = None) -> Splits
     return Splits(train, evaluated, test, counted, held_out, dropped, labels_module.name_warnings(counted))
 
 
-def _readable_split(data_cfg: DataConfig, split_key: str, available: list[str], dropped: dict):
+def _readable_split(data_cfg: DataConfig, split_key: str, available: list[str], dropped: dict, tokenizer=None):
     """data.<split_key>'s split, its columns checked, its label names normalized and mapped
     (data.normalize_labels, data.label_map), and its rows that cannot train refused or, with
     data.drop_invalid_rows, dropped and counted into `dropped` (split: kind: rows)."""
     ds = _load_split(data_cfg, split_key, available)
     with datasets_errors.as_data_error(f"data.{split_key}", "reading its rows"):
-        _check_columns(ds, data_cfg, f"data.{split_key}")
-        ds, counts = sources.drop_or_refuse(labels_module.relabel(ds, data_cfg), data_cfg, f"data.{split_key}")
+        if task_class(data_cfg.problem_type).pairs:
+            pairs.check_columns(ds, data_cfg, f"data.{split_key}")
+        else:
+            _check_columns(ds, data_cfg, f"data.{split_key}")
+        ds, counts = sources.drop_or_refuse(labels_module.relabel(ds, data_cfg), data_cfg, f"data.{split_key}",
+                                            tokenizer)
     if counts:
         dropped[split_name(getattr(data_cfg, split_key))] = counts
     return ds

@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from trainer.config.schema import DataConfig
-from trainer.data import arrow
+from trainer.data import arrow, encoding, pairs
 from trainer.data import labels as labels_module
 from trainer.errors import ConfigError, DataError
+from trainer.tasks.registry import task_class
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +109,23 @@ def broken_json_line(path: Path) -> str | None:
 # --- the rows that cannot train ---------------------------------------------------------
 
 
-def invalid_rows(ds, data_cfg: DataConfig) -> dict[str, np.ndarray]:
+def invalid_rows(ds, data_cfg: DataConfig, tokenizer=None) -> dict[str, np.ndarray]:
     """Each kind of row that cannot train, and the rows of that kind (in `ds`'s order): no
-    text (null, empty or only spaces) in a text column, no label (null, or a NaN number)."""
+    text (null, empty or only spaces) in a text column, no label (null, or a NaN number); a
+    preference pair's own (trainer/data/pairs.py), those the same once truncated found with
+    `tokenizer`."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    found: dict[str, np.ndarray] = {}
+    found: dict[str, np.ndarray]
+    if task_class(data_cfg.problem_type).pairs:
+        found = pairs.invalid_rows(ds, data_cfg)
+        if tokenizer is not None:  # of the rows that tokenize: those with text on both sides
+            valid = np.setdiff1d(np.arange(len(ds)), np.concatenate([np.zeros(0, np.int64), *found.values()]))
+            for kind, rows in encoding.identical_pairs(ds.select(valid), data_cfg, tokenizer).items():
+                found[kind] = valid[rows]
+        return found
+    found = {}
     for key in ("text_field", "text_pair_field"):
         column = getattr(data_cfg, key)
         if column is None:
@@ -135,10 +146,10 @@ def invalid_rows(ds, data_cfg: DataConfig) -> dict[str, np.ndarray]:
     return found
 
 
-def drop_or_refuse(ds, data_cfg: DataConfig, split_key: str) -> tuple[object, dict[str, int]]:
+def drop_or_refuse(ds, data_cfg: DataConfig, split_key: str, tokenizer=None) -> tuple[object, dict[str, int]]:
     """`ds` without its invalid rows and how many of each kind it had (data.drop_invalid_rows),
     or, where it has some and they are not to be dropped, a DataError naming every kind."""
-    found = invalid_rows(ds, data_cfg)
+    found = invalid_rows(ds, data_cfg, tokenizer)
     if not found:
         return ds, {}
     counts = {kind: len(rows) for kind, rows in found.items()}

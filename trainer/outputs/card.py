@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trainer.config import loading
 from trainer.config.schema import Config
+from trainer.tasks.registry import task_class
 from trainer.tasks.space import Labels
 
 PIPELINE = "text-classification"
@@ -91,8 +92,9 @@ def render(facts: Facts, adapter: bool = False, pictures: tuple[str, ...] | list
 
 def _body(facts: Facts, adapter: bool, name: str, pictures: tuple[str, ...] | list[str]) -> str:
     cfg, labels = facts.cfg, facts.labels
-    what = ("LoRA adapters (peft) for" if adapter else "A") + \
-        f" {labels.problem_type.replace('_', '-')} text classifier fine-tuned from `{cfg.model.name}`"
+    kind = "reward model" if task_class(labels.problem_type).pairs else \
+        f"{labels.problem_type.replace('_', '-')} text classifier"
+    what = ("LoRA adapters (peft) for" if adapter else "A") + f" {kind} fine-tuned from `{cfg.model.name}`"
     revision = f" at commit `{facts.model_commit}`" if facts.model_commit else ""
     final = Path(cfg.output_dir) / "final"  # where the run wrote it; a pushed copy: its repository's id
     use = (f'PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained("{cfg.model.name}"), '
@@ -100,15 +102,32 @@ def _body(facts: Facts, adapter: bool, name: str, pictures: tuple[str, ...] | li
     lines = [f"# {name}", "", f"{what}{revision}.", "", "```python", "from transformers import "
              "AutoModelForSequenceClassification" + ("\nfrom peft import PeftModel" if adapter else ""),
              f"model = {use}", "```", "", "## Labels", ""]
+    pairs = task_class(labels.problem_type).pairs
     if labels.names:
         lines += [f"{i}. {label}" for i, label in enumerate(labels.names)]
+    elif pairs:
+        lines += [("One reward per text: a reward model, trained on preference pairs (Bradley-Terry). Its one "
+                  "logit is the reward, as RewardBench reads it:"), "", "```python",
+                  "from transformers import AutoTokenizer", f'tokenizer = AutoTokenizer.from_pretrained("{final}")',
+                  "reward = model(**tokenizer(prompt, answer, return_tensors=\"pt\")).logits[0, 0]", "```", "",
+                  ("(a conversation: the tokenizer's `apply_chat_template(messages, tokenize=False)`, tokenized with "
+                  "`add_special_tokens=False`). `accuracy` is the share of pairs whose chosen answer gets the higher "
+                  "reward (a tie counts wrong); `length_baseline`, that of always preferring the longer answer.")]
     else:
         lines.append("One number per text (regression).")
     rows = ", ".join(f"{split} {count:,}" for split, count in facts.rows.items() if count)
+    if pairs:
+        columns = [cfg.data.chosen_field, cfg.data.rejected_field, cfg.data.prompt_field, cfg.data.margin_field]
+        read = (f": pairs of `{cfg.data.chosen_field}` over `{cfg.data.rejected_field}`" +
+                (f" after `{cfg.data.prompt_field}`" if cfg.data.prompt_field else "") +
+                (f", margins from `{cfg.data.margin_field}`" if cfg.data.margin_field else "") +
+                ("" if all(columns[2:]) else " (and a `prompt` or `margin` column where the data has one)"))
+    else:
+        read = (f": text from `{cfg.data.text_field}`" +
+                (f" and `{cfg.data.text_pair_field}`" if cfg.data.text_pair_field else "") +
+                f", labels from `{cfg.data.label_field}`")
     lines += ["", "## Data", "", f"`{cfg.data.path}`" + (f" ({cfg.data.name})" if cfg.data.name else "") +
-              f": text from `{cfg.data.text_field}`" +
-              (f" and `{cfg.data.text_pair_field}`" if cfg.data.text_pair_field else "") +
-              f", labels from `{cfg.data.label_field}`; rows: {rows}." +
+              f"{read}; rows: {rows}." +
               "".join(f" Dropped from {split} as unusable (data.drop_invalid_rows): " +
                       ", ".join(f"{n:,} with {kind}" for kind, n in kinds.items()) + "."
                       for split, kinds in facts.dropped_rows.items()), "",

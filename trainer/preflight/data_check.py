@@ -14,6 +14,7 @@ import numpy as np
 
 from trainer.config.schema import Config
 from trainer.data import packing, reading, samplers
+from trainer.data import pairs as pairs_module
 from trainer.data.batch_plan import BatchPlan
 from trainer.data.reading import Splits
 from trainer.errors import ConfigError
@@ -39,13 +40,15 @@ class DataCheck:
 def check(cfg: Config, world_size: int) -> DataCheck:
     """The data report of `cfg` for a job of `world_size` ranks; raises a TrainerError on a
     mistake in the data."""
-    splits = reading.load(cfg, DistEnv())
+    tokenizer, warnings = _tokenizer(cfg)
+    # A task of pairs reads its data with the tokenizer: the pairs truncation makes the same.
+    splits = reading.load(cfg, DistEnv(), tokenizer=tokenizer if task_class(cfg.data.problem_type).pairs else None)
     labels = splits.labels
     lines = [_splits_line(cfg, splits), f"  labels: {labels.describe()}"]
     lines += [f"  dropped from {split} (data.drop_invalid_rows): " + ", ".join(f"{n:,} with {kind}"
                                                                            for kind, n in kinds.items())
               for split, kinds in splits.dropped.items()]
-    warnings: list[str] = list(splits.warnings)
+    warnings += splits.warnings
     if labels.counts:
         held = "rows holding each label" if task_class(labels.problem_type).label_sets else "rows of each label"
         lines.append(f"  {held}"
@@ -58,7 +61,8 @@ def check(cfg: Config, world_size: int) -> DataCheck:
                                                          for name, w in zip(labels.names, labels.weights, strict=True)))
         elif imbalance > 10:
             warnings.append(f"the labels are imbalanced ({imbalance:.3g}x): consider train.class_weights=balanced")
-    lines += _lengths(cfg, splits, warnings, world_size)
+    if tokenizer is not None:
+        lines += _lengths(cfg, splits, tokenizer, warnings, world_size)
     warnings += _epoch(cfg, splits, world_size)
     return DataCheck(labels, lines, warnings)
 
@@ -73,34 +77,62 @@ def _splits_line(cfg: Config, splits: Splits) -> str:
             f"({data_cfg.train_split}), validation {validation}, test {test}")
 
 
-def _lengths(cfg: Config, splits: Splits, warnings: list[str], world_size: int) -> list[str]:
-    """Each split's token-length percentiles from a seeded sample, the data.max_length that
-    keeps 99% of the train sample untruncated, and the padding its micro-batches carry."""
+def _tokenizer(cfg: Config):
+    """(model.name's tokenizer, or None with the warning why: a hub model a login node can't
+    reach, where the rest of the check stands)."""
     try:
-        tokenizer = pretrained.load_tokenizer(cfg.model)
-    except ConfigError as e:  # a hub model a login node can't reach: the rest of the check stands
-        warnings.append(f"token lengths not measured: {e}")
-        return []
+        return pretrained.load_tokenizer(cfg.model), []
+    except ConfigError as e:
+        return None, [f"token lengths not measured: {e}"]
+
+
+def _sample_lengths(cfg: Config, split, tokenizer) -> np.ndarray:
+    """The untruncated token lengths of a seeded sample of `split`'s rows: (rows,), or for
+    pairs (rows, 2), each pair's chosen and rejected side."""
+    data_cfg = cfg.data
+    sample = split.shuffle(seed=cfg.seed).select(range(min(SAMPLE_ROWS, len(split))))
+    if task_class(data_cfg.problem_type).pairs:
+        columns = pairs_module.Columns.of(data_cfg, split.column_names)
+        tokens = pairs_module.tokenize(sample[:], tokenizer, columns, UNTRUNCATED, str(data_cfg.truncation_side))
+        rejected = tokens[pairs_module.REJECTED + "input_ids"]
+        return np.array([[len(c), len(r)] for c, r in zip(tokens["input_ids"], rejected, strict=True)])
+    sample = sample.with_format("arrow")
+    texts = sample[data_cfg.text_field].to_pylist()
+    pairs = sample[data_cfg.text_pair_field].to_pylist() if data_cfg.text_pair_field else None
+    return np.array([len(ids) for ids in tokenizer(texts, pairs, truncation=False)["input_ids"]])
+
+
+UNTRUNCATED = 10**9
+"""A max_length no text reaches."""
+
+
+def _lengths(cfg: Config, splits: Splits, tokenizer, warnings: list[str], world_size: int) -> list[str]:
+    """Each split's token-length percentiles from a seeded sample (a pair's: of each side),
+    the data.max_length that keeps 99% of the train sample untruncated, and the padding its
+    micro-batches carry."""
     data_cfg, lines = cfg.data, []
     train_lengths = None
     for name, split in (("train", splits.train), ("validation", splits.eval), ("test", splits.test)):
         if split is None:
             continue
-        sample = split.shuffle(seed=cfg.seed).select(range(min(SAMPLE_ROWS, len(split)))).with_format("arrow")
-        texts = sample[data_cfg.text_field].to_pylist()
-        pairs = sample[data_cfg.text_pair_field].to_pylist() if data_cfg.text_pair_field else None
-        lengths = np.array([len(ids) for ids in tokenizer(texts, pairs, truncation=False)["input_ids"]])
+        lengths = _sample_lengths(cfg, split, tokenizer)
         if train_lengths is None:
             train_lengths = lengths
-        shown = ", ".join(f"p{q} {int(np.percentile(lengths, q))}" for q in PERCENTILES)
-        lines.append(f"  tokens ({name}, {len(lengths):,} sampled rows): {shown}, max {int(lengths.max())}")
+        sides = [("rows", lengths)] if lengths.ndim == 1 else [("chosen", lengths[:, 0]), ("rejected", lengths[:, 1])]
+        for side, values in sides:
+            shown = ", ".join(f"p{q} {int(np.percentile(values, q))}" for q in PERCENTILES)
+            what = f"sampled {side}" if side == "rows" else f"sampled pairs' {side} side"
+            lines.append(f"  tokens ({name}, {len(values):,} {what}): {shown}, max {int(values.max())}")
     assert train_lengths is not None, "there is always a train split"
-    keeps = int(np.ceil(np.percentile(train_lengths, 99)))
-    truncated = float((train_lengths > data_cfg.max_length).mean())
-    lines.append(f"  data.max_length {data_cfg.max_length} truncates {truncated:.1%} of the train sample; "
-                 f"data.max_length={keeps} keeps 99% of it whole")
+    longest = train_lengths if train_lengths.ndim == 1 else train_lengths.max(axis=1)
+    keeps = int(np.ceil(np.percentile(longest, 99)))
+    truncated = float((longest > data_cfg.max_length).mean())
+    what = "texts" if train_lengths.ndim == 1 else "pairs (either side)"
+    sample = "train sample; " if train_lengths.ndim == 1 else "train sample's pairs (either side); "
+    lines.append(f"  data.max_length {data_cfg.max_length} truncates {truncated:.1%} of the {sample}"
+                 f"data.max_length={keeps} keeps 99% of {'it' if train_lengths.ndim == 1 else 'them'} whole")
     if truncated > 0.05:
-        warnings.append(f"data.max_length {data_cfg.max_length} truncates {truncated:.0%} of the training texts; "
+        warnings.append(f"data.max_length {data_cfg.max_length} truncates {truncated:.0%} of the training {what}; "
                         f"{keeps} would keep 99% whole (within the model's positions)")
     return lines + _padding(cfg, np.minimum(train_lengths, data_cfg.max_length), world_size, warnings)
 
@@ -111,7 +143,8 @@ PADDING_WARNED = 0.25
 
 def _padding(cfg: Config, lengths: np.ndarray, world_size: int, warnings: list[str]) -> list[str]:
     """The share of padding in rank 0's micro-batches of the train sample, drawn as the run's
-    sampler draws them (length grouping as set), padded and packed (data.packing)."""
+    sampler draws them (length grouping as set), padded and packed (data.packing). `lengths`:
+    each sample's, or (pairs) each side's, both rows of its micro-batch."""
     try:
         plan = BatchPlan.of(cfg.train, world_size)
     except ConfigError:  # _epoch says so
@@ -119,12 +152,13 @@ def _padding(cfg: Config, lengths: np.ndarray, world_size: int, warnings: list[s
     if len(lengths) < plan.global_batch:
         return []
     rank_zero = DistEnv(world_size=world_size)
-    sampler = samplers.GlobalBatchSampler(lengths, np.zeros(len(lengths), np.int64), plan.global_batch, rank_zero,
-                                          cfg.seed, cfg.data.group_by_length)
+    sample_lengths = lengths if lengths.ndim == 1 else lengths.sum(axis=1)  # a pair's, as the sampler groups it
+    sampler = samplers.GlobalBatchSampler(sample_lengths, np.zeros(len(lengths), np.int64), plan.global_batch,
+                                          rank_zero, cfg.seed, cfg.data.group_by_length)
     order = lengths[list(sampler)]
     real = padded = packed = 0
     for start in range(0, len(order) - plan.micro_batch + 1, plan.micro_batch):
-        batch = order[start:start + plan.micro_batch].tolist()
+        batch = order[start:start + plan.micro_batch].T.ravel().tolist()  # a pair's sides: chosen rows, then rejected
         width = max(batch)
         real, padded = real + sum(batch), padded + width * len(batch)
         packed += width * len(packing.rows_of(batch, width))

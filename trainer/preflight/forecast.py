@@ -172,13 +172,15 @@ class PhaseClock(StepObserver):
 
 
 def time_compute(step: TrainStep, micro_batch: int, length: int, vocab: int, device: torch.device,
-                 labels: torch.Tensor, steps: int = 4) -> Compute:
+                 labels: torch.Tensor, steps: int = 4, texts_per_sample: int = 1) -> Compute:
     """Median forward, backward and optimizer seconds over `steps` runs (after two that warm
     up allocations and kernels) of the training step itself, on one micro-batch of random
-    tokens and `labels` (the task's shape): the work depends on the shapes, not the values."""
+    tokens and `labels` (the task's shape): the work depends on the shapes, not the values.
+    A sample is `texts_per_sample` rows of the batch (a pair's two)."""
     generator = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(0, vocab, (micro_batch, length), generator=generator).to(device),
-             "attention_mask": torch.ones(micro_batch, length, dtype=torch.long, device=device),
+    rows = micro_batch * texts_per_sample
+    batch = {"input_ids": torch.randint(0, vocab, (rows, length), generator=generator).to(device),
+             "attention_mask": torch.ones(rows, length, dtype=torch.long, device=device),
              "labels": labels}
     times: list[dict[str, float]] = []
     for i in range(steps + 2):
@@ -236,7 +238,8 @@ def measure(cfg: Config, dist_env, device: torch.device, alone: bool = True) -> 
             tokenized.close()
         params = Param.all_of(built.model)
         compute = time_compute(built.step, plan.micro_batch, batches.padded_length, built.config.vocab_size, device,
-                               labels=built.task.dummy_labels(plan.micro_batch, device))
+                               labels=built.task.dummy_labels(plan.micro_batch, device),
+                               texts_per_sample=built.task.texts_per_sample())
     finally:
         if group is not None:
             dist.destroy_process_group(group)

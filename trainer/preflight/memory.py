@@ -28,6 +28,7 @@ from trainer.model import lora
 from trainer.runtime import devices
 from trainer.runtime.environment import DistEnv
 from trainer.strategies import registry
+from trainer.tasks.registry import task_class
 from trainer.tasks.space import Labels
 from trainer.train import build
 
@@ -145,9 +146,10 @@ def make(cfg: Config, labels: Labels, device: torch.device | None = None, world_
     weights, gradients, optimizer = static_bytes(on_meta.model, strategy.gradient_copies(), shards)
     counts = lora.parameter_counts(on_meta.model)
     config = on_meta.config
-    per_sample = activation_bytes(config, cfg.data.max_length, amp_dtype,
-                                  keeps_attention_probs=config._attn_implementation == "eager",
-                                  checkpointing=cfg.model.gradient_checkpointing)
+    # A sample of a task of pairs is two texts, both in the micro-batch's forward.
+    per_sample = task_class(labels.problem_type).texts_per_sample() * activation_bytes(
+        config, cfg.data.max_length, amp_dtype, keeps_attention_probs=config._attn_implementation == "eager",
+        checkpointing=cfg.model.gradient_checkpointing)
     return MemoryPlan(weights, gradients, optimizer, per_sample, cfg.train.batch_size, cfg.data.max_length,
                       counts["parameters"], counts["trained_parameters"], lora.precisions(on_meta.model, amp_dtype),
                       shards, strategy.gathered_bytes(on_meta.model, amp_dtype, world_size),

@@ -105,7 +105,7 @@ class Worker:
         layout = packing.of_run(cfg.data, trained.config)
         if layout is not None:
             log.info("%s", loaders.packing_line(cfg, layout))
-        self.collate = loaders.collate(cfg, trained.tokenizer, device, layout)
+        self.collate = loaders.collate(cfg, trained.tokenizer, device, layout, texts_only=True)
         self.pin = device.type == "cuda"
         self.max_tokens = cfg.score.max_tokens or (32768 if device.type == "cuda" else 4096)
         self.counts = Counts()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from trainer.config.schema import Config
 from trainer.errors import ConfigError
+from trainer.tasks.registry import PAIR_TASKS
 
 if TYPE_CHECKING:
     from trainer.strategies.base import Strategy
@@ -43,3 +44,6 @@ def check(cfg: Config) -> None:
         # and its samples are not the same count.
         raise ConfigError("data.packing: nn.DataParallel (train.strategy=dp) splits a batch by rows, and a packed "
                           "row holds several samples; use train.strategy=ddp or set data.packing=false")
+    if strategy == "dp" and cfg.data.problem_type in PAIR_TASKS:
+        raise ConfigError("train.strategy: dp scatters a batch by rows, and a pair's chosen and rejected rows "
+                          "must meet in one loss (data.problem_type=pairwise); use ddp (one process per device)")

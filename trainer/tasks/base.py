@@ -49,11 +49,19 @@ class Task:
     """A row's label is one number, and there are no classes."""
     label_sets: ClassVar[bool] = False
     """A row's label is a set of classes: a list of names or ids, or a multi-hot row."""
+    pairs: ClassVar[bool] = False
+    """A row is a preference pair (trainer/data/pairs.py), with no label column: a sample is
+    two texts, which run through the model in one forward."""
+
+    @classmethod
+    def texts_per_sample(cls) -> int:
+        """The texts one sample runs through the model (rows of its batch): a pair's two."""
+        return 2 if cls.pairs else 1
 
     @classmethod
     def one_class_per_row(cls) -> bool:
         """Each row holds exactly one class: what a split can be stratified by."""
-        return not (cls.predicts_a_number or cls.label_sets)
+        return not (cls.predicts_a_number or cls.label_sets or cls.pairs)
 
     @classmethod
     def encode(cls, values: list, stored_as: str, names: tuple[str, ...]) -> list:
@@ -76,11 +84,21 @@ class Task:
 
     # --- training ----------------------------------------------------------------------
 
+    def per_sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's logits for a batch as one row per sample, what the loss, the tally and
+        the predictions take: the rows themselves, but for a pair's two texts (pairwise)."""
+        return logits
+
     def sample_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Each sample's loss, in fp32 and weighted by its class (train.class_weights). The
         step's loss is their mean over the batch, a sum over the same samples whatever the
         ranks, so 2 ranks equal 1 process; evaluation sums them."""
         raise NotImplementedError
+
+    def unlearnt(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """The parameters the loss gives no gradient but rounding, which the step leaves out
+        of each optimizer step (pairwise: the reward head's bias)."""
+        return []
 
     def dummy_labels(self, rows: int, device: torch.device) -> torch.Tensor:
         """Labels of the model's shape and dtype for `rows` rows: the forecast times a step on them."""

@@ -28,10 +28,15 @@ TASKS: dict[str, tuple[str, dict[str, Direction]]] = {
                     {"f1_micro": "max", "f1_macro": "max", "subset_accuracy": "max", "loss": "min"}),
     "regression": ("trainer.tasks.regression:Regression",
                    {"mse": "min", "mae": "min", "pearson": "max", "spearman": "max", "loss": "min"}),
+    "pairwise": ("trainer.tasks.pairwise:Pairwise", {"accuracy": "max", "margin": "max", "loss": "min"}),
 }
 
 METRICS = {name: metrics for name, (_, metrics) in TASKS.items()}
 """Each task's validation metrics: "max" where higher is better, "min" where lower is."""
+
+PAIR_TASKS = frozenset({"pairwise"})
+"""The tasks whose rows are preference pairs, two texts a sample (their class's `pairs`), told
+apart here without importing them (torch): for the checks before torch."""
 
 
 def task_class(problem_type: str) -> type[Task]:
@@ -41,7 +46,9 @@ def task_class(problem_type: str) -> type[Task]:
 
 def of_transformers(hf_problem_type: str | None) -> str:
     """The task of a transformers config's problem_type (single_label where it has none)."""
-    by_hf = {task_class(name).hf_problem_type: name for name in TASKS}
+    by_hf: dict[str, str] = {}
+    for name in TASKS:  # the first task of each: one number is regression (a reward model says so itself)
+        by_hf.setdefault(task_class(name).hf_problem_type, name)
     return by_hf.get(hf_problem_type or "", "single_label")
 
 
@@ -67,6 +74,20 @@ def check(cfg: Config) -> None:
     elif ckpt.best_mode is None:
         ckpt.best_mode = metrics[ckpt.best_metric]
     names, num_labels, weights = data_cfg.label_names, data_cfg.num_labels, train.class_weights
+    if problem_type == "pairwise":
+        for key, value, allowed in (("data.num_labels", num_labels, (None, 1)), ("data.label_names", names, (None,)),
+                                    ("train.class_weights", weights, (None,)),
+                                    ("data.label_map", data_cfg.label_map, (None,)),
+                                    ("data.normalize_labels", data_cfg.normalize_labels, (False,))):
+            if value not in allowed:
+                raise ConfigError(f"{key}: data.problem_type=pairwise learns one reward from pairs of "
+                                  "data.chosen_field and data.rejected_field, which have no classes and no label "
+                                  "column; leave it unset")
+        if data_cfg.chosen_field == data_cfg.rejected_field:
+            raise ConfigError("data.rejected_field: must differ from data.chosen_field")
+    elif train.center_rewards:
+        raise ConfigError(f"train.center_rewards: centres a reward model's rewards; data.problem_type is "
+                          f"{problem_type}")
     if problem_type == "regression":
         for key, value, allowed in (("data.num_labels", num_labels, (None, 1)), ("data.label_names", names, (None,)),
                                     ("train.class_weights", weights, (None,))):

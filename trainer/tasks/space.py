@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-IDS, NAMES, MULTI_HOT, NUMBERS = "ids", "names", "multi-hot rows", "numbers"
+IDS, NAMES, MULTI_HOT, NUMBERS, PAIRS = "ids", "names", "multi-hot rows", "numbers", "preference pairs"
 """How a label column stores its labels: class ids, class names (single_label, or lists of
-them: multi_label), a row of 0 or 1 per label (multi_label), numbers (regression)."""
+them: multi_label), a row of 0 or 1 per label (multi_label), numbers (regression); or that
+there is none, a row being a preference pair (pairwise)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Labels:
 
     def describe(self) -> str:
         """One line: the task and its classes."""
+        if self.stored_as == PAIRS:
+            return f"{self.problem_type}: one reward per text, learnt from preference pairs"
         if not self.names:
             return f"{self.problem_type} on one number"
         weighted = "" if self.weights is None else ", class-weighted"

@@ -63,8 +63,17 @@ torch._dynamo, which transformers imports with it (as torch.optim's step and DDP
 imports them while it waits for local rank 0's data (Trainer, startup.Prefetch)."""
 
 
+def tokenizer(cfg: Config, dist_env: DistEnv):
+    """model.name's tokenizer alone, before the model: what reading the data needs of it (a
+    task of pairs finds the pairs that truncation makes the same: trainer/data/pairs.py)."""
+    first = (distributed.local_rank_zero_first(dist_env, f"model.name: {cfg.model.name}")
+             if pretrained.from_hub(cfg.model) else nullcontext())
+    with first:
+        return pretrained.load_tokenizer(cfg.model)
+
+
 def load(cfg: Config, dist_env: DistEnv, device: torch.device, amp_dtype: torch.dtype, labels: Labels, *,
-         on_meta: bool = False, trained: Path | None = None, backward: bool = True) -> Model:
+         on_meta: bool = False, trained: Path | None = None, backward: bool = True, tokenizer=None) -> Model:
     """model.name's classifier for `labels` as training builds it: its tokenizer,
     data.max_length checked against its positions before any weight loads, the weights (frozen
     ones in model.dtype), LoRA's adapters, activation checkpointing, in train mode.
@@ -73,7 +82,8 @@ def load(cfg: Config, dist_env: DistEnv, device: torch.device, amp_dtype: torch.
     kind (a folder with config.json alone will do). `trained`: a `resume.trained_folder`, in
     eval mode: final/ (its own architecture, tokenizer and label names, the adapters merged),
     or a checkpoint step-N, whose weights go into model.name's architecture. `backward`: False
-    for a model that only runs forward (its attention: pretrained.attention_for)."""
+    for a model that only runs forward (its attention: pretrained.attention_for). `tokenizer`:
+    model.name's, loaded already (`tokenizer`)."""
     model_cfg, merged = cfg.model, trained is not None and pretrained.is_model_folder(trained)
     if merged:  # final/: a folder of its own, whatever revision of model.name it was trained from
         model_cfg = cast(ModelConfig, DictConfig({**node(cfg.model), "name": str(trained), "pretrained": True,
@@ -85,7 +95,8 @@ def load(cfg: Config, dist_env: DistEnv, device: torch.device, amp_dtype: torch.
     from_hub = pretrained.from_hub(model_cfg) and not on_meta
     first = distributed.local_rank_zero_first(dist_env, f"model.name: {model_cfg.name}") if from_hub else nullcontext()
     with first:
-        tokenizer = pretrained.load_tokenizer(model_cfg) if not on_meta or pretrained.has_tokenizer(model_cfg) else None
+        if tokenizer is None and (not on_meta or pretrained.has_tokenizer(model_cfg)):
+            tokenizer = pretrained.load_tokenizer(model_cfg)
         pad_token_id = None if tokenizer is None else tokenizer.pad_token_id
         config = pretrained.load_config(model_cfg, labels, device.type, pad_token_id, backward)
         # Before the weights: for an 8B model a mistake costs seconds, not minutes.
@@ -123,11 +134,12 @@ class Built(Model):
 
 
 def build(cfg: Config, dist_env: DistEnv, device: torch.device, labels: Labels, *, max_steps: int,
-          group: ProcessGroup | None = None, strategy: Strategy | None = None) -> Built:
+          group: ProcessGroup | None = None, strategy: Strategy | None = None, tokenizer=None) -> Built:
     """The model for `labels`, parallelized by the run's strategy over `group` (None: every
-    rank), and the step that trains it for `max_steps` steps (the LR schedule's length)."""
+    rank), and the step that trains it for `max_steps` steps (the LR schedule's length).
+    `tokenizer`: model.name's, where the caller loaded it already."""
     amp_dtype = devices.configure_compute(cfg.train, dist_env, device)
-    loaded = load(cfg, dist_env, device, amp_dtype, labels)
+    loaded = load(cfg, dist_env, device, amp_dtype, labels, tokenizer=tokenizer)
     strategy = strategy or registry.of(cfg)
     if pretrained.compiles(cfg.train.compile, device, max_steps):  # before FSDP2 wraps the blocks, as torchtitan
         pretrained.compile_blocks(loaded.model)

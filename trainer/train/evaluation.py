@@ -73,7 +73,7 @@ def _evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, task: 
     for batch in loader:
         batch = loaders.to_device(batch, device, loader)
         labels = batch.pop("labels")
-        logits = logits_of(**batch).float()
+        logits = task.per_sample(logits_of(**batch).float())
         loss_sum += task.sample_losses(logits, labels).sum()
         batch_rows = [next(rows) for _ in range(len(labels))]
         tally.add(logits, labels, batch_rows)
@@ -115,7 +115,8 @@ def run(cfg: Config, dist_env: DistEnv, device: torch.device, folder: Path) -> d
     prints the table and writes eval-SPLIT.json and eval-SPLIT.png into the folder. Returns
     the report on rank 0."""
     trained = build.trained(cfg, dist_env, device, folder)
-    splits = reading.load(cfg, dist_env, labels=trained.task.labels)  # every label one the model knows
+    splits = reading.load(cfg, dist_env, labels=trained.task.labels,  # every label one the model knows
+                          tokenizer=trained.tokenizer)
     loader, num_samples = loaders.build_eval(cfg, dist_env, splits, trained.tokenizer, device,
                                              packing.of_run(cfg.data, trained.config))
     result = evaluate(trained.logits, loader, num_samples, trained.task, device, dist_env, keep_rows=True,

@@ -29,6 +29,7 @@ from trainer.runtime import distributed
 from trainer.runtime.environment import DistEnv
 from trainer.runtime.startup import Prefetch, StartupClock
 from trainer.strategies import registry
+from trainer.tasks.registry import task_class
 from trainer.train import build, evaluation, flops, metrics, tracking
 from trainer.train.policy import Policy, Selection
 from trainer.train.state import TrainState
@@ -92,8 +93,10 @@ class Trainer:
 
         # Checked first: a data mistake costs no model download. The ranks that wait for local
         # rank 0's data meanwhile import what the model needs.
+        # A task of pairs reads its data with the tokenizer (pairs that truncation makes the same).
+        tokenizer = build.tokenizer(cfg, dist_env) if task_class(cfg.data.problem_type).pairs else None
         with distributed.meanwhile(Prefetch(build.PREFETCHED)):
-            splits = reading.load(cfg, dist_env)
+            splits = reading.load(cfg, dist_env, tokenizer=tokenizer)
         for warning in splits.warnings:
             log.warning("%s", warning)
         self.dropped_rows = splits.dropped
@@ -104,7 +107,7 @@ class Trainer:
         self.policy = Policy.from_config(cfg, splits.steps_per_epoch(self.batch, cfg.train))
         startup.mark("data")
         self.built = build.build(cfg, dist_env, device, self.labels, max_steps=self.policy.max_steps,
-                                 strategy=self.strategy)
+                                 strategy=self.strategy, tokenizer=tokenizer)
         """The model, the strategy that runs it on this rank, and the step."""
         self.model = self.built.model
         """The model that trains, unwrapped: checkpoints, evaluation and the export read it."""

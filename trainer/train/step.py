@@ -105,6 +105,8 @@ class TrainStep:
         self.lazy = (guard.enabled and bool(optimizer.defaults.get("fused")) and not scaler.is_enabled()
                      and not guard.rollback_on_spike and getattr(strategy, "powersgd", None) is None)
         self.masks = AttentionMasks(model)
+        self.unlearnt = task.unlearnt(model)
+        """Parameters whose gradient is rounding alone (the task's): no optimizer step moves them."""
 
     def loss(self, batch: dict[str, torch.Tensor | None]) -> torch.Tensor:
         """The batch's loss, through whatever runs the model on this rank: the mean of its
@@ -114,7 +116,7 @@ class TrainStep:
         inputs = dict(batch)
         labels = inputs.pop("labels")
         assert labels is not None
-        return self.task.sample_losses(self.module(**inputs), labels).mean()
+        return self.task.sample_losses(self.task.per_sample(self.module(**inputs)), labels).mean()
 
     def __call__(self, batches: list[dict], step: int, observer: StepObserver) -> Tried:
         """Optimizer step number `step` over `batches`, this rank's micro-batches of it; taken
@@ -182,6 +184,8 @@ class TrainStep:
         the check says the step is bad. Lazily (`lazy`), the fused AdamW skips on the device;
         otherwise the host reads the verdict first."""
         self.gradients_ready(step, step_loss)
+        for parameter in self.unlearnt:  # AdamW would step on a gradient of rounding alone
+            parameter.grad = None
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         grad_norm = None
         if self.max_grad_norm > 0:
