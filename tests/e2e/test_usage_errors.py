@@ -77,6 +77,41 @@ def test_bad_data_file(usage_run, tiny_model, tmp_path, case, train_rows, expect
     assert snapshot(out) == before
 
 
+GOOD_PAIRS = "".join(json.dumps({"prompt": "How was it?", "chosen": f"Good {i}.", "rejected": f"Bad {i}."}) + "\n"
+                     for i in range(40))
+LONG = " ".join(["the food was great"] * 30)
+BAD_PAIRS = [
+    ("no-rejected-column", GOOD_PAIRS.replace('"rejected"', '"worse"'),
+     "data.rejected_field: column 'rejected' not in data.train_split (columns: prompt, chosen, worse)"),
+    ("a-number-for-an-answer", GOOD_PAIRS.replace('"Good 3."', "3").replace('"Good ', '"'),
+     "data.chosen_field: column 'chosen' in data.train_split holds"),
+    ("empty-answer", GOOD_PAIRS.replace('"Bad 7."', '""'), "1 row cannot train: 1 with no text in column 'rejected'"),
+    ("a-message-without-content", GOOD_PAIRS.replace('"chosen": "Good 2."', '"chosen": [{"role": "user"}]').replace(
+        '"chosen": "Good ', '"chosen": [{"role": "user", "content": "Good"}], "x": "'),
+     "data.chosen_field: column 'chosen' in data.train_split has a message with no content in row 2"),
+    ("the-same-once-truncated", GOOD_PAIRS + json.dumps({"prompt": "How?", "chosen": LONG + " yes",
+                                                         "rejected": LONG + " no"}) + "\n",
+     "1 with chosen and rejected the same once cut to data.max_length=64 tokens at their end (raise it, or set "
+     "data.truncation_side=left) (row 40)"),
+]
+
+
+@pytest.mark.parametrize("command", ["train", "check"])
+@pytest.mark.parametrize("case, train_rows, expected", BAD_PAIRS, ids=[c[0] for c in BAD_PAIRS])
+def test_bad_preference_pairs(usage_run, tiny_model, tmp_path, case, train_rows, expected, command):
+    """data.problem_type=pairwise: each kind of pair that cannot train, one line before any
+    weights load (the identical ones once the tokenizer has truncated them)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text(train_rows)
+    (data / "test.jsonl").write_text(train_rows)  # the same columns: `datasets` reads a folder's files as one
+    out = tmp_path / "run"
+    before = previous_run(out)
+    overrides = tiny_overrides(tiny_model, data, out, **{"data.problem_type": "pairwise", "data.num_labels": "null"})
+    assert_usage_error(usage_run(overrides, command=command), expected)
+    assert snapshot(out) == before
+
+
 def test_a_validation_label_that_train_never_saw_stops_check_and_train_alike(usage_run, tiny_model, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
