@@ -162,16 +162,24 @@ def _pair_encoder(data_cfg: DataConfig, tokenizer, column_names: list[str]):
     return encode, _encoding_digest(tokenizer, settings, [__file__, pairs.__file__])
 
 
-def identical_pairs(ds, data_cfg: DataConfig, tokenizer) -> dict[str, np.ndarray]:
+def identical_pairs(ds, data_cfg: DataConfig, tokenizer, split_key: str = "data.train_split") -> dict[str, np.ndarray]:
     """The pairs of `ds` whose two sides tokenize the same once truncated to data.max_length
     (the part they differ in is cut off): {what is wrong: their rows}, or {}. Tokenized as
-    training tokenizes them, and thrown away: `datasets` caches what training tokenizes."""
-    encode, _ = _pair_encoder(data_cfg, tokenizer, ds.column_names)
-    flags: list[bool] = []
-    for batch in ds.iter(batch_size=1000):  # the split's own columns: no copy of it whole
+    training tokenizes them; the answer, a flag a row, is cached as the tokens are (its
+    fingerprint says so), so a rerun and the node's other ranks read it."""
+    encode, encoding = _pair_encoder(data_cfg, tokenizer, ds.column_names)
+
+    def flag(batch):
         encoded = encode(batch)
-        flags += [c == r for c, r in zip(encoded["input_ids"], encoded[pairs.REJECTED + "input_ids"], strict=True)]
-    same = np.flatnonzero(flags)
+        return {"same": [c == r for c, r in zip(encoded["input_ids"], encoded[pairs.REJECTED + "input_ids"],
+                                                strict=True)]}
+
+    fingerprint = None if encoding is None else hashlib.sha256(
+        f"{ds._fingerprint} {encoding} the same once truncated".encode()).hexdigest()[:_FINGERPRINT_CHARS]
+    with datasets_errors.as_data_error(split_key, "tokenizing its pairs"):
+        flags = ds.map(flag, batched=True, remove_columns=ds.column_names, new_fingerprint=fingerprint,
+                       desc="pairs the same once truncated")
+    same = np.flatnonzero(flags.with_format("numpy")["same"])
     if not len(same):
         return {}
     cut = "end" if data_cfg.truncation_side == "right" else "start"

@@ -201,7 +201,7 @@ def load(cfg: Config, dist_env: DistEnv, labels: Labels | None = None, tokenizer
     is reported in seconds, not after a model download. The label space is resolved from the
     train split, or given (`labels`: a trained model's, which every split must fit). A
     preference pair's task finds the pairs that truncation makes the same with model.name's
-    `tokenizer` (trainer/data/pairs.py; without one, it does not look). Where
+    `tokenizer` (trainer/data/encoding.py's identical_pairs; without one, it does not look). Where
     data.eval_split names no split of the data, validation is held out of the train split.
     Local rank 0 fills the node's `datasets` cache first, the other ranks then read it."""
     data_cfg = cfg.data

@@ -109,7 +109,8 @@ def broken_json_line(path: Path) -> str | None:
 # --- the rows that cannot train ---------------------------------------------------------
 
 
-def invalid_rows(ds, data_cfg: DataConfig, tokenizer=None) -> dict[str, np.ndarray]:
+def invalid_rows(ds, data_cfg: DataConfig, tokenizer=None,
+                 split_key: str = "data.train_split") -> dict[str, np.ndarray]:
     """Each kind of row that cannot train, and the rows of that kind (in `ds`'s order): no
     text (null, empty or only spaces) in a text column, no label (null, or a NaN number); a
     preference pair's own (trainer/data/pairs.py), those the same once truncated found with
@@ -122,7 +123,7 @@ def invalid_rows(ds, data_cfg: DataConfig, tokenizer=None) -> dict[str, np.ndarr
         found = pairs.invalid_rows(ds, data_cfg)
         if tokenizer is not None:  # of the rows that tokenize: those with text on both sides
             valid = np.setdiff1d(np.arange(len(ds)), np.concatenate([np.zeros(0, np.int64), *found.values()]))
-            for kind, rows in encoding.identical_pairs(ds.select(valid), data_cfg, tokenizer).items():
+            for kind, rows in encoding.identical_pairs(ds.select(valid), data_cfg, tokenizer, split_key).items():
                 found[kind] = valid[rows]
         return found
     found = {}
@@ -149,7 +150,7 @@ def invalid_rows(ds, data_cfg: DataConfig, tokenizer=None) -> dict[str, np.ndarr
 def drop_or_refuse(ds, data_cfg: DataConfig, split_key: str, tokenizer=None) -> tuple[object, dict[str, int]]:
     """`ds` without its invalid rows and how many of each kind it had (data.drop_invalid_rows),
     or, where it has some and they are not to be dropped, a DataError naming every kind."""
-    found = invalid_rows(ds, data_cfg, tokenizer)
+    found = invalid_rows(ds, data_cfg, tokenizer, split_key)
     if not found:
         return ds, {}
     counts = {kind: len(rows) for kind, rows in found.items()}
