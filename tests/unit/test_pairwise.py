@@ -215,3 +215,23 @@ def test_a_pairwise_config_refuses_what_has_no_meaning_for_pairs(tmp_path):
 
 def test_the_tasks_of_pairs_are_told_apart_before_torch_as_their_classes_say():
     assert {name for name in tasks.TASKS if tasks.task_class(name).pairs} == tasks.PAIR_TASKS
+
+
+@pytest.mark.parametrize(("problem_type", "setting", "kept"), [
+    ("pairwise", "null", False), ("pairwise", "true", True), ("single_label", "null", True),
+    ("single_label", "false", False)])
+def test_a_reward_model_trains_without_dropout_unless_asked(problem_type, setting, kept, dropout_model,
+                                                            decoder_models, tmp_path):
+    """A pair's two sides would see independent dropout masks, which blur the difference its
+    loss reads: off by default for pairwise (model.dropout), as TRL trains reward models."""
+    from trainer.train import build
+
+    labels = LABELS if problem_type == "pairwise" else Labels(problem_type, ("a", "b"), "test", "ids")
+    for model in (dropout_model, decoder_models("llama", 0.1)):
+        cfg = _cfg(tmp_path, tmp_path, f"model.name={model}", f"data.problem_type={problem_type}",
+                   f"model.dropout={setting}", "train.precision=fp32")
+        loaded = build.load(cfg, DistEnv(), torch.device("cpu"), torch.float32, labels).model
+        rates = [m.p for m in loaded.modules() if isinstance(m, torch.nn.Dropout)]
+        rates += [m.attention_dropout for m in loaded.modules() if isinstance(getattr(m, "attention_dropout", None),
+                                                                              float)]
+        assert rates and all((rate > 0) == kept for rate in rates), (model, rates)

@@ -141,6 +141,13 @@ class ModelConfig:
     are recomputed in the backward instead of kept from the forward. A third less memory on
     the demo, at 1.4x the step time (benchmarks/RESULTS.md); the same weights, bit for bit
     (each layer's dropout masks are replayed), so a resume may turn it on or off."""
+    dropout: bool | None = key(None, FIXED)
+    """The model's own dropout (its config's probabilities) while it trains; false: none.
+    null (auto): none for data.problem_type=pairwise, whose loss reads the difference of a
+    pair's two rewards, which independent dropout masks on the two sides would blur (as TRL
+    and OpenRLHF train reward models: 0.97 held-out accuracy with it, 0.995 without, in
+    benchmarks/RESULTS.md's run); the model's own for the other tasks. LoRA's own dropout is
+    model.lora.dropout."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of training every weight (`model.lora.r`)."""
     dtype: Literal["auto", "bf16", "fp32"] = key("auto", FIXED)

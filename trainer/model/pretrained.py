@@ -253,6 +253,17 @@ def is_model_folder(folder: Path) -> bool:
     return (folder / "config.json").is_file()
 
 
+def without_dropout(model: torch.nn.Module) -> None:
+    """Every dropout of `model` off while it trains (model.dropout): its nn.Dropout modules,
+    whose p the attention of BERT's family reads too, and the attention dropout that Llama's
+    and its kin keep as a number (`attention_dropout`)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            setattr(module, "attention_dropout", 0.0)  # a plain attribute, not a submodule  # noqa: B010
+
+
 def use_gradient_checkpointing(model: PreTrainedModel) -> None:
     """model.gradient_checkpointing. Non-reentrant (torch.utils.checkpoint's
     use_reentrant=False): it needs no input that requires grad, which a frozen embedding

@@ -52,6 +52,8 @@ class Task:
     pairs: ClassVar[bool] = False
     """A row is a preference pair (trainer/data/pairs.py), with no label column: a sample is
     two texts, which run through the model in one forward."""
+    keeps_dropout: ClassVar[bool] = True
+    """The model trains with its own dropout unless model.dropout says otherwise."""
 
     @classmethod
     def texts_per_sample(cls) -> int:

@@ -88,6 +88,8 @@ class Pairwise(Task):
     none) and RewardBench's `logits[:, 0]` both read the reward itself."""
     main_metrics = (("accuracy", "accuracy"), ("length_baseline", "longer-answer baseline"))
     pairs = True
+    keeps_dropout = False
+    """The loss reads a pair's difference: independent masks on its two sides would blur it."""
 
     def __init__(self, labels: Labels, data_cfg: DataConfig, train_cfg: TrainConfig | None = None):
         super().__init__(labels, data_cfg, train_cfg)

@@ -104,6 +104,11 @@ def load(cfg: Config, dist_env: DistEnv, device: torch.device, amp_dtype: torch.
         dtype = lora.frozen_dtype(cfg.model, amp_dtype)
         bare = pretrained.meta_model(config, dtype, model_cfg.trust_remote_code) if on_meta else \
             pretrained.load_model(model_cfg, config, cfg.seed, device, dtype)
+    if trained is None and not keeps_dropout(cfg, labels):  # before LoRA's, which model.lora.dropout sets
+        pretrained.without_dropout(bare)
+        if dist_env.is_rank_zero:
+            log.info("model.dropout: off while training (%s)", "model.dropout=false" if cfg.model.dropout is False
+                     else f"data.problem_type={labels.problem_type} trains without")
     built = bare if merged else lora.apply(bare, cfg.model)  # final/ has the adapters merged in already
     if trained is not None:
         if not merged:  # a checkpoint of a LoRA run holds the adapters
@@ -112,6 +117,12 @@ def load(cfg: Config, dist_env: DistEnv, device: torch.device, amp_dtype: torch.
     if cfg.model.gradient_checkpointing and not on_meta:
         pretrained.use_gradient_checkpointing(built)
     return Model(built.train(), tokenizer, config, amp_dtype)  # from_pretrained returns eval mode: no dropout
+
+
+def keeps_dropout(cfg: Config, labels: Labels) -> bool:
+    """model.dropout, or where it is null what the task asks (a reward model trains without)."""
+    setting = cfg.model.dropout
+    return tasks.task_class(labels.problem_type).keeps_dropout if setting is None else setting
 
 
 @dataclass
