@@ -91,8 +91,8 @@ BAD_PAIRS = [
      "data.chosen_field: column 'chosen' in data.train_split has a message with no content in row 2"),
     ("the-same-once-truncated", GOOD_PAIRS + json.dumps({"prompt": "How?", "chosen": LONG + " yes",
                                                          "rejected": LONG + " no"}) + "\n",
-     "1 with chosen and rejected the same once cut to data.max_length=64 tokens at their end (raise it, or set "
-     "data.truncation_side=left) (row 40)"),
+     ("1 with chosen and rejected the same once cut to data.max_length=64 tokens at their end (raise it, or set "
+     "data.truncation_side=left) (row 40)")),
 ]
 
 
