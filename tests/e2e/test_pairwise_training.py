@@ -134,6 +134,9 @@ def test_reward_models_train_exactly_resume_bitwise_and_score_as_transformers(ti
     assert report["length_baseline"] == pytest.approx(float(np.mean(longer)), abs=1e-12)
     assert report["accuracy"] == pytest.approx(second["final_eval"]["accuracy"], abs=1e-12)
 
+    card = (tmp_path / "ddp" / "final" / "README.md").read_text()
+    assert "A reward model fine-tuned from" in card and "length_baseline" in card and ".logits[0, 0]" in card
+
     # score: each text's reward, as evaluate's rows gave the same text as a chosen answer.
     scored_rows = [json.loads(line) for line in (answers / "texts.jsonl").read_text().splitlines()]
     assert [set(row) for row in scored_rows] == [{"reward"}] * 5

@@ -235,3 +235,20 @@ def test_a_reward_model_trains_without_dropout_unless_asked(problem_type, settin
         rates += [m.attention_dropout for m in loaded.modules() if isinstance(getattr(m, "attention_dropout", None),
                                                                               float)]
         assert rates and all((rate > 0) == kept for rate in rates), (model, rates)
+
+
+def test_check_reports_each_sides_token_lengths_and_the_pairs_truncation_cuts(tiny_model, tmp_path):
+    from trainer.data import demo
+    from trainer.preflight import data_check
+
+    path = demo.preferences(tmp_path / "data", 300, seed=0)
+    report = data_check.check(_cfg(tmp_path, path, f"model.name={tiny_model}", "data.max_length=24"), world_size=1)
+    lines = "\n".join(report.lines)
+    assert report.labels.stored_as == PAIRS and report.labels.rows == 270
+    for side in ("chosen", "rejected"):
+        assert re.search(rf"tokens \(train, 270 sampled pairs' {side} side\): p50 \d+, p90 \d+, p99 \d+, max \d+", lines)
+    truncated = re.search(r"data.max_length 24 truncates ([\d.]+)% of the train sample's pairs \(either side\); "
+                          r"data.max_length=(\d+) keeps 99% of them whole", lines)
+    assert truncated and float(truncated[1]) > 5 and int(truncated[2]) > 24, lines
+    assert any("truncates" in warning and "pairs (either side)" in warning for warning in report.warnings)
+    assert re.search(r"padding: [\d.]+% of the tokens of the sample's micro-batches of 16", lines)
