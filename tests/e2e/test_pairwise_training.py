@@ -89,16 +89,21 @@ def test_reward_models_train_exactly_resume_bitwise_and_score_as_transformers(ti
     texts = tmp_path / "texts.jsonl"
     pairs = [json.loads(line) for line in (plain / "test.jsonl").read_text().splitlines()]
     texts.write_text("".join(json.dumps({"question": p["prompt"], "answer": p["chosen"]}) + "\n" for p in pairs[:5]))
-    answers = tmp_path / "answers"
-    resumed, evaluated, peft_scored, scored = together(
+    answers, chat_answers = tmp_path / "answers", tmp_path / "chat-answers"
+    conversations = [json.loads(line) for line in (chat / "test.jsonl").read_text().splitlines()]
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"conversation": c["chosen"]}) + "\n" for c in conversations[:5]))
+    resumed, evaluated, peft_scored, scored, chat_scored = together(
         (trainer_command(encoder("resumed", **ddp), 2), {}),
         (trainer_command(encoder("ddp", **ddp), 2, command="evaluate"), {}),
         (trainer_command([*decoder("lora-single"), f"checkpoint={tmp_path / 'lora-single' / 'checkpoints'}/step-12"],
                          None, command="evaluate"), {}),
         (trainer_command([*encoder("ddp", **ddp), f"score.input={texts}", f"score.output={answers}",
                           "score.format=jsonl", "data.text_field=question", "data.text_pair_field=answer"],
-                         None, command="score"), {}))
-    for result in (resumed, evaluated, peft_scored, scored):
+                         None, command="score"), {}),
+        (trainer_command([*decoder("lora-single"), f"score.input={chats}", f"score.output={chat_answers}",
+                          "score.format=jsonl", "data.text_field=conversation"], None, command="score"), {}))
+    for result in (resumed, evaluated, peft_scored, scored, chat_scored):
         succeeded(result)
 
     # 2 ranks = 1 process: DDP, and LoRA under FSDP2 on the decoder.
@@ -150,8 +155,10 @@ def test_reward_models_train_exactly_resume_bitwise_and_score_as_transformers(ti
     final = tmp_path / "lora-single" / "final"
     assert not (final / "adapter_config.json").exists()
     model, chat_tokenizer = AutoModelForSequenceClassification.from_pretrained(final).eval(), _tokenizer(final)
-    conversations = [json.loads(line) for line in (chat / "test.jsonl").read_text().splitlines()]
     expected = _rows(final.parent / "checkpoints" / "step-12" / "eval-test-rows.csv")
+    # score on conversations: each rendered by the chat template, the reward training gave it.
+    chat_rewards = [json.loads(line)["reward"] for line in (chat_answers / "chats.jsonl").read_text().splitlines()]
+    assert chat_rewards == pytest.approx([float(row["chosen_reward"]) for row in expected[:5]], abs=1e-5)
     with torch.no_grad():
         for conversation, row in zip(conversations[:10], expected, strict=False):
             for side in ("chosen", "rejected"):

@@ -165,7 +165,7 @@ def test_conversations_need_a_chat_template(decoder_models, tmp_path):
     path = _write(tmp_path / "chat.jsonl", rows)
     cfg = _cfg(tmp_path, path, f"model.name={decoder_models('llama', 0.0)}")
     tokenizer = pretrained.load_tokenizer(cfg.model)
-    with pytest.raises(DataError, match=r"^data.chosen_field: the pairs hold conversations, and the tokenizer of "
+    with pytest.raises(DataError, match=r"^data.chosen_field: the texts hold conversations, and the tokenizer of "
                                         r"model.name \(.*\) has no chat template to render them"):
         reading.load(cfg, DistEnv(), tokenizer=tokenizer)
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -246,7 +246,8 @@ def test_check_reports_each_sides_token_lengths_and_the_pairs_truncation_cuts(ti
     lines = "\n".join(report.lines)
     assert report.labels.stored_as == PAIRS and report.labels.rows == 270
     for side in ("chosen", "rejected"):
-        assert re.search(rf"tokens \(train, 270 sampled pairs' {side} side\): p50 \d+, p90 \d+, p99 \d+, max \d+", lines)
+        assert re.search(rf"tokens \(train, 270 sampled pairs' {side} side\): p50 \d+, p90 \d+, p99 \d+, "
+                         r"max \d+", lines)
     truncated = re.search(r"data.max_length 24 truncates ([\d.]+)% of the train sample's pairs \(either side\); "
                           r"data.max_length=(\d+) keeps 99% of them whole", lines)
     assert truncated and float(truncated[1]) > 5 and int(truncated[2]) > 24, lines

@@ -86,7 +86,10 @@ BAD = [
     ('[1, 2]', "not a JSON object: list"),
     ('{"id": 1}', "no 'text'"),
     ('{"id": 1, "text": null}', "'text' is null"),
-    ('{"id": 1, "text": 5}', "'text' is not text: '5'"),
+    ('{"id": 1, "text": 5}', ("'text' is neither text nor a conversation (a list of {role, content} messages, both "
+                             "text): '5'")),
+    ('{"id": 1, "text": [{"role": "user"}]}', ("'text' is neither text nor a conversation (a list of {role, content} "
+                                              "messages, both text): \"[{'role': 'user'}]\"")),
     ('{"text": "no id"}', "no 'id' (score.carry)"),
 ]
 

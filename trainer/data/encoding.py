@@ -91,7 +91,7 @@ def _encoding_digest(tokenizer, settings: list, code: list[str]) -> str | None:
     return digest.hexdigest()
 
 
-def _read_at_last_token(encoded, pad_id: int | None) -> None:
+def read_at_last_token(encoded, pad_id: int | None) -> None:
     """Each row without the pad ids that end it, in place, where the pad stands in for eos.
 
     transformers' decoder classifiers (GPT-2, Llama, ...) read a row at its rightmost token
@@ -112,7 +112,7 @@ def _read_at_last_token(encoded, pad_id: int | None) -> None:
                 encoded[name][i] = encoded[name][i][:end]
 
 
-def _stand_in_pad(tokenizer) -> int | None:
+def stand_in_pad(tokenizer) -> int | None:
     """The pad id where it is eos standing in (decoders without a pad token), else None."""
     pad = tokenizer.pad_token_id
     return pad if pad is not None and pad == tokenizer.eos_token_id else None
@@ -122,14 +122,14 @@ def _text_encoder(data_cfg: DataConfig, tokenizer, labels: Labels):
     """(encode, what decides its tokens) for a task of one text (or text pair) and a label per row."""
     text, pair, label = str(data_cfg.text_field), data_cfg.text_pair_field, str(data_cfg.label_field)
     pair = None if pair is None else str(pair)
-    max_length, side, pad = int(data_cfg.max_length), str(data_cfg.truncation_side), _stand_in_pad(tokenizer)
+    max_length, side, pad = int(data_cfg.max_length), str(data_cfg.truncation_side), stand_in_pad(tokenizer)
     problem_type, stored_as, names = labels.problem_type, labels.stored_as, labels.names
     task = task_class(problem_type)
 
     def encode(batch):
         tokenizer.truncation_side = side
         encoded = tokenizer(batch[text], batch[pair] if pair else None, truncation=True, max_length=max_length)
-        _read_at_last_token(encoded, pad)
+        read_at_last_token(encoded, pad)
         encoded["labels"] = task.encode(batch[label], stored_as, names)
         encoded["length"] = [len(ids) for ids in encoded["input_ids"]]
         return encoded
@@ -143,14 +143,14 @@ def _pair_encoder(data_cfg: DataConfig, tokenizer, column_names: list[str]):
     side's tokens (the rejected side's columns named pairs.REJECTED + ...), the pair's margin
     as its label, and as its length both sides' tokens, what it costs in a batch."""
     columns = pairs.Columns.of(data_cfg, column_names)
-    max_length, side, pad = int(data_cfg.max_length), str(data_cfg.truncation_side), _stand_in_pad(tokenizer)
+    max_length, side, pad = int(data_cfg.max_length), str(data_cfg.truncation_side), stand_in_pad(tokenizer)
 
     def encode(batch):
         encoded = pairs.tokenize(batch, tokenizer, columns, max_length, side)
         for prefix in ("", pairs.REJECTED):
             side_columns = {name: encoded[prefix + name] for name in ("input_ids", "token_type_ids")
                             if prefix + name in encoded}
-            _read_at_last_token(side_columns, pad)
+            read_at_last_token(side_columns, pad)
             encoded.update({prefix + name: values for name, values in side_columns.items()})
         rows = len(encoded["input_ids"])
         encoded["labels"] = [0.0] * rows if columns.margin is None else [float(m) for m in batch[columns.margin]]

@@ -182,7 +182,7 @@ def invalid_rows(ds, data_cfg: DataConfig) -> dict[str, np.ndarray]:
     return found
 
 
-def _messages(value: Any, role: str) -> list[dict]:
+def to_messages(value: Any, role: str) -> list[dict]:
     """A text or a conversation as a list of messages (a text: one message of `role`)."""
     if value is None or value == "":
         return []
@@ -216,7 +216,7 @@ def _tokenize_side(prompts: list, answers: list, tokenizer, max_length: int) -> 
         if not rows:
             continue
         if how == "conversation":
-            texts = [render(tokenizer, _messages(prompts[i], "user") + _messages(answers[i], "assistant"))
+            texts = [render(tokenizer, to_messages(prompts[i], "user") + to_messages(answers[i], "assistant"))
                      for i in rows]
             encoded = tokenizer(texts, add_special_tokens=False, **options)
         elif how == "pair":
@@ -230,10 +230,11 @@ def _tokenize_side(prompts: list, answers: list, tokenizer, max_length: int) -> 
     return {name: [row[name] for row in out if row is not None] for name in names}
 
 
-def render(tokenizer, messages: list[dict]) -> str:
-    """A conversation as the tokenizer's chat template writes it, or one line saying there is none."""
+def render(tokenizer, messages: list[dict], key: str = "data.chosen_field") -> str:
+    """A conversation as the tokenizer's chat template writes it, or one line saying there is
+    none, naming `key`, the column that holds it."""
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"data.chosen_field: the pairs hold conversations, and the tokenizer of model.name "
+        raise DataError(f"{key}: the texts hold conversations, and the tokenizer of model.name "
                         f"({getattr(tokenizer, 'name_or_path', '?')}) has no chat template to render them: use a "
                         "model whose tokenizer has one, or give the texts as plain strings")
     return tokenizer.apply_chat_template(messages, tokenize=False)

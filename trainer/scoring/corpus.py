@@ -45,12 +45,19 @@ class Shard:
 @dataclass
 class Chunk:
     index: int
-    texts: list[str] = field(default_factory=list)
-    pairs: list[str] | None = None
+    texts: list[str | list[dict]] = field(default_factory=list)
+    """Each row's data.text_field: a text, or a conversation (a list of {role, content} messages)."""
+    pairs: list[str | list[dict]] | None = None
     carried: list[dict] = field(default_factory=list)
     """Each row's score.carry columns."""
     skipped: list[str] = field(default_factory=list)
     """`FILE line N: why`, for each row left out (score.bad_rows=skip)."""
+
+
+def is_conversation(value) -> bool:
+    """A list of {role, content} messages, both text: what a chat template renders."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
 
 
 def kind_of(path: Path) -> tuple[str, str | None] | None:
@@ -251,8 +258,9 @@ class Reader:
         for name in [self.text, *([self.pair] if self.pair else [])]:
             if record.get(name) is None:
                 return f"no {name!r}" if name not in record else f"{name!r} is null"
-            if not isinstance(record[name], str):
-                return f"{name!r} is not text: {str(record[name])[:40]!r}"
+            if not isinstance(record[name], str) and not is_conversation(record[name]):
+                return (f"{name!r} is neither text nor a conversation (a list of {{role, content}} messages, both "
+                        f"text): {str(record[name])[:40]!r}")
         for name in self.carry:
             if name not in record:
                 return f"no {name!r} (score.carry)"

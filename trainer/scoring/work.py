@@ -26,7 +26,9 @@ import torch
 
 from trainer import files
 from trainer.config.schema import Config
-from trainer.data import loaders
+from trainer.data import encoding, loaders
+from trainer.data import pairs as pairs_module
+from trainer.data.pairs import to_messages
 from trainer.errors import DataError, TrainerError
 from trainer.faults import inject
 from trainer.model import packing
@@ -177,17 +179,51 @@ class Worker:
         ledger.set_count(shard.name, chunks)
 
     def _tokenized(self, shard: Shard, chunk: Chunk) -> Tokenized:
+        """The chunk's rows as tokens, in batches: texts (and text pairs) as the tokenizer
+        joins them, conversations as its chat template renders them, as training reads them
+        (trainer/data/pairs.py), each read at its last token (encoding.read_at_last_token)."""
         tokenizer, max_length = self.trained.tokenizer, self.cfg.data.max_length
-        encoded = tokenizer(chunk.texts, chunk.pairs, truncation=True, max_length=max_length,
-                            return_offsets_mapping=tokenizer.is_fast)
-        truncated = truncated_rows(encoded, chunk.texts, chunk.pairs, max_length)
-        names = [k for k in encoded if k != "offset_mapping"]
-        lengths = [len(ids) for ids in encoded["input_ids"]]
+        tokenizer.truncation_side = self.cfg.data.truncation_side
+        rendered = [i for i, text in enumerate(chunk.texts)
+                    if not isinstance(text, str) or (chunk.pairs is not None and not isinstance(chunk.pairs[i], str))]
+        texts, pairs = chunk.texts, chunk.pairs
+        if rendered:  # a conversation in the chunk: each such row rendered to one text, joined as written
+            texts, pairs = list(texts), None if pairs is None else list(pairs)
+            for i in rendered:
+                messages = [*to_messages(chunk.texts[i], "user"),
+                            *(to_messages(chunk.pairs[i], "assistant") if chunk.pairs is not None else [])]
+                texts[i] = pairs_module.render(tokenizer, messages, "data.text_field")
+                if pairs is not None:
+                    pairs[i] = ""
+        columns, truncated = self._encode(texts, pairs, set(rendered), max_length)
+        lengths = [len(ids) for ids in columns["input_ids"]]
         batches = []
         for rows in budget_batches(lengths, self.max_tokens):
-            batch = self.collate([{k: encoded[k][i] for k in names} for i in rows])
+            batch = self.collate([{k: values[i] for k, values in columns.items()} for i in rows])
             batches.append((rows, {k: v.pin_memory() if self.pin else v for k, v in batch.items()}))
         return Tokenized(shard, chunk, batches, truncated)
+
+    def _encode(self, texts: list, pairs: list | None, rendered: set[int], max_length: int) -> tuple[dict, int]:
+        """({column: each row's values}, the rows truncation cut): the rows in `rendered`
+        (a chat template's text, whole: no special tokens added, no pair) apart from the others."""
+        tokenizer, truncated = self.trained.tokenizer, 0
+        columns: dict[str, list] = {}
+        groups = [(sorted(rendered), False), ([i for i in range(len(texts)) if i not in rendered], True)]
+        for rows, plain in groups:
+            if not rows:
+                continue
+            group_texts = [texts[i] for i in rows]
+            group_pairs = [pairs[i] for i in rows] if pairs is not None and plain else None
+            encoded = tokenizer(group_texts, group_pairs, truncation=True, max_length=max_length,
+                                add_special_tokens=plain, return_offsets_mapping=tokenizer.is_fast)
+            truncated += truncated_rows(encoded, group_texts, group_pairs, max_length)
+            values = {k: list(v) for k, v in encoded.items() if k in ("input_ids", "token_type_ids")}
+            encoding.read_at_last_token(values, encoding.stand_in_pad(tokenizer))
+            for name, column in values.items():
+                columns.setdefault(name, [None] * len(texts))
+                for i, value in zip(rows, column, strict=True):
+                    columns[name][i] = value
+        return {name: column for name, column in columns.items() if all(v is not None for v in column)}, truncated
 
     def _prefetched(self) -> Iterator[Tokenized]:
         """`_claimed`, run on a loader thread one chunk ahead of the model. Tokenizing (in
