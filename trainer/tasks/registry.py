@@ -73,30 +73,33 @@ def check(cfg: Config) -> None:
                           f"{problem_type} ({', '.join(metrics)})")
     elif ckpt.best_mode is None:
         ckpt.best_mode = metrics[ckpt.best_metric]
-    names, num_labels, weights = data_cfg.label_names, data_cfg.num_labels, train.class_weights
+    num_labels = data_cfg.num_labels
+    # The keys of a label space of classes, and what a task without classes leaves them at.
+    no_classes = {"data.num_labels": (num_labels, (None, 1)), "data.label_names": (data_cfg.label_names, (None,)),
+                  "train.class_weights": (train.class_weights, (None,))}
     if problem_type == "pairwise":
-        for key, value, allowed in (("data.num_labels", num_labels, (None, 1)), ("data.label_names", names, (None,)),
-                                    ("train.class_weights", weights, (None,)),
-                                    ("data.label_map", data_cfg.label_map, (None,)),
-                                    ("data.normalize_labels", data_cfg.normalize_labels, (False,))):
-            if value not in allowed:
-                raise ConfigError(f"{key}: data.problem_type=pairwise learns one reward from pairs of "
-                                  "data.chosen_field and data.rejected_field, which have no classes and no label "
-                                  "column; leave it unset")
+        _left_unset({**no_classes, "data.label_map": (data_cfg.label_map, (None,)),
+                     "data.normalize_labels": (data_cfg.normalize_labels, (False,))},
+                    "data.problem_type=pairwise learns one reward from pairs of data.chosen_field and "
+                    "data.rejected_field, which have no classes and no label column")
         if data_cfg.chosen_field == data_cfg.rejected_field:
             raise ConfigError("data.rejected_field: must differ from data.chosen_field")
     elif train.center_rewards:
         raise ConfigError(f"train.center_rewards: centres a reward model's rewards; data.problem_type is "
                           f"{problem_type}")
     if problem_type == "regression":
-        for key, value, allowed in (("data.num_labels", num_labels, (None, 1)), ("data.label_names", names, (None,)),
-                                    ("train.class_weights", weights, (None,))):
-            if value not in allowed:
-                raise ConfigError(f"{key}: data.problem_type=regression predicts one number, which has no classes; "
-                                  "leave it unset")
+        _left_unset(no_classes, "data.problem_type=regression predicts one number, which has no classes")
     elif num_labels == 1:
         raise ConfigError(f"data.num_labels: {problem_type} needs 2 or more classes; one number is "
                           "data.problem_type=regression")
     if train.label_smoothing and problem_type != "single_label":
         raise ConfigError(f"train.label_smoothing: smooths single_label's cross-entropy; data.problem_type is "
                           f"{problem_type}")
+
+
+def _left_unset(settings: dict[str, tuple[object, tuple]], why: str) -> None:
+    """Each key's value (key: (value, the values it may keep)) one the task allows, else a
+    ConfigError naming the first key that is set, and `why`."""
+    for key, (value, allowed) in settings.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}: {why}; leave it unset")
