@@ -253,3 +253,8 @@ def test_check_reports_each_sides_token_lengths_and_the_pairs_truncation_cuts(ti
     assert truncated and float(truncated[1]) > 5 and int(truncated[2]) > 24, lines
     assert any("truncates" in warning and "pairs (either side)" in warning for warning in report.warnings)
     assert re.search(r"padding: [\d.]+% of the tokens of the sample's micro-batches of 16", lines)
+
+
+def test_a_reward_model_may_say_it_has_one_output(tmp_path):
+    """data.num_labels=1 is the head a reward model has, as for regression."""
+    assert _cfg(tmp_path, tmp_path, "data.num_labels=1").data.num_labels == 1

@@ -84,14 +84,14 @@ def check(cfg: Config) -> None:
                     "data.rejected_field, which have no classes and no label column")
         if data_cfg.chosen_field == data_cfg.rejected_field:
             raise ConfigError("data.rejected_field: must differ from data.chosen_field")
-    elif train.center_rewards:
-        raise ConfigError(f"train.center_rewards: centres a reward model's rewards; data.problem_type is "
-                          f"{problem_type}")
-    if problem_type == "regression":
+    elif problem_type == "regression":
         _left_unset(no_classes, "data.problem_type=regression predicts one number, which has no classes")
     elif num_labels == 1:
         raise ConfigError(f"data.num_labels: {problem_type} needs 2 or more classes; one number is "
                           "data.problem_type=regression")
+    if train.center_rewards and problem_type != "pairwise":
+        raise ConfigError(f"train.center_rewards: centres a reward model's rewards; data.problem_type is "
+                          f"{problem_type}")
     if train.label_smoothing and problem_type != "single_label":
         raise ConfigError(f"train.label_smoothing: smooths single_label's cross-entropy; data.problem_type is "
                           f"{problem_type}")
