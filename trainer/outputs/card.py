@@ -117,11 +117,10 @@ def _body(facts: Facts, adapter: bool, name: str, pictures: tuple[str, ...] | li
         lines.append("One number per text (regression).")
     rows = ", ".join(f"{split} {count:,}" for split, count in facts.rows.items() if count)
     if pairs:
-        columns = [cfg.data.chosen_field, cfg.data.rejected_field, cfg.data.prompt_field, cfg.data.margin_field]
+        prompt, margin = cfg.data.prompt_field, cfg.data.margin_field
         read = (f": pairs of `{cfg.data.chosen_field}` over `{cfg.data.rejected_field}`" +
-                (f" after `{cfg.data.prompt_field}`" if cfg.data.prompt_field else "") +
-                (f", margins from `{cfg.data.margin_field}`" if cfg.data.margin_field else "") +
-                ("" if all(columns[2:]) else " (and a `prompt` or `margin` column where the data has one)"))
+                (f" after `{prompt}`" if prompt else "") + (f", margins from `{margin}`" if margin else "") +
+                ("" if prompt and margin else " (and a `prompt` or `margin` column where the data has one)"))
     else:
         read = (f": text from `{cfg.data.text_field}`" +
                 (f" and `{cfg.data.text_pair_field}`" if cfg.data.text_pair_field else "") +

@@ -127,10 +127,10 @@ def _lengths(cfg: Config, splits: Splits, tokenizer, warnings: list[str], world_
     longest = train_lengths if train_lengths.ndim == 1 else train_lengths.max(axis=1)
     keeps = int(np.ceil(np.percentile(longest, 99)))
     truncated = float((longest > data_cfg.max_length).mean())
-    what = "texts" if train_lengths.ndim == 1 else "pairs (either side)"
-    sample = "train sample; " if train_lengths.ndim == 1 else "train sample's pairs (either side); "
-    lines.append(f"  data.max_length {data_cfg.max_length} truncates {truncated:.1%} of the {sample}"
-                 f"data.max_length={keeps} keeps 99% of {'it' if train_lengths.ndim == 1 else 'them'} whole")
+    what, sample, kept = (("texts", "train sample", "it") if train_lengths.ndim == 1 else
+                          ("pairs (either side)", "train sample's pairs (either side)", "them"))
+    lines.append(f"  data.max_length {data_cfg.max_length} truncates {truncated:.1%} of the {sample}; "
+                 f"data.max_length={keeps} keeps 99% of {kept} whole")
     if truncated > 0.05:
         warnings.append(f"data.max_length {data_cfg.max_length} truncates {truncated:.0%} of the training {what}; "
                         f"{keeps} would keep 99% whole (within the model's positions)")
