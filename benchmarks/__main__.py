@@ -33,8 +33,15 @@ from trainer.runtime.launch import torchrun_argv, trainer_program
 REPO = Path(__file__).resolve().parents[1]
 
 
-def bench_data(out: Path, samples: int) -> Path:
-    """The demo's reviews, two per sample (~90 tokens: close to the PERF-NOTES workload)."""
+LENGTHS = {
+    "reviews": "the demo's reviews, two per sample (~90 tokens: close to the PERF-NOTES workload)",
+    "long-tail": "1 to 12 of the demo's reviews per sample, log-normal (median 2.5: ~110 tokens, the longest "
+                 "cut at --max-length 512): a real corpus's tail, where padding and masked attention cost most",
+}
+
+
+def bench_data(out: Path, samples: int, lengths: str = "reviews") -> Path:
+    """Reviews to classify, `lengths` long (LENGTHS)."""
     from trainer.data.demo import review
 
     rng = random.Random(0)
@@ -42,7 +49,8 @@ def bench_data(out: Path, samples: int) -> Path:
     rows = []
     for i in range(samples):
         label = i % 5
-        rows.append(json.dumps({"text": f"{review(rng, label)} {review(rng, label)}", "label": label}))
+        count = 2 if lengths == "reviews" else min(12, max(1, round(rng.lognormvariate(0.92, 0.8))))
+        rows.append(json.dumps({"text": " ".join(review(rng, label) for _ in range(count)), "label": label}))
     (out / "train.jsonl").write_text("\n".join(rows) + "\n")
     (out / "test.jsonl").write_text("\n".join(rows[:64]) + "\n")
     return out
@@ -188,6 +196,9 @@ CHECK_VARIANTS = {
     "+ SDPA efficient": ("model.sdpa_backend=efficient",),
     "+ SDPA cudnn": ("model.sdpa_backend=cudnn",),
     "+ SDPA math": ("model.attn_implementation=sdpa", "model.sdpa_backend=math"),
+    "+ packing + flash": ("data.packing=true", "model.sdpa_backend=flash"),  # trainer/model/varlen.py
+    "+ packing + flash - length grouping": ("data.packing=true", "model.sdpa_backend=flash",
+                                            "data.group_by_length=false"),
 }
 # An FSDP run (under torchrun, even on one rank) saving every 5 steps, overlapped or not.
 SAVES = {
@@ -337,6 +348,8 @@ def main() -> None:
                         help="torch threads of each rank, and of each 1-rank run (default: cores / nproc)")
     parser.add_argument("--cpu", action="store_true", help="hide the GPUs: the CPU path on a GPU host")
     parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--lengths", choices=list(LENGTHS), default="reviews",
+                        help="the samples' lengths: " + "; ".join(f"{k}: {v}" for k, v in LENGTHS.items()))
     parser.add_argument("--epoch-steps", type=int, default=15,
                         help="steps per epoch: the data holds epoch-steps x global batch samples")
     parser.add_argument("--timed-epochs", type=int, default=2, help="timed epochs, after one warm-up epoch")
@@ -405,7 +418,7 @@ def main() -> None:
         work = Path(tmp)
         if args.random_init:
             args.model = random_init_model(work / "model", args.random_init, tokenizer_from=args.model)
-        bench_data(work / "data", args.samples)
+        bench_data(work / "data", args.samples, args.lengths)
         begun, slowest = time.monotonic(), 0.0
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[: rep % len(names)]
@@ -485,7 +498,8 @@ def report(args, label: str, runs: dict[str, list[dict]], failures: dict[str, li
     return {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
-        "workload": f"{label}, {args.nproc} ranks x {args.threads_per_rank} threads, {batch}, max_length "
+        "workload": f"{label}, {args.lengths} lengths, {args.nproc} ranks x {args.threads_per_rank} threads, {batch}, "
+                    "max_length "
                     f"{args.max_length}, {args.timed_epochs} timed epochs after 1 warm-up epoch",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "runs": done,

@@ -1,20 +1,26 @@
 """`benchmarks/gpu.sh check`: issue 58's GPU check, one call of at most 8 minutes on one GPU.
 
-    benchmarks/gpu.sh check [--dry-run | --smoke] [PART ...]   (PART: variants saves profile cuda scoring)
+    benchmarks/gpu.sh check [--dry-run | --smoke] [PART ...]   (PART: variants packing long-tail saves profile
+                                                                cuda cuda-flash scoring)
 
 In order, each part a subprocess under its own `timeout` (a part that runs long costs only
 itself, and what it wrote so far is kept), all within --budget-s from the start:
 
   variants  `python -m benchmarks` on the bert-base shape (random init) at batch 512, one rank:
-            the defaults against each of: data.packing (issue 74), the loss check off,
-            model.sdpa_backend efficient and cudnn, 2 and 4 loader workers (the data phase's
-            gap, issue 74), and train.compile; interleaved (the order rotates each
-            repetition, as long as the budget lasts)
+            the defaults against each of: the loss check off, model.sdpa_backend efficient and
+            cudnn, and train.compile; interleaved (the order rotates each repetition, as long
+            as the budget lasts)
+  packing   the same, issue 74's sides: data.packing, under SDPA's mask and with
+            model.sdpa_backend=flash (FlashAttention's varlen kernel), and 2 and 4 loader
+            workers (the data phase's gap)
+  long-tail the defaults, packing and packing + flash on long-tail lengths (1 to 12 reviews,
+            median ~80 tokens, up to 512) at batch 128: where padding costs most
   saves     an FSDP run saving every 5 steps, checkpoint.async_save on and off
   profile   benchmarks/profile_step.py at batch 512: where a step's time goes
   cuda      tests/e2e/test_cuda.py, with what the budget has left: on an H200 (2026-11-28)
             it takes 210 s, the speed parts about 400, so a first call measures the speed
             and a second, `check cuda scoring`, runs the tests and the part below
+  cuda-flash  only when named: the CUDA tests of model.sdpa_backend=flash (a part of cuda's)
   scoring   `python -m benchmarks.scoring --gpu` (issue 73): bert-base's rows/s in `score`
             against transformers' pipeline on the same card, at 128 and 512 tokens
 
@@ -45,10 +51,15 @@ from benchmarks import smoke
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = "trainer DDP bf16"
-GPU_SIDES = ["+ packing", "- loss check", "+ SDPA efficient", "+ SDPA cudnn", "+ 2 loader workers",
-             "+ 4 loader workers", "+ torch.compile"]
+GPU_SIDES = ["- loss check", "+ SDPA efficient", "+ SDPA cudnn", "+ torch.compile"]
 """Against the defaults (auto SDPA, the loss check on, no compile), in the order they start."""
+PACKING_SIDES = ["+ packing + flash", "+ packing", "+ 2 loader workers", "+ 4 loader workers"]
+"""Issue 74's, against the defaults: packed rows under SDPA's block-diagonal mask, and under
+FlashAttention's varlen kernel (trainer/model/varlen.py); the data phase's gap by loader workers."""
+LONG_TAIL_SIDES = ["+ packing + flash", "- length grouping", "+ packing + flash - length grouping", "+ packing"]
+"""The long tail's: packed rows where length grouping leaves padding, and where it is off."""
 SAVES = ["trainer FSDP bf16, async save every 5", "trainer FSDP bf16, sync save every 5"]
+PARTS = ["variants", "packing", "long-tail", "saves", "profile", "cuda", "cuda-flash", "scoring"]
 BUDGET_S = 470
 """8 minutes less the install preamble's ~10 s (../shared/gpu/README.md)."""
 
@@ -75,13 +86,28 @@ def parts(args, out: Path) -> list[Part]:
               "--timed-epochs", "1", "--threads-per-rank", "1"] if dry else
              ["--random-init", "bert-base", "--batch-size", "512", "--epoch-steps", "20", "--timed-epochs", "1"])
     bench = [py, "-m", "benchmarks", *shape, "--nproc", "1", "--keep-going", "--out-dir", str(out / "parts")]
-    # The dry run's one side runs the defaults' code and model.sdpa_backend's: a trainer run costs
-    # ~10 s of start-up on a CPU, and the other sides differ only by overrides (check_sides).
-    sides = [f"{BASE} + SDPA math"] if dry else [BASE, *(f"{BASE} {side}" for side in GPU_SIDES)]
+    # The long tail: up to 512 tokens, a quarter of the batch (a padded batch of 512 such rows
+    # would hold 4x the tokens of the short one's).
+    long_tail = ([*bench, "--lengths", "long-tail"] if dry else
+                 [*bench[:bench.index("--batch-size")], "--batch-size", "128", "--max-length", "512",
+                  *bench[bench.index("--batch-size") + 2:], "--lengths", "long-tail"])
+
+    def sides(names: list[str]) -> list[str]:
+        # The dry run's one side runs the defaults' code and model.sdpa_backend's (or packing's): a
+        # trainer run costs ~10 s of start-up on a CPU, and the other sides differ only by overrides
+        # (check_sides).
+        return [BASE, *(f"{BASE} {side}" for side in names)]
+
     return [
-        Part("variants", [*bench, "--reps", "1" if dry else "3", "--run-timeout", "150", "--only", *sides,
-                          "--name", "check-variants"],
+        Part("variants", [*bench, "--reps", "1" if dry else "3", "--run-timeout", "150", "--only",
+                          *([f"{BASE} + SDPA math"] if dry else sides(GPU_SIDES)), "--name", "check-variants"],
              limit_s=600, reserve_s=0 if dry else 200, results=out / "parts/check-variants.json", stops=True),
+        Part("packing", [*bench, "--reps", "1" if dry else "3", "--run-timeout", "150", "--only",
+                         *([f"{BASE} + packing"] if dry else sides(PACKING_SIDES)), "--name", "check-packing"],
+             limit_s=600, reserve_s=0 if dry else 200, results=out / "parts/check-packing.json", stops=True),
+        Part("long-tail", [*long_tail, "--reps", "1" if dry else "3", "--run-timeout", "150", "--only",
+                           *([f"{BASE} + packing"] if dry else sides(LONG_TAIL_SIDES)), "--name", "check-long-tail"],
+             limit_s=600, reserve_s=0 if dry else 100, results=out / "parts/check-long-tail.json", stops=True),
         # Two runs of ~70 s on an H200: 25 s to the first step, then 8 saves of 1.5-4 s.
         Part("saves", [*bench, "--reps", "1", "--run-timeout", "120", "--only", *(SAVES[:1] if dry else SAVES),
                        "--name", "check-saves"],
@@ -92,6 +118,9 @@ def parts(args, out: Path) -> list[Part]:
                          "--out", str(out / "parts/check-profile.json")],
              limit_s=120, results=out / "parts/check-profile.json"),
         Part("cuda", [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/e2e/test_cuda.py"], limit_s=300),
+        # Issue 74's CUDA tests alone: FlashAttention over packed rows against padded SDPA.
+        Part("cuda-flash", [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/e2e/test_cuda.py", "-k",
+                            "flash"], limit_s=120),
         # The dry run: one length, the pipeline, `score` and the model alone on 300 rows (--smoke).
         Part("scoring", [py, "-m", "benchmarks.scoring", "--gpu", "--reps", "1", *(["--smoke"] if dry else []),
                          "--out", str(out / "parts/check-scoring.json")],
@@ -109,7 +138,7 @@ def check_sides(out: Path) -> list[str]:
     from trainer.model import pretrained
 
     problems = []
-    for name in [BASE, *(f"{BASE} {side}" for side in GPU_SIDES), *SAVES]:
+    for name in [BASE, *(f"{BASE} {side}" for side in [*GPU_SIDES, *PACKING_SIDES, *LONG_TAIL_SIDES]), *SAVES]:
         build, _ = STRATEGIES[name]
         args = argparse.Namespace(model=str(out / "model"), samples=4, batch_size=4, nproc=1, timed_epochs=1,
                                   max_length=32, threads_per_rank=1)
@@ -170,7 +199,7 @@ def table(summary: dict) -> str:
     rows += [f"| {name} | {o['status']} | {o['seconds']} |" for name, o in summary["parts"].items()]
     lines = [f"# GPU check, {summary['date']}, {summary['device']}{' (dry run)' if summary['dry_run'] else ''}",
              "", *rows, ""]
-    for name in ("variants", "saves"):
+    for name in ("variants", "packing", "long-tail", "saves"):
         results = summary["parts"].get(name, {}).get("results")
         if not results:
             continue
@@ -203,8 +232,8 @@ def table(summary: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("parts", nargs="*", metavar="PART", help="run these parts only: variants, saves, profile, "
-                                                                 "cuda, scoring (default: all, in that order)")
+    parser.add_argument("parts", nargs="*", metavar="PART",
+                        help=f"run these parts only: {', '.join(PARTS)} (default: all, in that order)")
     parser.add_argument("--dry-run", action="store_true", default=os.environ.get("DRY_RUN") == "1",
                         help="on CPU, tiny shapes, a few steps (also DRY_RUN=1)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="all the parts together")
@@ -213,9 +242,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:  # the dry run's cheapest part that measures: one process, one step profiled
         args.dry_run, args.parts, args.out = True, args.parts or ["profile"], args.out or smoke.folder()
-    unknown = set(args.parts) - {"variants", "saves", "profile", "cuda", "scoring"}
+    unknown = set(args.parts) - set(PARTS)
     if unknown:
-        parser.error(f"unknown parts {sorted(unknown)}: expected variants, saves, profile, cuda or scoring")
+        parser.error(f"unknown parts {sorted(unknown)}: expected {', '.join(PARTS)}")
     import datetime
 
     import torch
@@ -237,7 +266,8 @@ def main() -> int:
         random_init_model(folder / "model", "tiny", tokenizer_from=str(get_model_path()))
         bench_data(folder / "data", 8)
         problems = check_sides(folder)
-    selected = [p for p in parts(args, out) if not args.parts or p.name in args.parts]
+    # All of them, but cuda-flash: the cuda part runs its tests too.
+    selected = [p for p in parts(args, out) if p.name in args.parts or (not args.parts and p.name != "cuda-flash")]
     with (out / "check.log").open("w") as log:
         for problem in problems:
             log_line(log, f"refused: {problem}")

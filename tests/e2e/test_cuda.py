@@ -79,6 +79,24 @@ def test_fp16_with_its_loss_scaler_trains_on_the_gpu(tiny_model, reviews, tmp_pa
     assert scales == {step: 65536.0 if step < 3 else 32768.0 for step in range(1, 9)}
 
 
+def test_one_rank_trains_and_evaluates_packed_with_flash_attention(tiny_model, reviews, tmp_path):
+    """model.sdpa_backend=flash with data.packing, end to end on the GPU: training, its
+    evaluations, and a final/ that plain transformers loads (the attention is not saved)."""
+    overrides = tiny_overrides(tiny_model, reviews, tmp_path, **{
+        "train.precision": "auto", "model.attn_implementation": "auto", "model.sdpa_backend": "flash",
+        "data.packing": True, "train.max_steps": 8, "train.eval_every": 4})
+    result = train(overrides, nproc=1)
+    assert "computes in bf16" in result.output and "packed_varlen" in result.output, result.output[-3000:]
+    records = read_metrics(tmp_path)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records if "loss" in r)
+    assert any("eval/accuracy" in r for r in records)
+
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final").cuda().eval()
+    assert model.config._attn_implementation in ("sdpa", "eager")
+
+
 def test_the_memory_plan_holds_on_the_gpu(tmp_path):
     """trainer/preflight/memory.py on a real GPU, in bf16 with SDPA: what the model, its gradients,
     AdamW's state and the step's two cuBLAS workspaces occupy is the plan's static part: to the
@@ -146,3 +164,65 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
     torch.cuda.synchronize()
     added = torch.cuda.max_memory_allocated(cuda) - static
     assert 0.5 <= added / plan.activations <= 1.8, (added, plan.activations)
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_flash_attention_over_packed_rows_trains_what_padded_sdpa_trains(family, tmp_path):
+    """model.sdpa_backend=flash's kernel (torch's varlen FlashAttention, trainer/model/varlen.py)
+    in bf16: BERT's text pairs, and Llama's causal grouped-query attention, packed against the
+    same samples padded through SDPA. Within bf16's rounding: logits and every gradient; and a
+    changed sequence leaves the others of its row bitwise alone (the CPU tests prove the
+    plumbing exactly, tests/unit/test_packing.py, with a reference kernel). Last in this file:
+    it initializes CUDA in this process, as the memory plan's test does, after which the runs
+    above could not fork (tests/support/preloaded.py)."""
+    from support.models import make_tiny_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from trainer.data.loaders import Collate, PackedCollate
+    from trainer.model import packing, varlen
+    from trainer.strategies.base import LogitsUnderAutocast
+
+    folder = make_tiny_model(tmp_path, 0.0, family)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    models = {}
+    for name, attention in (("padded", "sdpa"), ("packed", varlen.register())):
+        torch.manual_seed(0)
+        models[name] = AutoModelForSequenceClassification.from_pretrained(
+            folder, attn_implementation=attention, pad_token_id=tokenizer.pad_token_id).cuda().train()
+    generator = torch.Generator().manual_seed(0)
+    features = []
+    for i, length in enumerate([12, 1, 48, 7, 31, 3, 20, 64, 5, 40]):
+        ids = torch.randint(5, len(tokenizer), (length,), generator=generator)
+        ids[ids == tokenizer.pad_token_id] = 5
+        features.append({"input_ids": ids.tolist(), "labels": i % 5,
+                         **({"token_type_ids": [0] * (length // 2) + [1] * (length - length // 2)}
+                            if family == "bert" else {})})
+    batches = {"padded": Collate(tokenizer, 8)(features),
+               "packed": PackedCollate(tokenizer, packing.layout(models["packed"].config), 8)(features)}
+    logits, grads = {}, {}
+    for name, batch in batches.items():
+        batch = {k: v.cuda() for k, v in batch.items() if k != "lengths"}
+        labels = batch.pop("labels")
+        logits[name] = LogitsUnderAutocast(models[name], "cuda", torch.bfloat16)(**batch).float()
+        torch.nn.functional.cross_entropy(logits[name], labels).backward()
+        grads[name] = {n: p.grad.float() for n, p in models[name].named_parameters() if p.grad is not None}
+    assert batches["packed"]["input_ids"].numel() < batches["padded"]["input_ids"].numel()
+    torch.testing.assert_close(logits["packed"], logits["padded"], rtol=2e-2, atol=2e-2)
+    for name, grad in grads["padded"].items():
+        scale = grad.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(grads["packed"][name] / scale, grad / scale, rtol=0, atol=3e-2,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+    changed = [dict(f) for f in features]
+    changed[0]["input_ids"] = [6] * 12
+    collate = PackedCollate(tokenizer, packing.layout(models["packed"].config), 8)
+    with torch.no_grad():
+        before, after = ({k: v.cuda() for k, v in collate(f).items() if k not in ("lengths", "labels")}
+                         for f in (features, changed))
+        forward = LogitsUnderAutocast(models["packed"].eval(), "cuda", torch.bfloat16)
+        first, second = forward(**before), forward(**after)
+    assert not torch.equal(first[0], second[0])
+    assert torch.equal(first[1:], second[1:])
+

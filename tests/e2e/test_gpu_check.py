@@ -26,10 +26,13 @@ def test_the_gpu_check_dry_run_runs_every_part_and_writes_its_report(tmp_path):
     assert summary["dry_run"] is True and summary["device"] == "cpu"
     assert summary["side_problems"] == []  # the GPU sides' overrides, checked as on a GPU
     parts = summary["parts"]
-    assert list(parts) == ["variants", "saves", "profile", "cuda", "scoring"]
+    assert list(parts) == ["variants", "packing", "long-tail", "saves", "profile", "cuda", "scoring"]
     assert all(part["status"] == "ok" for part in parts.values()), {k: v["status"] for k, v in parts.items()}
     variant = parts["variants"]["results"]["runs"]["trainer DDP bf16 + SDPA math"][0]
     assert variant["samples_per_s"] > 0
+    for name in ("packing", "long-tail"):  # packed, on the reviews and on the long tail
+        assert parts[name]["results"]["runs"]["trainer DDP bf16 + packing"][0]["samples_per_s"] > 0
+    assert "long-tail lengths" in parts["long-tail"]["results"]["workload"]
     save = parts["saves"]["results"]["runs"]["trainer FSDP bf16, async save every 5"][0]
     assert save["samples_per_s"] > 0 and save["checkpoint_save_s"], save  # it saved
     assert parts["profile"]["results"]["wall_ms_per_step"] > 0

@@ -1,7 +1,9 @@
 """data.packing in process: a packed micro-batch trains what the padded one trains.
 
 For every family packing runs (trainer/model/packing.py's FAMILIES), under both attentions a CPU
-run takes, full and LoRA, fp32 with dropout 0: seven samples of 1 to 48 tokens (BERT's as text
+run takes and the FlashAttention path's (trainer/model/varlen.py, its CUDA kernel replaced by
+`reference_kernel`: what is proven here is every layer's plumbing to it), full and LoRA, fp32
+with dropout 0: seven samples of 1 to 48 tokens (BERT's as text
 pairs), packed into rows of 48, against the same samples padded. Each sample's logits, the loss,
 every gradient and the weights after 3 AdamW steps agree within 1e-5; what changes in one
 sequence leaves every other sequence of its row bitwise alone.
@@ -10,6 +12,7 @@ sequence leaves every other sequence of its row bitwise alone.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from support.models import make_tiny_model
 
 from trainer.data.loaders import Collate, PackedCollate
 from trainer.data.packing import rows_of
-from trainer.model import lora, packing
+from trainer.model import lora, packing, varlen
 from trainer.strategies.base import LogitsUnderAutocast
 
 LENGTHS = [12, 1, 48, 7, 31, 3, 20]
@@ -39,7 +42,26 @@ def folders(tmp_path_factory):
     return folder
 
 
+def reference_kernel(query, key, value, cu_seqlens, max_length, scale, causal):
+    """varlen.kernel's contract, one sequence at a time by SDPA's math: (tokens, heads, head_dim)."""
+    out = torch.empty_like(query)
+    bounds = cu_seqlens.tolist()
+    assert bounds[0] == 0 and bounds[-1] == len(query)
+    assert max(b - a for a, b in itertools.pairwise(bounds)) <= max_length
+    for start, end in itertools.pairwise(bounds):
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
+        out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale).transpose(0, 1)
+    return out
+
+
+@pytest.fixture
+def flash(monkeypatch):
+    monkeypatch.setattr(varlen, "kernel", reference_kernel)
+
+
 def load(folder, attention: str, with_lora: bool):
+    """`attention` flash: the model as model.sdpa_backend=flash builds it (see `flash`)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -47,7 +69,8 @@ def load(folder, attention: str, with_lora: bool):
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(
-        folder, attn_implementation=attention, pad_token_id=tokenizer.pad_token_id)
+        folder, attn_implementation=varlen.register() if attention == "flash" else attention,
+        pad_token_id=tokenizer.pad_token_id)
     if with_lora:
         model = lora.apply(model, OmegaConf.create(
             {"dtype": "fp32", "lora": {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": None}}))
@@ -88,14 +111,17 @@ def batches(family: str, tokenizer, model) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("with_lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "flash"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_packed_batch_trains_what_the_padded_batch_trains(folders, family, attention, with_lora):
+def test_a_packed_batch_trains_what_the_padded_batch_trains(folders, family, attention, with_lora, flash):
+    """flash: packed through varlen's path, against the same model padded through SDPA."""
     tokenizer, model = load(folders(family), attention, with_lora)
     padded, packed = batches(family, tokenizer, model)
     assert packed["input_ids"].shape[0] == 3 < padded["input_ids"].shape[0] == len(LENGTHS)
 
     models = {"padded": model, "packed": copy.deepcopy(model)}
+    if attention == "flash":
+        models["padded"].set_attn_implementation("sdpa")
     grads, logits = {}, {}
     for name, batch in (("padded", padded), ("packed", packed)):
         logits[name], loss = forward(models[name], batch)
@@ -121,9 +147,10 @@ def test_a_packed_batch_trains_what_the_padded_batch_trains(folders, family, att
         torch.testing.assert_close(weight, weights[name], rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flash"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_changed_sequence_leaves_the_others_in_its_row_bitwise_alone(folders, family):
-    tokenizer, model = load(folders(family), "sdpa", with_lora=False)
+def test_a_changed_sequence_leaves_the_others_in_its_row_bitwise_alone(folders, family, attention, flash):
+    tokenizer, model = load(folders(family), attention, with_lora=False)
     model.eval()
     features = samples(tokenizer, pairs=family == "bert")
     changed = copy.deepcopy(features)

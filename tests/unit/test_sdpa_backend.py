@@ -7,12 +7,13 @@ import re
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from support.runs import tiny_overrides
 
 from trainer.cli import run_config
 from trainer.data import labels, loaders, reading
 from trainer.errors import ConfigError
-from trainer.model import pretrained
+from trainer.model import packing, pretrained, varlen
 from trainer.runtime.environment import DistEnv
 from trainer.train import build, evaluation
 from trainer.train.step import StepObserver
@@ -108,13 +109,39 @@ def test_the_config_refuses_a_backend_with_eager_attention(tiny_model, reviews, 
         run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{"model.sdpa_backend": "fastest"}))
 
 
-def test_flash_is_refused_on_every_device_for_it_takes_no_mask(tiny_model, reviews, tmp_path):
+def test_flash_is_refused_without_packing_for_it_takes_no_mask(tiny_model, reviews, tmp_path):
     """torch's FlashAttention kernel takes no attention mask, and every padded batch carries one:
-    on an H200 the first step failed with "No available kernel"."""
+    on an H200 the first step failed with "No available kernel". Packed rows need none
+    (trainer/model/varlen.py), in half precision."""
     with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: flash takes no attention mask, and every "
-                                          r"padded batch carries one; use efficient or cudnn"):
+                                          r"padded batch carries one; set data\.packing=true"):
         run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{
             "model.sdpa_backend": "flash", "model.attn_implementation": "sdpa"}))
+    with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: flash computes in bf16 or fp16 only, but "
+                                          r"train\.precision is fp32$"):
+        run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{
+            "model.sdpa_backend": "flash", "data.packing": True, "train.precision": "fp32"}))
+    cfg = run_config.load(None, tiny_overrides(tiny_model, reviews, tmp_path, **{
+        "model.sdpa_backend": "flash", "data.packing": True, "train.precision": "bf16"}))
+    with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: flash has no CPU kernel \(GPU only\)"):
+        pretrained.attention_for(cfg.model, "cpu", backward=False)
+    assert pretrained.attention_for(cfg.model, "cuda") == varlen.ATTENTION
+
+
+def test_a_flash_model_that_packing_cannot_run_is_refused_not_padded(tiny_model, tmp_path):
+    """Its attention makes no mask: padded, its batches would attend to their padding."""
+    from support.models import make_tiny_model
+    from transformers import AutoConfig
+
+    deberta = AutoConfig.from_pretrained(make_tiny_model(tmp_path, 0.0, "deberta-v2"),
+                                         attn_implementation=varlen.register())
+    with pytest.raises(ConfigError, match=r"^model\.sdpa_backend: flash runs packed batches only, but model type "
+                                          r"deberta-v2 is not one packing is proven on"):
+        packing.of_run(OmegaConf.create({"packing": True}), deberta)
+    bert = AutoConfig.from_pretrained(tiny_model, attn_implementation=varlen.register())
+    with pytest.raises(ConfigError, match=r"flash runs packed batches only, but data\.packing is false$"):
+        packing.of_run(OmegaConf.create({"packing": False}), bert)
+    assert packing.of_run(OmegaConf.create({"packing": True}), bert) == packing.Layout(pool_last=False)
 
 
 def test_auto_attention_is_eager_for_a_cpu_model_that_trains_and_sdpa_for_one_that_only_scores(tiny_model, reviews,

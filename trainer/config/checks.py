@@ -41,10 +41,12 @@ def check(cfg: DictConfig, local_paths: Sequence[str] = LOCAL_PATHS) -> None:
     _check_labels(cfg)
     if ckpt.export_adapter and cfg.model.lora.r is None:
         raise ConfigError("checkpoint.export_adapter: needs model.lora.r (without LoRA there is no adapter)")
-    if cfg.model.sdpa_backend == "flash":
+    if cfg.model.sdpa_backend == "flash" and not cfg.data.packing:
         # Seen on an H200 (benchmarks/RESULTS.md, 2026-11-28): "No available kernel" in the first step.
         raise ConfigError("model.sdpa_backend: flash takes no attention mask, and every padded batch "
-                          "carries one; use efficient or cudnn, which take masks, or auto")
+                          "carries one; set data.packing=true (its rows need none), or use efficient or cudnn")
+    if cfg.model.sdpa_backend == "flash" and train.precision == "fp32":
+        raise ConfigError("model.sdpa_backend: flash computes in bf16 or fp16 only, but train.precision is fp32")
     if cfg.model.sdpa_backend != "auto" and cfg.model.attn_implementation not in ("auto", "sdpa"):
         raise ConfigError(f"model.sdpa_backend: {cfg.model.sdpa_backend} picks an SDPA kernel, but "
                           f"model.attn_implementation is {cfg.model.attn_implementation}; set it to sdpa")

@@ -133,9 +133,11 @@ class ModelConfig:
     (torch.nn.attention.sdpa_kernel): efficient (memory-efficient), cudnn (cuDNN's fused
     attention) or math (plain matmuls and softmax, any device). auto: torch picks per call, as
     before. Other than auto it needs model.attn_implementation sdpa, and efficient and cudnn a
-    GPU: they have no CPU kernels. flash (FlashAttention-2) is refused: it takes no mask, and
-    every padded batch carries one. A kernel that cannot run a shape fails the step rather
-    than falling back (docs/gpus.md)."""
+    GPU: they have no CPU kernels. flash (FlashAttention, through torch's variable-length
+    attention) takes no mask, so it runs packed batches only (data.packing), in bf16 or fp16:
+    each row's sequences by their lengths, with no attention dropout (the kernel has none;
+    docs/packing.md). A kernel that cannot run a shape fails the step rather than falling
+    back (docs/gpus.md)."""
     gradient_checkpointing: bool = key(False, FREE)
     """Activation checkpointing (transformers' own, non-reentrant): each layer's activations
     are recomputed in the backward instead of kept from the forward. A third less memory on

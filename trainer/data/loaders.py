@@ -240,7 +240,9 @@ class Collate:
 class PackedCollate(Collate):
     """Tokenized samples to one packed micro-batch (data.packing, trainer/data/packing.py):
     `input_ids`, and `token_type_ids` where the samples have them, padded as `Collate` pads
-    them; `position_ids`, `sequence_ids`; `pool_index` and `lengths`, one per sample in order;
+    them; `position_ids`, `sequence_ids`, and `cu_seqlens` (where each sequence starts in the
+    rows laid end to end, for FlashAttention's varlen kernel: trainer/model/varlen.py);
+    `pool_index` and `lengths`, one per sample in order;
     the other columns (the labels) stacked as `Collate` stacks them.
 
     Rows are as wide as the micro-batch's longest sample (rounded up to `pad_to_multiple_of`),
@@ -263,6 +265,7 @@ class PackedCollate(Collate):
         positions = np.full((len(rows), width), offset, np.int64)
         sequences = np.full((len(rows), width), packing.PAD_SEQUENCE, np.int64)
         pool_index = np.zeros(len(features), np.int64)
+        ends = []  # where each sequence, and each row's padded tail, ends in the rows laid end to end
         for r, row in enumerate(rows):
             start = 0
             for n, i in enumerate(row, start=1):
@@ -272,9 +275,13 @@ class PackedCollate(Collate):
                 positions[r, start:end] = np.arange(offset, offset + lengths[i])
                 sequences[r, start:end] = n
                 pool_index[i] = r * width + (end - 1 if self.layout.pool_last else start)
+                ends.append(r * width + end)
                 start = end
+            if start < width:
+                ends.append((r + 1) * width)
         return {**{key: torch.from_numpy(packed) for key, packed in ids.items()},
                 "position_ids": torch.from_numpy(positions), "sequence_ids": torch.from_numpy(sequences),
+                "cu_seqlens": torch.tensor([0, *ends], dtype=torch.int32),
                 "pool_index": torch.from_numpy(pool_index), "lengths": torch.tensor(lengths),
                 **self.stacked(features)}
 

@@ -27,6 +27,8 @@ from torch import nn
 
 from trainer.config.schema import DataConfig
 from trainer.data.packing import Layout
+from trainer.errors import ConfigError
+from trainer.model import varlen
 
 ENCODERS_WITH_HEAD = frozenset({"roberta"})
 """Their `classifier` takes the sequence output and reads its token 0 (RobertaClassificationHead)."""
@@ -42,17 +44,22 @@ def unsupported(config) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         return f"model type {model_type} is not one packing is proven on ({', '.join(sorted(FAMILIES))})"
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager", varlen.ATTENTION):
         return f"attention {config._attn_implementation}: packing takes sdpa or eager"
     return None
 
 
 def of_run(data_cfg: DataConfig, config) -> Layout | None:
     """The layout of the run's packed rows (data.packing) for the model of `config`; None:
-    padded, as asked, or because packing is not proven on this model (said in one line)."""
-    if not data_cfg.packing:
+    padded, as asked, or because packing is not proven on this model (said in one line). A
+    model built for FlashAttention (model.sdpa_backend=flash) has no mask to pad with: then
+    packing it must be, or the run stops."""
+    flash = getattr(config, "_attn_implementation", None) == varlen.ATTENTION
+    if not data_cfg.packing and not flash:
         return None
-    reason = unsupported(config)
+    reason = "data.packing is false" if not data_cfg.packing else unsupported(config)
+    if reason is not None and flash:
+        raise ConfigError(f"model.sdpa_backend: flash runs packed batches only, but {reason}")
     if reason is not None:
         log.warning("data.packing: %s: its batches are padded instead", reason)
         return None
@@ -96,8 +103,12 @@ def _logits(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     sequence_ids, pool_index = inputs["sequence_ids"], inputs["pool_index"]
     backbone = getattr(bare, bare.base_model_prefix)
     token_types = {"token_type_ids": inputs["token_type_ids"]} if "token_type_ids" in inputs else {}
-    hidden = backbone(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
-                      attention_mask=_mask(config, sequence_ids, next(bare.parameters()).dtype), **token_types)[0]
+    if config._attn_implementation == varlen.ATTENTION:  # no mask: each layer's attention takes the lengths
+        attention = {"attention_mask": None, "cu_seqlens": inputs["cu_seqlens"]}
+    else:
+        attention = {"attention_mask": _mask(config, sequence_ids, next(bare.parameters()).dtype)}
+    hidden = backbone(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], **attention,
+                      **token_types)[0]
     tokens = hidden.flatten(0, 1).index_select(0, pool_index)
     return _head(bare, config.model_type)(tokens)
 

@@ -16,6 +16,7 @@ import torch
 
 from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError, describe
+from trainer.model import varlen
 from trainer.tasks.space import IDS, NUMBERS, Labels, placeholder_names
 
 if TYPE_CHECKING:  # transformers is imported where a model is loaded: it is slow to import
@@ -137,6 +138,8 @@ def attention_for(model_cfg: ModelConfig, device_type: str, backward: bool = Tru
     else:
         implementation = "sdpa" if device_type == "cuda" or not backward else "eager"
     check_sdpa_backend(model_cfg, implementation, device_type)
+    if getattr(model_cfg, "sdpa_backend", "auto") == "flash":  # packed rows, no mask (trainer/model/varlen.py)
+        return varlen.register()
     return implementation
 
 
@@ -158,6 +161,8 @@ def check_sdpa_backend(model_cfg: ModelConfig, implementation: str, device_type:
     if backend != "math" and device_type != "cuda":
         raise ConfigError(f"model.sdpa_backend: {backend} has no {device_type.upper()} kernel (GPU only); "
                           "use auto or math here")
+    if backend == "flash" and (missing := varlen.available()) is not None:
+        raise ConfigError(f"model.sdpa_backend: flash: {missing}")
 
 
 def sdpa_kernel(backend: str) -> AbstractContextManager:
@@ -165,7 +170,7 @@ def sdpa_kernel(backend: str) -> AbstractContextManager:
     torch.nn.attention.sdpa_kernel sets process-wide flags: enter it on the thread that
     launches the forward, around the backward too (autograd's thread replays the forward's
     kernel choice, but checkpointed layers recompute their forward there)."""
-    if backend == "auto":
+    if backend in ("auto", "flash"):  # flash: packed rows call FlashAttention themselves (varlen.py)
         return nullcontext()
     from torch.nn.attention import SDPBackend
     from torch.nn.attention import sdpa_kernel as kernel
