@@ -13,8 +13,9 @@ itself, and what it wrote so far is kept), all within --budget-s from the start:
   packing   the same, issue 74's sides: data.packing, under SDPA's mask and with
             model.sdpa_backend=flash (FlashAttention's varlen kernel), and 2 and 4 loader
             workers (the data phase's gap)
-  long-tail the defaults, packing and packing + flash on long-tail lengths (1 to 12 reviews,
-            median ~80 tokens, up to 512) at batch 128: where padding costs most
+  long-tail the defaults, packing and packing + flash, and length grouping off with and
+            without packing + flash, on long-tail lengths (1 to 12 reviews, median ~76 tokens,
+            up to 512) at batch 128: where padding costs most
   saves     an FSDP run saving every 5 steps, checkpoint.async_save on and off
   profile   benchmarks/profile_step.py at batch 512: where a step's time goes
   cuda      tests/e2e/test_cuda.py, with what the budget has left: on an H200 (2026-11-28)
@@ -93,11 +94,11 @@ def parts(args, out: Path) -> list[Part]:
                   *bench[bench.index("--batch-size") + 2:], "--lengths", "long-tail"])
 
     def sides(names: list[str]) -> list[str]:
-        # The dry run's one side runs the defaults' code and model.sdpa_backend's (or packing's): a
-        # trainer run costs ~10 s of start-up on a CPU, and the other sides differ only by overrides
-        # (check_sides).
         return [BASE, *(f"{BASE} {side}" for side in names)]
 
+    # The dry run's one side a part runs the defaults' code and model.sdpa_backend's (or
+    # packing's): a trainer run costs ~10 s of start-up on a CPU, and the other sides differ
+    # only by overrides (check_sides).
     return [
         Part("variants", [*bench, "--reps", "1" if dry else "3", "--run-timeout", "150", "--only",
                           *([f"{BASE} + SDPA math"] if dry else sides(GPU_SIDES)), "--name", "check-variants"],

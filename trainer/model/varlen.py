@@ -43,7 +43,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               cu_seqlens: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: `query` (rows, heads, width, head_dim), `key` and
     `value` (rows, key heads, width, head_dim); the output is (rows, width, heads, head_dim).
-    The kernel has no dropout: the model's attention dropout is not applied (of_run says so)."""
+    The kernel has no dropout: the model's attention dropout is not applied (model.sdpa_backend
+    and docs/packing.md say so)."""
     if cu_seqlens is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
