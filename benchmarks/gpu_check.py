@@ -88,10 +88,8 @@ def parts(args, out: Path) -> list[Part]:
              ["--random-init", "bert-base", "--batch-size", "512", "--epoch-steps", "20", "--timed-epochs", "1"])
     bench = [py, "-m", "benchmarks", *shape, "--nproc", "1", "--keep-going", "--out-dir", str(out / "parts")]
     # The long tail: up to 512 tokens, a quarter of the batch (a padded batch of 512 such rows
-    # would hold 4x the tokens of the short one's).
-    long_tail = ([*bench, "--lengths", "long-tail"] if dry else
-                 [*bench[:bench.index("--batch-size")], "--batch-size", "128", "--max-length", "512",
-                  *bench[bench.index("--batch-size") + 2:], "--lengths", "long-tail"])
+    # would hold 4x the tokens of the short one's). A flag given again overrides (argparse).
+    long_tail = [*bench, *([] if dry else ["--batch-size", "128", "--max-length", "512"]), "--lengths", "long-tail"]
 
     def sides(names: list[str]) -> list[str]:
         return [BASE, *(f"{BASE} {side}" for side in names)]

@@ -19,8 +19,6 @@ An unpacked padded batch would have no mask, so a model packing cannot run is re
 from __future__ import annotations
 
 import inspect
-import math
-from functools import cache
 from typing import cast
 
 import torch
@@ -64,40 +62,27 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
     # The row width bounds every sequence's length: the kernel's max_q and max_k from a shape,
     # where the true longest would be a read of the device's cu_seqlens (a host sync).
-    out = kernel(tokens(query), tokens(key), tokens(value), cu_seqlens, width,
-                 scaling if scaling is not None else 1 / math.sqrt(head_dim), bool(getattr(module, "is_causal", False)))
+    out = kernel(tokens(query), tokens(key), tokens(value), cu_seqlens, width, scaling,
+                 bool(getattr(module, "is_causal", False)))
     return out.view(rows, width, heads, head_dim), None
 
 
 def kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int,
-           scale: float, causal: bool) -> torch.Tensor:
-    """torch's varlen_attn over (tokens, heads, head_dim), by its signature: torch 2.10 takes
-    `is_causal`, later ones a `window_size` ((-1, 0): causal) and a `scale`."""
+           scale: float | None, causal: bool) -> torch.Tensor:
+    """torch's varlen_attn over (tokens, heads, head_dim); `scale` None: 1 / sqrt(head_dim)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    options: dict = {}
-    if "window_size" in _parameters():
-        options["window_size"] = (-1, 0) if causal else (-1, -1)
-    else:
-        options["is_causal"] = causal
-    if "scale" in _parameters():
-        options["scale"] = scale
-    elif not math.isclose(scale, 1 / math.sqrt(query.shape[-1])):  # the kernel's own scale is 1 / sqrt(head_dim)
-        query = query * (scale * math.sqrt(query.shape[-1]))
-    return cast(torch.Tensor, varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, **options))
-
-
-@cache
-def _parameters() -> frozenset[str]:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return frozenset(inspect.signature(varlen_attn).parameters)
+    return cast(torch.Tensor, varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length,
+                                          scale=scale, window_size=(-1, 0) if causal else (-1, -1)))
 
 
 def available() -> str | None:
-    """Why this torch cannot run the path (None: it can)."""
+    """Why this torch cannot run the path (None: it can): `kernel` calls varlen_attn as torch
+    2.11 and later define it (torch 2.10's took `is_causal`, and no `scale`)."""
     try:
-        import torch.nn.attention.varlen
+        from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return f"torch {torch.__version__} has no variable-length attention (torch.nn.attention.varlen, 2.10+)"
+        return f"torch {torch.__version__} has no variable-length attention (torch.nn.attention.varlen, 2.11+)"
+    if not {"scale", "window_size"} <= set(inspect.signature(varlen_attn).parameters):
+        return f"torch {torch.__version__}'s variable-length attention predates 2.11's (scale, window_size)"
     return None
