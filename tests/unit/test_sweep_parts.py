@@ -419,3 +419,65 @@ def test_a_sweep_started_again_with_other_runs_is_refused(data_file, tmp_path):
                            (["seed=1"], "seed"), (["sweep.metric=loss"], "sweep.metric")):
         with pytest.raises(ConfigError, match=re.escape(f"holds a sweep of another config ({named} changed)")):
             plan.check_same_sweep(previous, run_config.load(None, [*base, *changed]))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_trials_asked_at_once_after_a_restart_take_different_grid_points(seed, tmp_path, monkeypatch):
+    """sweep.parallel trials are asked at once, from threads. Past the grid's size (a restart's
+    retries took numbers) GridSampler draws each a point not yet taken, at random: two asked
+    together must not draw the same one, or one setting runs twice and another never.
+    Each asker, as it writes its grid point, waits for the other to come as far as it can: to
+    its own write, or to the sampler's door while this one is inside. Four seeds: without the
+    door some draw the same point for both."""
+    import threading
+
+    from trainer.sweep import study
+
+    searched = search_space.parse({"train.lr": [0.1, 0.2], "train.warmup_ratio": [0.0, 0.5]}, schema.KEYS)
+    killed = study.open_study(tmp_path, searched, "grid", "max", seed, "none")
+    for _ in range(2):  # the killed sweep's two settings at once, left RUNNING
+        searched.suggest(killed.ask())
+    again = study.open_study(tmp_path, searched, "grid", "max", seed, "none")
+    assert len(study.retry_unfinished(tmp_path)) == 2
+    for _ in range(2):
+        retried = again.ask()
+        searched.suggest(retried)
+        again.tell(retried, 0.5)
+
+    progress = threading.Condition()
+    counts = {"at the door": 0, "writing": 0}
+
+    class Door:
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __enter__(self):
+            with progress:
+                counts["at the door"] += 1
+                progress.notify_all()
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    write = again._storage.set_trial_system_attr
+
+    def rendezvous(trial_id, key, value):
+        if key == "grid_id":
+            with progress:
+                counts["writing"] += 1
+                progress.notify_all()
+                assert progress.wait_for(lambda: 2 in counts.values(), timeout=60)
+        write(trial_id, key, value)
+
+    monkeypatch.setattr(again.sampler, "_choosing", Door(), raising=False)
+    monkeypatch.setattr(again._storage, "set_trial_system_attr", rendezvous)
+    asked: list = []
+    askers = [threading.Thread(target=lambda: asked.append(searched.suggest(again.ask()))) for _ in range(2)]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join()
+    assert len(asked) == 2 and asked[0] != asked[1]
+    settings = [dict(t.params) for t in again.trials if t.state.name == "COMPLETE"] + asked
+    assert sorted(searched.place(s) for s in settings) == [0, 1, 2, 3]

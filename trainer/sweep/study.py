@@ -12,6 +12,7 @@ Only Optuna's public API is used: the study, its trials and the retry callback.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,7 +62,7 @@ def open_study(output_dir: Path, space: Space, method: str, direction: str, seed
                 if STUDY in optuna.get_all_study_names(storage) else [])
     sampler: optuna.samplers.BaseSampler
     if method == "grid":
-        sampler = optuna.samplers.GridSampler(space.grid(), seed=seed)
+        sampler = OneAtATimeGridSampler(space.grid(), seed=seed)
     elif method == "random":
         sampler = optuna.samplers.RandomSampler(seed=seed + len(existing))
     else:
@@ -78,6 +79,24 @@ def open_study(output_dir: Path, space: Space, method: str, direction: str, seed
         pruning = optuna.pruners.SuccessiveHalvingPruner(min_resource=eval_every)
     return optuna.create_study(study_name=STUDY, storage=storage, sampler=sampler, pruner=pruning,
                                direction="maximize" if direction == "max" else "minimize", load_if_exists=True)
+
+
+class OneAtATimeGridSampler(optuna.samplers.GridSampler):
+    """Optuna's GridSampler, whose trials take their grid points one at a time.
+
+    A trial numbered past the grid's size (on a restart: the retries took numbers) is given a
+    point not yet finished nor running, drawn at random, and written to the trial as it is given.
+    The sweep asks for `sweep.parallel` trials at once from threads of one process: two asked
+    together could draw the same point before either wrote it, and then one setting ran twice
+    and another never. Across processes the sweep has one driver (`retry_unfinished`)."""
+
+    def __init__(self, search_space, seed: int) -> None:
+        super().__init__(search_space, seed=seed)
+        self._choosing = threading.Lock()
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        with self._choosing:
+            super().before_trial(study, trial)
 
 
 def retry_unfinished(output_dir: Path) -> list[int]:
