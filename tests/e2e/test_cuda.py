@@ -170,16 +170,18 @@ def test_the_memory_plan_holds_on_the_gpu(tmp_path):
 def test_flash_attention_over_packed_rows_trains_what_padded_sdpa_trains(family, tmp_path):
     """model.sdpa_backend=flash's kernel (torch's varlen FlashAttention, trainer/model/varlen.py)
     in bf16: BERT's text pairs, and Llama's causal grouped-query attention, packed against the
-    same samples padded through SDPA. Within bf16's rounding: logits and every gradient; and a
-    changed sequence leaves the others of its row bitwise alone (the CPU tests prove the
-    plumbing exactly, tests/unit/test_packing.py, with a reference kernel). Last in this file:
-    it initializes CUDA in this process, as the memory plan's test does, after which the runs
-    above could not fork (tests/support/preloaded.py)."""
+    same samples padded through SDPA as the step runs it (auto: there cuDNN's backward would
+    write NaN for Llama's left padding at this width of 64, pretrained.sdpa_kernel). Within
+    bf16's rounding: logits and every gradient, each finite; and a changed sequence leaves the
+    others of its row bitwise alone (the CPU tests prove the plumbing exactly,
+    tests/unit/test_packing.py, with a reference kernel). Last in this file: it initializes
+    CUDA in this process, as the memory plan's test does, after which the runs above could not
+    fork (tests/support/preloaded.py)."""
     from support.models import make_tiny_model
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from trainer.data.loaders import Collate, PackedCollate
-    from trainer.model import packing, varlen
+    from trainer.model import packing, pretrained, varlen
     from trainer.strategies.base import LogitsUnderAutocast
 
     folder = make_tiny_model(tmp_path, 0.0, family)
@@ -205,9 +207,13 @@ def test_flash_attention_over_packed_rows_trains_what_padded_sdpa_trains(family,
     for name, batch in batches.items():
         batch = {k: v.cuda() for k, v in batch.items() if k != "lengths"}
         labels = batch.pop("labels")
-        logits[name] = LogitsUnderAutocast(models[name], "cuda", torch.bfloat16)(**batch).float()
-        torch.nn.functional.cross_entropy(logits[name], labels).backward()
+        with pretrained.sdpa_kernel("auto" if name == "padded" else "flash", backward=True):  # as the step
+            logits[name] = LogitsUnderAutocast(models[name], "cuda", torch.bfloat16)(**batch).float()
+            torch.nn.functional.cross_entropy(logits[name], labels).backward()
         grads[name] = {n: p.grad.float() for n, p in models[name].named_parameters() if p.grad is not None}
+        not_finite = [n for n, g in grads[name].items() if not torch.isfinite(g).all()]
+        assert not not_finite, f"{name}: gradients not finite: {not_finite[:3]}"
+    assert batches["padded"]["input_ids"].shape[1] == 64  # cuDNN's backward's NaN width (pretrained.sdpa_kernel)
     assert batches["packed"]["input_ids"].numel() < batches["padded"]["input_ids"].numel()
     torch.testing.assert_close(logits["packed"], logits["padded"], rtol=2e-2, atol=2e-2)
     for name, grad in grads["padded"].items():

@@ -36,7 +36,9 @@ def flags() -> tuple[bool, bool, bool, bool]:
 def test_a_step_under_math_equals_autos_and_runs_math_alone(dropout_model, reviews, tmp_path):
     """Dropout on, as in training: on CPU, torch's only fused kernel (flash) takes no dropout, so
     auto runs math too, and one step under either gives the same weights, bit for bit. Under
-    math the forward and the backward see math alone allowed; afterwards torch's flags are back."""
+    math the forward and the backward see math alone allowed; under auto every kernel but
+    cuDNN's, whose backward goes NaN on H100s and H200s (pretrained.sdpa_kernel); afterwards
+    torch's flags are back."""
     ids = torch.randint(1000, 2000, (4, 24))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.arange(4)}
     before = flags()
@@ -53,7 +55,8 @@ def test_a_step_under_math_equals_autos_and_runs_math_alone(dropout_model, revie
         weights[backend] = {name: p.detach().clone() for name, p in built.model.named_parameters()}
         assert not all(map(torch.equal, initial, weights[backend].values())), "the step was taken"
     assert flags() == before
-    assert seen["auto"] == [("forward", before), ("backward", before)]
+    assert before == (True, True, True, True)  # torch's default: each may be chosen
+    assert seen["auto"] == [("forward", (True, True, False, True)), ("backward", (True, True, False, True))]
     assert seen["math"] == [("forward", (False, False, False, True)), ("backward", (False, False, False, True))]
     assert weights["auto"].keys() == weights["math"].keys()
     assert all(torch.equal(weights["auto"][name], weights["math"][name]) for name in weights["auto"])
@@ -61,7 +64,8 @@ def test_a_step_under_math_equals_autos_and_runs_math_alone(dropout_model, revie
 
 def test_evaluation_runs_the_configured_kernel(dropout_model, reviews, tmp_path):
     """Evaluation (no dropout: there auto may take CPU's flash kernel, which sums in another
-    order) runs math alone under math, and auto's logits equal math's within float32 rounding."""
+    order) runs math alone under math, and auto's logits equal math's within float32 rounding.
+    Its auto is torch's whole choice: cuDNN's forward is sound, only its backward is not."""
 
     cfg, built = built_with(dropout_model, reviews, tmp_path, "math")
     splits = reading.load(cfg, DistEnv(), labels=built.task.labels)
@@ -74,7 +78,8 @@ def test_evaluation_runs_the_configured_kernel(dropout_model, reviews, tmp_path)
         kept = evaluation.evaluate(built.logits, loader, num_samples, built.task, CPU, DistEnv(),
                                    keep_rows=True, sdpa_backend=backend)
         logits[backend] = kept.rows[1]
-        assert seen and all(f == (False, False, False, True) for f in seen) == (backend == "math")
+        assert seen and all(f == ((False, False, False, True) if backend == "math" else (True, True, True, True))
+                            for f in seen)
     hook.remove()
     torch.testing.assert_close(logits["auto"], logits["math"], rtol=1e-5, atol=1e-5)
 

@@ -131,9 +131,10 @@ class ModelConfig:
     sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = key("auto", FREE)
     """Which kernel runs SDPA attention in the step's forward and backward and in evaluation
     (torch.nn.attention.sdpa_kernel): efficient (memory-efficient), cudnn (cuDNN's fused
-    attention) or math (plain matmuls and softmax, any device). auto: torch picks per call, as
-    before. Other than auto it needs model.attn_implementation sdpa, and efficient and cudnn a
-    GPU: they have no CPU kernels. flash (FlashAttention, through torch's variable-length
+    attention) or math (plain matmuls and softmax, any device). auto: torch picks per call, but
+    in training never cuDNN's, whose backward can write NaN on H100s and H200s (docs/gpus.md).
+    Other than auto it needs model.attn_implementation sdpa, and efficient and cudnn a GPU:
+    they have no CPU kernels. flash (FlashAttention, through torch's variable-length
     attention) takes no mask, so it runs packed batches only (data.packing), in bf16 or fp16:
     each row's sequences by their lengths, with no attention dropout (the kernel has none;
     docs/packing.md). A kernel that cannot run a shape fails the step rather than falling

@@ -165,17 +165,26 @@ def check_sdpa_backend(model_cfg: ModelConfig, implementation: str, device_type:
         raise ConfigError(f"model.sdpa_backend: flash: {missing}")
 
 
-def sdpa_kernel(backend: str) -> AbstractContextManager:
-    """The context that makes SDPA run `backend` (model.sdpa_backend); auto: torch's choice.
-    torch.nn.attention.sdpa_kernel sets process-wide flags: enter it on the thread that
-    launches the forward, around the backward too (autograd's thread replays the forward's
-    kernel choice, but checkpointed layers recompute their forward there)."""
-    if backend in ("auto", "flash"):  # flash: packed rows call FlashAttention themselves (varlen.py)
+def sdpa_kernel(backend: str, backward: bool) -> AbstractContextManager:
+    """The context that makes SDPA run `backend` (model.sdpa_backend). torch.nn.attention.sdpa_kernel
+    sets process-wide flags: enter it on the thread that launches the forward, around the
+    backward too (autograd's thread replays the forward's kernel choice, but checkpointed
+    layers recompute their forward there).
+
+    auto is torch's choice per call, but where a `backward` follows, never cuDNN's attention:
+    on H100 and H200 since torch 2.11 its backward writes NaN into the queries' gradient when a
+    mask is passed, the keys number 64 past a multiple of 128, and a query's log-sum-exp is under
+    ln(FLT_MAX), about -88.7 (pytorch/pytorch#196678). Every pad row of a left-padded decoder's
+    batch is such a query (it attends to nothing); a tiny Llama's gradients came back NaN on an
+    H200 from such a batch (docs/gpus.md). The memory-efficient kernel ran the defaults' step as
+    fast there (1.04x, 2026-11-28); model.sdpa_backend=cudnn still asks for cuDNN's."""
+    if backend == "flash" or (backend == "auto" and not backward):  # flash: varlen.py calls its kernel
         return nullcontext()
     from torch.nn.attention import SDPBackend
     from torch.nn.attention import sdpa_kernel as kernel
 
-    return kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
+    names = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"] if backend == "auto" else [SDPA_BACKENDS[backend]]
+    return kernel([getattr(SDPBackend, name) for name in names])
 
 
 def load_model(model_cfg: ModelConfig, config: PretrainedConfig, seed: int, device: torch.device,

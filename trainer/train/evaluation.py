@@ -56,7 +56,7 @@ def evaluate(logits_of: nn.Module, loader: DataLoader, num_samples: int, task: T
     run as many as the rank with the most. Otherwise the others would wait for it for ever.
     `sdpa_backend`: the attention kernel (model.sdpa_backend), as in the step.
     """
-    with pretrained.sdpa_kernel(sdpa_backend):
+    with pretrained.sdpa_kernel(sdpa_backend, backward=False):
         return _evaluate(logits_of, loader, num_samples, task, device, dist_env, sharded, keep_rows)
 
 

@@ -169,7 +169,7 @@ class TrainStep:
                 if mask is not None:
                     batch["attention_mask"] = mask(batch["attention_mask"])
                 is_last = i == grad_accum - 1
-                with self.strategy.sync_gradients(now=is_last), sdpa_kernel(self.sdpa_backend):
+                with self.strategy.sync_gradients(now=is_last), sdpa_kernel(self.sdpa_backend, backward=True):
                     observer.phase("forward")
                     loss = self.loss(batch) / grad_accum
                     observer.phase("backward")
