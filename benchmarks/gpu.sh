@@ -3,7 +3,7 @@
 # CUDA GPU and this project installed (`make install`, or the image), offline:
 #
 #   benchmarks/gpu.sh [all | cuda | sweep | compare | profile | ablations | demo | cpu-scaling ...]
-#   benchmarks/gpu.sh check [--dry-run] [variants packing long-tail saves profile cuda cuda-flash scoring]
+#   benchmarks/gpu.sh check [--dry-run] [variants packing long-tail saves profile profile-flash cuda cuda-flash scoring]
 #
 # check is issue 58's prepared check, one call of at most 8 minutes with no internet
 # (benchmarks/gpu_check.py, docs/gpus.md): on bert-base at batch 512 the loss check,

@@ -1,10 +1,11 @@
 """`benchmarks/gpu.sh check`: issue 58's GPU check, one call of at most 8 minutes on one GPU.
 
     benchmarks/gpu.sh check [--dry-run | --smoke] [PART ...]   (PART: variants packing long-tail saves profile
-                                                                cuda cuda-flash scoring)
+                                                                profile-flash cuda cuda-flash scoring)
 
-In order, each part a subprocess under its own `timeout` (a part that runs long costs only
-itself, and what it wrote so far is kept), all within --budget-s from the start:
+In order (or in the order named), each part a subprocess under its own `timeout` (a part that
+runs long costs only itself, and what it wrote so far is kept), all within --budget-s from the
+start:
 
   variants  `python -m benchmarks` on the bert-base shape (random init) at batch 512, one rank:
             the defaults against each of: the loss check off, model.sdpa_backend efficient and
@@ -18,6 +19,7 @@ itself, and what it wrote so far is kept), all within --budget-s from the start:
             up to 512) at batch 128: where padding costs most
   saves     an FSDP run saving every 5 steps, checkpoint.async_save on and off
   profile   benchmarks/profile_step.py at batch 512: where a step's time goes
+  profile-flash  only when named: the same with data.packing and model.sdpa_backend=flash
   cuda      tests/e2e/test_cuda.py, with what the budget has left: on an H200 (2026-11-28)
             it takes 210 s, the speed parts about 400, so a first call measures the speed
             and a second, `check cuda scoring`, runs the tests and the part below
@@ -60,7 +62,9 @@ FlashAttention's varlen kernel (trainer/model/varlen.py); the data phase's gap b
 LONG_TAIL_SIDES = ["+ packing + flash", "- length grouping", "+ packing + flash - length grouping", "+ packing"]
 """The long tail's: packed rows where length grouping leaves padding, and where it is off."""
 SAVES = ["trainer FSDP bf16, async save every 5", "trainer FSDP bf16, sync save every 5"]
-PARTS = ["variants", "packing", "long-tail", "saves", "profile", "cuda", "cuda-flash", "scoring"]
+PARTS = ["variants", "packing", "long-tail", "saves", "profile", "profile-flash", "cuda", "cuda-flash", "scoring"]
+WHEN_NAMED = {"profile-flash", "cuda-flash"}
+"""Parts that run only when named: each repeats part of another's work."""
 BUDGET_S = 470
 """8 minutes less the install preamble's ~10 s (../shared/gpu/README.md)."""
 
@@ -116,6 +120,12 @@ def parts(args, out: Path) -> list[Part]:
                          "--warmup", "1" if dry else "5", "--steps", "1" if dry else "5",
                          "--out", str(out / "parts/check-profile.json")],
              limit_s=120, results=out / "parts/check-profile.json"),
+        Part("profile-flash", [py, "-m", "benchmarks.profile_step", "--random-init", "tiny" if dry else "bert-base",
+                               "--batch-size", "4" if dry else "512", "--max-length", "32" if dry else "128",
+                               "--warmup", "1" if dry else "5", "--steps", "1" if dry else "5",
+                               "--out", str(out / "parts/check-profile-flash.json"), "data.packing=true",
+                               *([] if dry else ["model.sdpa_backend=flash"])],
+             limit_s=120, results=out / "parts/check-profile-flash.json"),
         Part("cuda", [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/e2e/test_cuda.py"], limit_s=300),
         # Issue 74's CUDA tests alone: FlashAttention over packed rows against padded SDPA.
         Part("cuda-flash", [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/e2e/test_cuda.py", "-k",
@@ -232,7 +242,8 @@ def table(summary: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("parts", nargs="*", metavar="PART",
-                        help=f"run these parts only: {', '.join(PARTS)} (default: all, in that order)")
+                        help=f"run these parts only, in the order named: {', '.join(PARTS)} (default: all "
+                             f"but {', '.join(sorted(WHEN_NAMED))}, in that order)")
     parser.add_argument("--dry-run", action="store_true", default=os.environ.get("DRY_RUN") == "1",
                         help="on CPU, tiny shapes, a few steps (also DRY_RUN=1)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="all the parts together")
@@ -265,8 +276,10 @@ def main() -> int:
         random_init_model(folder / "model", "tiny", tokenizer_from=str(get_model_path()))
         bench_data(folder / "data", 8)
         problems = check_sides(folder)
-    # All of them, but cuda-flash: the cuda part runs its tests too.
-    selected = [p for p in parts(args, out) if p.name in args.parts or (not args.parts and p.name != "cuda-flash")]
+    by_name = {p.name: p for p in parts(args, out)}
+    selected = ([by_name[name] for name in dict.fromkeys(args.parts)] if args.parts else
+                [p for p in by_name.values() if p.name not in WHEN_NAMED])
+    selected[-1].reserve_s = 0  # a reserve is kept for the parts after it: the last has none
     with (out / "check.log").open("w") as log:
         for problem in problems:
             log_line(log, f"refused: {problem}")
