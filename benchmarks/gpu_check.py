@@ -23,7 +23,8 @@ start:
   cuda      tests/e2e/test_cuda.py, with what the budget has left: on an H200 (2026-11-28)
             it takes 210 s, the speed parts about 400, so a first call measures the speed
             and a second, `check cuda scoring`, runs the tests and the part below
-  cuda-flash  only when named: the CUDA tests of model.sdpa_backend=flash (a part of cuda's)
+  cuda-flash  only when named: the CUDA tests of model.sdpa_backend=flash and of auto's
+            backward on a left-padded decoder (a part of cuda's)
   scoring   `python -m benchmarks.scoring --gpu` (issue 73): bert-base's rows/s in `score`
             against transformers' pipeline on the same card, at 128 and 512 tokens
 
@@ -127,9 +128,10 @@ def parts(args, out: Path) -> list[Part]:
                                *([] if dry else ["model.sdpa_backend=flash"])],
              limit_s=120, results=out / "parts/check-profile-flash.json"),
         Part("cuda", [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/e2e/test_cuda.py"], limit_s=300),
-        # Issue 74's CUDA tests alone: FlashAttention over packed rows against padded SDPA.
-        Part("cuda-flash", [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/e2e/test_cuda.py", "-k",
-                            "flash"], limit_s=120),
+        # Issue 74's CUDA tests alone: FlashAttention over packed rows against padded SDPA, and
+        # the step's auto SDPA on a left-padded decoder (cuDNN's backward left out).
+        Part("cuda-flash", [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rw", "tests/e2e/test_cuda.py",
+                            "-k", "flash or left_padded"], limit_s=120),
         # The dry run: one length, the pipeline, `score` and the model alone on 300 rows (--smoke).
         Part("scoring", [py, "-m", "benchmarks.scoring", "--gpu", "--reps", "1", *(["--smoke"] if dry else []),
                          "--out", str(out / "parts/check-scoring.json")],
