@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from support.outputs import read_metrics
-from support.runs import locally, run, tiny_overrides, train, trainer_command
+from support.runs import PYTHON, locally, run, tiny_overrides, train, trainer_command
 from support.weights import compare_weights, weights
+
+from trainer.runtime.launch import trainer_program
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -276,3 +278,16 @@ def test_a_left_padded_decoders_gradients_are_finite_under_the_steps_auto(tmp_pa
     under_cudnn = [n for n, g in gradients("cudnn").items() if not torch.isfinite(g).all()]
     warnings.warn(f"cuDNN's attention on this GPU: {len(under_cudnn)} gradients not finite "
                   f"(cuDNN {torch.backends.cudnn.version()})", stacklevel=1)
+
+
+def test_a_sweeps_runs_forked_from_its_zygote_train_on_the_gpu(tiny_model, reviews, tmp_path):
+    """sweep.preload: the zygote imported the stack without touching CUDA, so each run forked
+    from it initialises its own on the GPU (a fork after CUDA's initialisation could not)."""
+    out = tmp_path / "out"
+    overrides = [*tiny_overrides(tiny_model, reviews, out, **{"train.max_steps": 4, "train.precision": "auto"}),
+                 "sweep.parameters={train.lr: [0.001, 0.01]}", "sweep.parallel=1", "sweep.metric=loss"]
+    result = run([PYTHON, *trainer_program("sweep", None, overrides)])
+    assert result.returncode == 0, result.output[-4000:]
+    assert result.output.count(": train forked, preloaded (pid") == 2, result.output[-4000:]
+    for trial in ("000-seed42", "001-seed42"):
+        assert "on cuda:0" in (out / "trials" / trial / "trial.log").read_text()

@@ -1,5 +1,5 @@
-"""`python -m trainer sweep` end to end on the tiny model: trials are ordinary runs under
-torchrun, two at a time; a sweep killed mid-way (SIGKILL to its process group and every
+"""`python -m trainer sweep` end to end on the tiny model: trials are ordinary runs of one
+process each (forked, sweep.preload), two at a time; a sweep killed mid-way (SIGKILL to its process group and every
 process under it, as a scheduler cancels a job) and started again reruns no finished trial and
 ranks as an uninterrupted sweep does; 3-fold cross-validation writes each train row's
 out-of-fold prediction once."""
@@ -68,6 +68,7 @@ def uninterrupted(tiny_model, reviews, tmp_path_factory) -> Sweep:
     result = sweep_holding_ranks(sweep_command(sweep_overrides(tiny_model, reviews, out, GRID)), out, "step:2",
                                  release)
     assert result.returncode == 0, failure_output(result.output)
+    assert result.output.count(": train forked, preloaded (pid") == 8, failure_output(result.output)  # sweep.preload
     return Sweep(out, together)
 
 
@@ -76,8 +77,9 @@ def uninterrupted(tiny_model, reviews, tmp_path_factory) -> Sweep:
 def test_a_trial_run_alone_trains_what_it_trained_in_the_sweep(uninterrupted, tmp_path, nproc):
     """Trial 001-seed43 run by hand, as its trial.log says the sweep ran it: the sweep's config
     (sweep.yaml), its setting and seed, and the sweep's train.threads. In one process (the
-    trial had one rank), the same bits; on 2 ranks of the same global batch, within 1e-6, as
-    any run at another world size."""
+    trial had one rank, forked from the sweep's zygote: nothing left over from it or from the
+    trials before), the same bits; on 2 ranks of the same global batch, within 1e-6, as any
+    run at another world size."""
     out = uninterrupted.out
     with (out / "sweep.csv").open() as f:
         row = next(r for r in csv.DictReader(f) if r["trial"] == "001-seed43")
@@ -154,7 +156,7 @@ def test_a_killed_sweep_started_again_reruns_no_finished_trial(uninterrupted, ti
             if ": finished: validation" in line:
                 break
     finally:
-        kill_tree(proc)  # its process group and every process under it (torchrun's workers have sessions of their own)
+        kill_tree(proc)  # its process group and every process under it (the zygote's runs among them)
         proc.communicate()
     assert any(": finished: validation" in line for line in seen), "".join(seen)[-4000:]
     finished = {name: (p / "summary.json").read_bytes() for name, p in trials(out).items()
@@ -212,10 +214,10 @@ def test_halving_stops_a_bad_setting_at_its_first_evaluation(tiny_model, reviews
     """sweep.pruner=halving on the runs' own evaluations (every 5 steps): a learning rate of
     0.3 throws the validation loss far above where it starts, and the grid (seeded) asks it
     after 0.001. Successive halving's first rung is the first evaluation: the bad setting is
-    stopped there, its run saving and exiting 75 (torchrun 143), and the sweep ranks it after
-    the good one, which runs to the end, and exits 0. Each run's rank is frozen as step
-    FROZEN_AT begins; the good one's is let go at once, the bad one's once the sweep's stop
-    signal waits for it (SIGTERM pending)."""
+    stopped there, its run (one process, forked: sweep.preload) saving and exiting 75, and the
+    sweep ranks it after the good one, which runs to the end, and exits 0. Each run's rank is
+    frozen as step FROZEN_AT begins; the good one's is let go at once, the bad one's once the
+    sweep's stop signal waits for it (SIGTERM pending)."""
     out = tmp_path / "out"
     overrides = [*tiny_overrides(tiny_model, reviews, out, **{
         "train.max_steps": PRUNED_STEPS, "train.batch_size": 8, "train.eval_every": 5,
@@ -247,7 +249,7 @@ def test_halving_stops_a_bad_setting_at_its_first_evaluation(tiny_model, reviews
                            for t in (bad, good))
     assert bad_loss > good_at_5 + 0.5
     assert "setting 0 ({'train.lr': 0.3}) pruned at step 5" in result.output, failure_output(result.output)
-    assert "trial 000-seed42: stopped, its setting pruned (exit 143)" in result.output
+    assert "trial 000-seed42: stopped, its setting pruned (exit 75)" in result.output
     board = (out / "sweep.md").read_text()
     good_loss = read_summary(good)["final_eval"]["loss"]
     assert f"| 1 | train.lr=0.001 | {good_loss:.4f} | (one run) | 1 | complete |" in board, board

@@ -15,12 +15,11 @@ torchrun itself (trainer.cli.torchrun: the launcher's own code, forked). torchru
 forked too, from its agent (`_fork_ranks`): started fresh, each imported for 5-6 s of CPU, and
 test_two_ranks_match_one_process took 47 s of CPU, against 22 s with forked workers (the e2e
 tier, alone on 2 cores: 158 tests in 933 s). Torchrun's own code still starts, polls, signals
-and reaps each worker, a child in a session of its own, exactly as it does a Popen's. A sweep
-launched here has its runs forked too, from a zygote (`_fork_trials`): its tests took 330 s of
-CPU, against 250 s. Workers start as fresh interpreters, as a user's do, in the tests that
-start torchrun or a sweep themselves (tests/e2e/test_no_hang.py's, a frozen FSDP rank's, a
-sweep killed or signalled), and in the whole system tier (Slurm, the nodes in network
-namespaces, the image). A run that sets what is read at start or import gets a fresh
+and reaps each worker, a child in a session of its own, exactly as it does a Popen's. A sweep's
+one-rank runs are forked by the product itself (sweep.preload, trainer/sweep/preload.py).
+Workers start as fresh interpreters, as a user's do, in the tests that start torchrun
+themselves (tests/e2e/test_no_hang.py's, a frozen FSDP rank's), and in the whole system tier
+(Slurm, the nodes in network namespaces, the image). A run that sets what is read at start or import gets a fresh
 interpreter instead, and so do its workers.
 
 Server protocol (JSON lines): a request {module, args, env, cwd, output} on stdin; the reply
@@ -38,7 +37,6 @@ import os
 import runpy
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -158,13 +156,10 @@ def _child(request: dict) -> None:
 
 def _become(module: str, args: list[str]) -> int:
     """Run `python -m MODULE ARGS` in this process, to its exit status: torchrun's
-    workers forked from it (`_fork_ranks`), and a sweep's runs from a fork of it (`_fork_trials`),
-    where the environment asks for forks."""
-    if os.environ.get(FORKED_RANKS_ENV) == "1":
-        if module == "trainer.cli.torchrun" and os.environ.get("TRAINER_CHECK", "") in ("", "0"):
-            _fork_ranks()  # not with trainer/cli/torchrun.py's check, which computes in the agent
-        elif module == "trainer" and args[:1] == ["sweep"]:
-            _fork_trials()
+    workers forked from it (`_fork_ranks`), where the environment asks for forks."""
+    if (os.environ.get(FORKED_RANKS_ENV) == "1" and module == "trainer.cli.torchrun"
+            and os.environ.get("TRAINER_CHECK", "") in ("", "0")):
+        _fork_ranks()  # not with trainer/cli/torchrun.py's check, which computes in the agent
     return _run_module(module, args)
 
 
@@ -264,134 +259,6 @@ class _ForkedRank:
                 raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
             time.sleep(0.01)
         return self.returncode
-
-
-def _fork_trials() -> None:
-    """A sweep's runs (`python -m trainer.cli.torchrun ...`, and `python -m trainer evaluate ...` for a
-    fold) forked from a zygote instead of exec'd: a fork of this process made now, before the
-    sweep runs and starts Optuna's threads and its own, so that it holds no lock a thread of
-    the sweep could have held. trainer/sweep/runs.py's Popen is replaced by `_ZygoteSpawner`'s:
-    the sweep starts, polls, waits for and signals each run as it would a Popen's, and each run
-    is the process it would be (its module, arguments, environment and log file, in the
-    sweep's process group), but a child of the zygote, which reaps it and reports its exit
-    status. With the sweep gone (its end of the socket closed) the zygote exits once its last
-    run has."""
-    sweep_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        sweep_end.close()
-        code = 1
-        try:
-            _serve_trials(zygote_end)
-            code = 0
-        finally:
-            os._exit(code)
-    zygote_end.close()
-    import trainer.sweep.runs
-
-    trainer.sweep.runs.subprocess = _ZygoteSpawner(sweep_end)  # type: ignore[assignment]
-
-
-def _serve_trials(sock: socket.socket) -> None:
-    """The zygote: a request {argv, env} with the run's log file descriptor starts a run, answered
-    {"pid"}; each run that ends is reported {"ended": pid, "returncode"}. Cannot hang: each wait
-    for a request lasts at most 50 ms, and the loop ends once the sweep is gone and no run is left."""
-    sweep_alive, runs = True, 0
-    while sweep_alive or runs:
-        if sweep_alive and select.select([sock], [], [], 0.05)[0]:
-            message, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
-            if not message:
-                sweep_alive = False
-                continue
-            request = json.loads(message)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                sock.close()
-                _start_trial(request, fds[0])
-            os.close(fds[0])
-            runs += 1
-            sock.send(json.dumps({"pid": pid}).encode())
-        elif not sweep_alive:
-            time.sleep(0.05)
-        while runs:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if not pid:
-                break
-            runs -= 1
-            with contextlib.suppress(OSError):  # the sweep is gone: no one is left to tell
-                sock.send(json.dumps({"ended": pid, "returncode": os.waitstatus_to_exitcode(status)}).encode())
-
-
-def _start_trial(request: dict, log_fd: int) -> None:
-    """Become the sweep's run `request["argv"]` (`python -m MODULE ARGS`): never returns."""
-    code = 1
-    try:
-        _restore_pristine_signals()
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        os.close(log_fd)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        code = _become(request["argv"][2], request["argv"][3:])
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-class _ZygoteSpawner:
-    """trainer/sweep/runs.py's `subprocess` module, but for its Popen of a `python -m trainer...` run,
-    which the zygote forks. Threads of the sweep start runs at once: one request at a time."""
-
-    def __init__(self, sock: socket.socket):
-        self._sock = sock
-        self._lock = threading.Lock()
-        self._ended: dict[int, int] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(subprocess, name)  # TimeoutExpired, STDOUT, DEVNULL, ...
-
-    def Popen(self, argv: list[str], env: dict[str, str], stdout, **kwargs) -> Any:
-        if list(argv[:3]) not in ([sys.executable, "-m", "trainer.cli.torchrun"], [sys.executable, "-m", "trainer"]):
-            return subprocess.Popen(argv, env=env, stdout=stdout, **kwargs)
-        with self._lock:
-            socket.send_fds(self._sock, [json.dumps({"argv": list(argv), "env": env}).encode()], [stdout.fileno()])
-            while True:  # the reply to this request; reports of runs that ended meanwhile are kept
-                reply = json.loads(self._sock.recv(1 << 16))
-                if "pid" in reply:
-                    return _ZygoteRun(self, reply["pid"])
-                self._ended[reply["ended"]] = reply["returncode"]
-
-    def returncode(self, pid: int) -> int | None:
-        with self._lock:
-            while select.select([self._sock], [], [], 0)[0]:
-                reply = json.loads(self._sock.recv(1 << 16))
-                self._ended[reply["ended"]] = reply["returncode"]
-            return self._ended.get(pid)
-
-
-class _ZygoteRun(_ForkedRank):
-    """The part of a Popen that trainer/sweep/runs.py uses, for a run the zygote forked: not
-    this process's child, so its status is the one the zygote reports."""
-
-    def __init__(self, spawner: _ZygoteSpawner, pid: int):
-        super().__init__(pid)
-        self._spawner = spawner
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._spawner.returncode(self.pid)
-        return self.returncode
-
-    def send_signal(self, signum: int) -> None:
-        if self.poll() is None:  # not reported reaped: the pid is still the run's, or no one's
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
 
 
 class Server:

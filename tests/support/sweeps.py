@@ -23,7 +23,7 @@ HOLD_S = 300
 def frozen_ranks(trials_dir: Path) -> dict[int, str]:
     """The trials' ranks stopped by TRAINER_FAULT_SIGSTOP, by pid, each with its trial's id: the
     stopped processes whose stdout is a trial's trial.log (the sweep starts each run with it,
-    and torchrun's workers inherit it)."""
+    and a run's processes inherit it)."""
     found = {}
     for proc in psutil.process_iter(["status"]):
         if proc.info["status"] != psutil.STATUS_STOPPED:

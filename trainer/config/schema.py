@@ -570,6 +570,10 @@ class SweepConfig:
     refit: bool = key(False, FREE)
     """final/: the chosen setting retrained on the whole train split (no validation
     held out); false: the best run of the chosen setting copied."""
+    preload: bool = key(True, FREE)
+    """Runs of one rank (and folds' evaluations) start as forks of a process that imported
+    torch, transformers and datasets once, not as fresh interpreters under torchrun: seconds
+    saved per run, the same bits trained (docs/sweeps.md). false: each starts afresh."""
 
 
 @dataclass

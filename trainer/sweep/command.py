@@ -20,7 +20,7 @@ from trainer import exit_codes, files
 from trainer.config import loading
 from trainer.config.schema import Config
 from trainer.errors import ConfigError
-from trainer.sweep import pruning, results, runs, study
+from trainer.sweep import preload, pruning, results, runs, study
 from trainer.sweep.plan import Plan, check_same_sweep
 
 log = logging.getLogger("trainer.sweep")
@@ -55,17 +55,19 @@ def run(cfg: Config, plan: Plan) -> int:
     """Every setting's runs to the end (those finished before read, not run again), then the
     results. Returns 0; a preemption signal (fault.preempt_signals) stops it with RunFailed,
     exit 75, once every run alive has saved and ended."""
-    with study.quiet():
-        return _run(cfg, plan)
+    slots = runs.Slots.plan(cfg.sweep.parallel, cfg.sweep.ranks, cfg.train.threads is not None)
+    # Where it has runs of one process to fork (trials of one rank, folds' evaluations).
+    forks = cfg.sweep.preload and (slots.nproc == 1 or cfg.sweep.folds is not None)
+    with study.quiet(), preload.zygote(forks) as preloaded:
+        return _run(cfg, plan, slots, preloaded)
 
 
-def _run(cfg: Config, plan: Plan) -> int:
+def _run(cfg: Config, plan: Plan, slots: runs.Slots, preloaded: preload.Preloaded | None) -> int:
     out = Path(cfg.output_dir)
     sweep = cfg.sweep
     check_same_sweep(out / CONFIG_FILE, cfg)
     config_file = write_config(cfg)
     trials_dir = out / runs.TRIALS
-    slots = runs.Slots.plan(sweep.parallel, sweep.ranks, cfg.train.threads is not None)
     optuna_study = study.open_study(out, plan.space, sweep.method, plan.direction, cfg.seed, sweep.pruner,
                                     cfg.train.eval_every)
     again = study.retry_unfinished(out)
@@ -99,7 +101,8 @@ def _run(cfg: Config, plan: Plan) -> int:
             stop_signal = getattr(signal, next(iter(cfg.fault.preempt_signals), "SIGTERM"))
             judge = pruning.Judge([r.id for r in setting_runs], plan.metric, trial, stop_signal)
         with ThreadPoolExecutor(max_workers=sweep.parallel) as pool:  # side by side, as slots free up
-            summaries = list(pool.map(lambda r: runs.execute(r, trials_dir, config_file, slots, judge), setting_runs))
+            summaries = list(pool.map(lambda r: runs.execute(r, trials_dir, config_file, slots, judge, preloaded),
+                                      setting_runs))
         if judge is not None and judge.pruned:
             log.info("sweep: setting %d (%s) pruned at step %d (%s %.4f, the mean of its %d runs there)", number,
                      setting, judge.pruned_at, plan.metric, judge.mean, len(setting_runs))
@@ -113,7 +116,7 @@ def _run(cfg: Config, plan: Plan) -> int:
         if failed:  # Optuna raises a trial's error only when another is due: the last ones' it drops
             verdict = exit_codes.worst(e.exit_code for e in failed)
             raise next(e for e in failed if e.exit_code == verdict)
-        return report(cfg, plan, optuna_study, config_file, slots)
+        return report(cfg, plan, optuna_study, config_file, slots, preloaded)
 
 
 def setting_number(cfg: Config, plan: Plan, trial: Any, setting: dict) -> int:
@@ -124,7 +127,8 @@ def setting_number(cfg: Config, plan: Plan, trial: Any, setting: dict) -> int:
     return study.first_trial_number(trial)
 
 
-def report(cfg: Config, plan: Plan, optuna_study: optuna.Study, config_file: Path, slots: runs.Slots) -> int:
+def report(cfg: Config, plan: Plan, optuna_study: optuna.Study, config_file: Path, slots: runs.Slots,
+           preloaded: preload.Preloaded | None = None) -> int:
     out, sweep = Path(cfg.output_dir), cfg.sweep
     settings = []
     for trial in study.settled(optuna_study):
@@ -158,7 +162,7 @@ def report(cfg: Config, plan: Plan, optuna_study: optuna.Study, config_file: Pat
     best = complete[0]
     if sweep.refit:
         refit = runs.Run(best.number, best.params, cfg.seed, None, None, name="refit")
-        runs.execute(refit, out / runs.TRIALS, config_file, slots)
+        runs.execute(refit, out / runs.TRIALS, config_file, slots, preloaded=preloaded)
         folder, source = out / runs.TRIALS / "refit" / "final", (
             f"the chosen setting trained again with seed {cfg.seed} on the train split, no fold held out "
             f"(`sweep.refit`; validation: data.eval_split or its held-out share), in trials/refit/")

@@ -37,7 +37,7 @@ from trainer import exit_codes
 from trainer.errors import ConfigError, TrainerError
 from trainer.exit_codes import Exit
 from trainer.runtime import launch
-from trainer.sweep import pruning
+from trainer.sweep import preload, pruning
 from trainer.sweep.search_space import Scalar, override
 
 log = logging.getLogger(__name__)
@@ -151,12 +151,13 @@ def _visible_gpus() -> list[str]:
     return names[:torch.cuda.device_count()]
 
 
-def execute(run: Run, trials_dir: Path, config_file: Path, slots: Slots,
-            judge: pruning.Judge | None = None) -> dict[str, Any] | None:
+def execute(run: Run, trials_dir: Path, config_file: Path, slots: Slots, judge: pruning.Judge | None = None,
+            preloaded: preload.Preloaded | None = None) -> dict[str, Any] | None:
     """The run's summary: read where it finished before, else trained (resuming from its
     checkpoints) and, with folds, its validation fold's rows written by `evaluate`. With a
     `judge` (sweep.pruner), its evaluations are fed to it as they are written; None when the
-    judge pruned its setting: the run was stopped (it saved, exit 75), or not started."""
+    judge pruned its setting: the run was stopped (it saved, exit 75), or not started. With
+    `preloaded` (sweep.preload), a one-rank run is one process forked from it, not torchrun."""
     folder = trials_dir / run.id
     done = finished(folder, needs_rows=run.fold is not None)
     if done is not None:
@@ -171,8 +172,12 @@ def execute(run: Run, trials_dir: Path, config_file: Path, slots: Slots,
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / "summary.json").is_file():
             log.info("trial %s: training (%s)", run.id, " ".join(overrides[:-1 - len(slots.extra)]) or "defaults")
-            argv = launch.torchrun_argv(slots.nproc, launch.trainer_program("train", str(config_file), overrides))
-            _launch(argv, env, folder / "trial.log", run.id, _Following(judge, run.id, folder) if judge else None)
+            program = launch.trainer_program("train", str(config_file), overrides)
+            # One rank needs no launcher: the run is the process, as `python -m trainer train` is.
+            argv = [sys.executable, *program] if preloaded is not None and slots.nproc == 1 else launch.torchrun_argv(
+                slots.nproc, program)
+            _launch(argv, env, folder / "trial.log", run.id, _Following(judge, run.id, folder) if judge else None,
+                    preloaded)
         elif judge is not None:  # trained, not yet evaluated on its fold
             judge.seen(run.id, pruning.Records(folder).new(), ended=True)
         if judge is not None and judge.pruned:
@@ -180,7 +185,7 @@ def execute(run: Run, trials_dir: Path, config_file: Path, slots: Slots,
         if run.fold is not None:  # its validation fold's rows, each with the model's answer
             argv = [sys.executable, *launch.trainer_program("evaluate", str(config_file),
                                                             [*overrides, "checkpoint=final"])]
-            _launch(argv, env, folder / "evaluate.log", run.id)
+            _launch(argv, env, folder / "evaluate.log", run.id, preloaded=preloaded)
     summary = json.loads((folder / "summary.json").read_text())
     log.info("trial %s: finished: validation %s", run.id,
              ", ".join(f"{k} {v:.4f}" for k, v in summary["final_eval"].items() if isinstance(v, float)))
@@ -210,16 +215,26 @@ class _Launched:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._running: set[subprocess.Popen] = set()
+        self._running: set[subprocess.Popen | preload.Run] = set()
         self.stopped_by: str | None = None
 
     @contextmanager
-    def start(self, argv: list[str], env: dict[str, str], out, run_id: str) -> Iterator[subprocess.Popen]:
+    def start(self, argv: list[str], env: dict[str, str], out, run_id: str,
+              preloaded: preload.Preloaded | None = None) -> Iterator[subprocess.Popen | preload.Run]:
         with self._lock:  # the signal handler takes it too: no run starts after it has passed the signal on
             if self.stopped_by is not None:
                 raise RunFailed(f"trial {run_id}: not started: the sweep was stopped by {self.stopped_by}",
                                 Exit.PREEMPTED)
-            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc: subprocess.Popen | preload.Run | None = None
+            if preloaded is not None and preload.forkable(argv):
+                try:
+                    proc = preloaded.start(argv, env, out)
+                    log.info("trial %s: %s forked, preloaded (pid %d)", run_id, argv[3], proc.pid)
+                except preload.Refused as e:
+                    log.warning("trial %s: started afresh, not preloaded: %s", run_id, e)
+            if proc is None:
+                proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
             self._running.add(proc)
         try:
             yield proc
@@ -227,7 +242,7 @@ class _Launched:
             with self._lock:
                 self._running.discard(proc)
 
-    def stop_one(self, proc: subprocess.Popen, signum: int) -> None:
+    def stop_one(self, proc: subprocess.Popen | preload.Run, signum: int) -> None:
         """`signum` to one run (its setting pruned), if it is still alive; the others go on."""
         with self._lock:
             if proc in self._running and proc.poll() is None:
@@ -264,8 +279,8 @@ FOLLOW_S = 0.25
 
 
 def _launch(argv: list[str], env: dict[str, str], log_file: Path, run_id: str,
-            following: _Following | None = None) -> None:
-    with log_file.open("a") as out, _launched.start(argv, env, out, run_id) as proc:
+            following: _Following | None = None, preloaded: preload.Preloaded | None = None) -> None:
+    with log_file.open("a") as out, _launched.start(argv, env, out, run_id, preloaded) as proc:
         if following is None:
             code = proc.wait()
         else:
@@ -281,8 +296,8 @@ def _launch(argv: list[str], env: dict[str, str], log_file: Path, run_id: str,
                         signalled = True
                         _launched.stop_one(proc, following.judge.stop_signal)
             following.read(ended=code == 0)  # what it wrote last, its final evaluation among them
-    # Stopped by its signal, torchrun exits 128 + it once its workers have saved and exited 75
-    # (trainer/cli/torchrun.py); a run that ended before the signal came exits 0.
+    # Stopped by its signal, a run exits 75 once it has saved, or under torchrun 128 + the signal
+    # once its workers have (trainer/cli/torchrun.py); a run that ended before the signal came exits 0.
     if (following is not None and following.judge.pruned and _launched.stopped_by is None
             and code in (0, Exit.PREEMPTED, 128 + following.judge.stop_signal)):
         log.info("trial %s: stopped, its setting pruned (exit %d); its checkpoints stay in its folder", run_id, code)
