@@ -9,6 +9,7 @@ tests/e2e/test_usage_errors.py, a node fault's 76 in tests/system/test_multinode
 from __future__ import annotations
 
 import json
+import re
 import socket
 
 from support.runs import run, tiny_overrides
@@ -25,9 +26,10 @@ def free_port() -> int:
 
 def test_a_job_that_fails_again_from_the_same_checkpoint_stops_with_no_progress(tiny_model, reviews, tmp_path):
     """One launch, torchrun restarting the workers twice: attempt 0 crashes at step 5 (after
-    step 4's checkpoint), attempt 1 resumes from step 4 and is killed at step 5 again. With
-    fault.max_stalled_restarts=1, attempt 2 refuses on every rank before loading any weights,
-    and the launch exits 77 (do not retry) instead of 1."""
+    step 4's checkpoint), attempt 1 resumes from step 4, reading the splits attempt 0 tokenized
+    from the cache, and is killed at step 5 again. With fault.max_stalled_restarts=1, attempt 2
+    refuses on every rank before loading any weights, and the launch exits 77 (do not retry)
+    instead of 1."""
     out = tmp_path / "run"
     overrides = tiny_overrides(tiny_model, reviews, out, **{
         "train.max_steps": 8, "checkpoint.every": 2, "fault.max_stalled_restarts": 1})
@@ -44,6 +46,10 @@ def test_a_job_that_fails_again_from_the_same_checkpoint_stops_with_no_progress(
     # The two attempts that ran, as rank 0 recorded them; the refused one is not an attempt.
     attempts = [json.loads(line) for line in (out / "attempts.jsonl").read_text().splitlines()]
     assert [a["resumed_from"] for a in attempts if "resumed_from" in a] == [0, 4], attempts
+    # A restarted attempt reuses what is still valid: the splits the first one tokenized.
+    for split in ("train_split", "eval_split"):
+        read = re.findall(rf"\[rank 0\] INFO trainer.data.encoding: {split}: (.*)", result.output)
+        assert len(read) == 2 and read[1].endswith("tokenized before: read from the cache"), read
 
 
 def test_a_rendezvous_that_times_out_is_retryable_in_the_launchers_dialect(tiny_model, reviews, tmp_path):
