@@ -2,9 +2,10 @@
 imported the training stack once. A forked run starts as a fresh interpreter would, but for
 the modules already imported (here: its signals, mask, threads, random state, stdin and
 environment, against `python -m` of the same probe); the zygote refuses a run it cannot
-start that way; and a signal to the whole process group leaves it alive to report its runs'
-exit statuses. That a forked trial trains the same bits as the same run started alone is
-tests/e2e/test_sweep.py's test_a_trial_run_alone_trains_what_it_trained_in_the_sweep."""
+start that way; a signal to the whole process group leaves it alive to report its runs'
+exit statuses; and should it die, its runs are killed and reported so. That a forked trial
+trains the same bits as the same run started alone is tests/e2e/test_sweep.py's
+test_a_trial_run_alone_trains_what_it_trained_in_the_sweep."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from support.runs import BASE_ENV, TESTS
 
@@ -97,3 +99,36 @@ def test_a_signal_to_the_process_group_leaves_the_zygote_to_report_its_runs(zygo
     assert run.wait(timeout=60) == 75
     assert zygote.process.poll() is None
     assert probe(zygote, tmp_path / "after.log").wait(timeout=60) == 0
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_zygote_that_dies_takes_its_runs_with_it_and_says_so(tmp_path):
+    """Its runs' exit statuses die with the zygote (only a parent can reap them): each is
+    killed and reported killed at once, so no wait of the sweep's can hang on it."""
+    here = os.getcwd()
+    os.chdir(TESTS)
+    try:
+        doomed = preload.Preloaded()
+        log = tmp_path / "orphan.log"
+        run = probe(doomed, log, "0", "--until-signalled", env=dict(os.environ))
+    finally:
+        os.chdir(here)
+    deadline = time.monotonic() + 60
+    while "ready" not in log.read_text():
+        assert run.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    doomed.process.kill()
+    assert run.wait(timeout=30) == -signal.SIGKILL
+    doomed.process.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while not gone(run.pid):  # killed, and reaped by whoever it was left to
+        assert time.monotonic() < deadline, f"run {run.pid} still alive"
+        time.sleep(0.05)
+    with (tmp_path / "after.log").open("a") as out, pytest.raises(preload.Refused, match="the zygote is gone"):
+        doomed.start([*PROBE], dict(os.environ), out)
