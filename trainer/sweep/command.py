@@ -55,19 +55,18 @@ def run(cfg: Config, plan: Plan) -> int:
     """Every setting's runs to the end (those finished before read, not run again), then the
     results. Returns 0; a preemption signal (fault.preempt_signals) stops it with RunFailed,
     exit 75, once every run alive has saved and ended."""
-    slots = runs.Slots.plan(cfg.sweep.parallel, cfg.sweep.ranks, cfg.train.threads is not None)
-    # Where it has runs of one process to fork (trials of one rank, folds' evaluations).
-    forks = cfg.sweep.preload and (slots.nproc == 1 or cfg.sweep.folds is not None)
-    with study.quiet(), preload.zygote(forks) as preloaded:
-        return _run(cfg, plan, slots, preloaded)
+    # The zygote starts with the first run it forks (one of one rank, or a fold's evaluation), if any.
+    with study.quiet(), preload.zygote(cfg.sweep.preload) as preloaded:
+        return _run(cfg, plan, preloaded)
 
 
-def _run(cfg: Config, plan: Plan, slots: runs.Slots, preloaded: preload.Preloaded | None) -> int:
+def _run(cfg: Config, plan: Plan, preloaded: preload.Preloaded | None) -> int:
     out = Path(cfg.output_dir)
     sweep = cfg.sweep
     check_same_sweep(out / CONFIG_FILE, cfg)
     config_file = write_config(cfg)
     trials_dir = out / runs.TRIALS
+    slots = runs.Slots.plan(sweep.parallel, sweep.ranks, cfg.train.threads is not None)
     optuna_study = study.open_study(out, plan.space, sweep.method, plan.direction, cfg.seed, sweep.pruner,
                                     cfg.train.eval_every)
     again = study.retry_unfinished(out)

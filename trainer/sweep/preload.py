@@ -115,7 +115,7 @@ class Preloaded:
         self.process: subprocess.Popen | None = None
         self._socket: socket.socket | None = None
         self._asking = threading.Lock()  # one request at a time: its reply is the next one
-        self._replies: list[dict] = []
+        self._reply: dict | None = None
         self._started: list[int] = []
         self._ended: dict[int, int] = {}
         self._gone = False
@@ -133,10 +133,10 @@ class Preloaded:
             except OSError as e:
                 raise Refused(f"the zygote is gone ({e})") from e
             with self._changed:
-                self._changed.wait_for(lambda: self._replies or self._gone)
-                if not self._replies:
+                self._changed.wait_for(lambda: self._reply is not None or self._gone)
+                reply, self._reply = self._reply, None
+                if reply is None:
                     raise Refused("the zygote is gone")
-                reply = self._replies.pop()
         if "refused" in reply:
             raise Refused(reply["refused"])
         return Run(self, reply["pid"])
@@ -199,7 +199,7 @@ class Preloaded:
                 else:
                     if "pid" in reply:
                         self._started.append(reply["pid"])
-                    self._replies.append(reply)
+                    self._reply = reply
                 self._changed.notify_all()
 
 

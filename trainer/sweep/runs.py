@@ -226,6 +226,8 @@ class _Launched:
                 raise RunFailed(f"trial {run_id}: not started: the sweep was stopped by {self.stopped_by}",
                                 Exit.PREEMPTED)
             proc: subprocess.Popen | preload.Run | None = None
+            # The zygote's first fork waits for its imports (seconds), under this lock: a signal
+            # meanwhile is passed on once the run has started, as to any run alive.
             if preloaded is not None and preload.forkable(argv):
                 try:
                     proc = preloaded.start(argv, env, out)
