@@ -5,8 +5,8 @@ one by one with `python -m trainer train`, and the sweep's side-by-side packing.
                                         [--smoke]
 
 The runs: the demo config (the pretrained MiniLM, 2 CPU ranks a run), 2 learning rates x 2
-seeds, `--steps` steps each, one evaluation at the end. Three sides, alternating, the order
-reversed every other repetition:
+seeds, `--steps` steps each, one evaluation at the end. The sides (--sides; the first three
+unless named), alternating, the order reversed every other repetition:
 
 - `one by one`: the 4 runs as 4 `torchrun --nproc-per-node=2 -m trainer train` launches, one
   after another, as a user scripts them;

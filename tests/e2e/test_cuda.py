@@ -99,6 +99,19 @@ def test_one_rank_trains_and_evaluates_packed_with_flash_attention(tiny_model, r
     assert model.config._attn_implementation in ("sdpa", "eager")
 
 
+def test_a_sweeps_runs_forked_from_its_zygote_train_on_the_gpu(tiny_model, reviews, tmp_path):
+    """sweep.preload: the zygote imported the stack without touching CUDA, so each run forked
+    from it initialises its own on the GPU (a fork after CUDA's initialisation could not)."""
+    out = tmp_path / "out"
+    overrides = [*tiny_overrides(tiny_model, reviews, out, **{"train.max_steps": 4, "train.precision": "auto"}),
+                 "sweep.parameters={train.lr: [0.001, 0.01]}", "sweep.parallel=1", "sweep.metric=loss"]
+    result = run([PYTHON, *trainer_program("sweep", None, overrides)])
+    assert result.returncode == 0, result.output[-4000:]
+    assert result.output.count(": train forked, preloaded (pid") == 2, result.output[-4000:]
+    for trial in ("000-seed42", "001-seed42"):
+        assert "on cuda:0" in (out / "trials" / trial / "trial.log").read_text()
+
+
 def test_the_memory_plan_holds_on_the_gpu(tmp_path):
     """trainer/preflight/memory.py on a real GPU, in bf16 with SDPA: what the model, its gradients,
     AdamW's state and the step's two cuBLAS workspaces occupy is the plan's static part: to the
@@ -235,7 +248,6 @@ def test_flash_attention_over_packed_rows_trains_what_padded_sdpa_trains(family,
     assert torch.equal(first[1:], second[1:])
 
 
-
 def test_a_left_padded_decoders_gradients_are_finite_under_the_steps_auto(tmp_path):
     """model.sdpa_backend=auto as the training step runs it (pretrained.sdpa_kernel): a tiny
     Llama's left-padded batch 64 tokens wide, whose pad rows attend to nothing, has finite
@@ -278,16 +290,3 @@ def test_a_left_padded_decoders_gradients_are_finite_under_the_steps_auto(tmp_pa
     under_cudnn = [n for n, g in gradients("cudnn").items() if not torch.isfinite(g).all()]
     warnings.warn(f"cuDNN's attention on this GPU: {len(under_cudnn)} gradients not finite "
                   f"(cuDNN {torch.backends.cudnn.version()})", stacklevel=1)
-
-
-def test_a_sweeps_runs_forked_from_its_zygote_train_on_the_gpu(tiny_model, reviews, tmp_path):
-    """sweep.preload: the zygote imported the stack without touching CUDA, so each run forked
-    from it initialises its own on the GPU (a fork after CUDA's initialisation could not)."""
-    out = tmp_path / "out"
-    overrides = [*tiny_overrides(tiny_model, reviews, out, **{"train.max_steps": 4, "train.precision": "auto"}),
-                 "sweep.parameters={train.lr: [0.001, 0.01]}", "sweep.parallel=1", "sweep.metric=loss"]
-    result = run([PYTHON, *trainer_program("sweep", None, overrides)])
-    assert result.returncode == 0, result.output[-4000:]
-    assert result.output.count(": train forked, preloaded (pid") == 2, result.output[-4000:]
-    for trial in ("000-seed42", "001-seed42"):
-        assert "on cuda:0" in (out / "trials" / trial / "trial.log").read_text()

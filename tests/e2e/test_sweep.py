@@ -1,8 +1,8 @@
-"""`python -m trainer sweep` end to end on the tiny model: trials are ordinary runs of one
-process each (forked, sweep.preload), two at a time; a sweep killed mid-way (SIGKILL to its process group and every
-process under it, as a scheduler cancels a job) and started again reruns no finished trial and
-ranks as an uninterrupted sweep does; 3-fold cross-validation writes each train row's
-out-of-fold prediction once."""
+"""`python -m trainer sweep` end to end on the tiny model: trials are ordinary runs of one process
+each (forked, sweep.preload), two at a time; a sweep killed mid-way (SIGKILL to its process
+group and every process under it, as a scheduler cancels a job) and started again reruns no
+finished trial and ranks as an uninterrupted sweep does; 3-fold cross-validation writes each
+train row's out-of-fold prediction once."""
 
 from __future__ import annotations
 

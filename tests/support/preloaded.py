@@ -19,8 +19,8 @@ and reaps each worker, a child in a session of its own, exactly as it does a Pop
 one-rank runs are forked by the product itself (sweep.preload, trainer/sweep/preload.py).
 Workers start as fresh interpreters, as a user's do, in the tests that start torchrun
 themselves (tests/e2e/test_no_hang.py's, a frozen FSDP rank's), and in the whole system tier
-(Slurm, the nodes in network namespaces, the image). A run that sets what is read at start or import gets a fresh
-interpreter instead, and so do its workers.
+(Slurm, the nodes in network namespaces, the image). A run that sets what is read at start or
+import gets a fresh interpreter instead, and so do its workers.
 
 Server protocol (JSON lines): a request {module, args, env, cwd, output} on stdin; the reply
 {"pid"} as soon as the child exists, then {"returncode"} when it has ended. A server serves
